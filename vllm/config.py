@@ -1,0 +1,369 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Engine configuration: one dataclass per concern, validated on construction."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+_DTYPES = {"auto", "float32", "float", "float16", "half", "bfloat16"}
+DEFAULT_MODEL_DIR = Path(__file__).parent / "model_zoo" / "tiny-deepseek-mtp"
+
+
+def default_model_path() -> str:
+    """The bundled default model (used when no model is given)."""
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        raise ValueError(
+            f"no model given and the bundled default model is missing at {DEFAULT_MODEL_DIR}"
+        )
+    return str(DEFAULT_MODEL_DIR)
+
+
+def load_hf_config(model: str, trust_remote_code: bool = False) -> Any:
+    """Read config.json of a local HF folder into a transformers config object."""
+    path = Path(model)
+    if not path.exists():
+        raise ValueError(f"model path {model!r} does not exist (models load from local folders)")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"model path {model!r} has no config.json")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"config.json of {model!r} is unreadable: {e}") from e
+    from transformers import AutoConfig, PretrainedConfig
+
+    try:
+        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError) as e:
+        # A model_type transformers does not know: keep the raw fields, the registry decides.
+        logger.debug("AutoConfig failed for %s (%s); using the raw config", model, e)
+        return PretrainedConfig(**raw)
+
+
+def get_text_config(hf_config: Any) -> Any:
+    """The language-model part of a (possibly multimodal) config."""
+    getter = getattr(hf_config, "get_text_config", None)
+    return getter() if getter is not None else hf_config
+
+
+def _config_dtype(hf_config: Any) -> str | None:
+    for name in ("dtype", "torch_dtype"):
+        v = getattr(hf_config, name, None)
+        if v is not None:
+            return str(v).replace("torch.", "")
+    return None
+
+
+@dataclass
+class ModelConfig:
+    """What model to run and in which dtype."""
+
+    model: str = ""
+    """Local folder of an HF-format checkpoint."""
+    tokenizer: str | None = None
+    """Tokenizer folder; defaults to the model folder."""
+    dtype: str = "auto"
+    """auto | float32 | float16 | bfloat16; auto takes the checkpoint's (fp16 -> bf16 on CPU)."""
+    seed: int = 0
+    """Seed for requests without their own seed."""
+    max_model_len: int | None = None
+    """Longest prompt + output; defaults to the model's max_position_embeddings."""
+    trust_remote_code: bool = False
+    """Passed to transformers when reading the config/tokenizer."""
+    hf_config: Any = field(default=None, repr=False)
+    """The checkpoint's config (filled in __post_init__)."""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            self.model = default_model_path()
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.hf_config is None:
+            self.hf_config = load_hf_config(self.model, self.trust_remote_code)
+        text = self.hf_text_config
+        max_pos = getattr(text, "max_position_embeddings", None) or 2048
+        if self.max_model_len is None:
+            self.max_model_len = int(max_pos)
+        elif not isinstance(self.max_model_len, int) or self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+        elif self.max_model_len > max_pos:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={max_pos}"
+            )
+
+    @property
+    def hf_text_config(self) -> Any:
+        return get_text_config(self.hf_config)
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        if not archs:
+            raise ValueError(f"config.json of {self.model!r} names no architectures")
+        return archs[0]
+
+    def torch_dtype(self, device_type: str):
+        import torch
+
+        name = self.dtype
+        if name == "auto":
+            name = _config_dtype(self.hf_config) or "float32"
+            if name in ("float16", "half") and device_type == "cpu":
+                name = "bfloat16"  # fp16 matmuls are slow on CPUs
+        return {
+            "float32": torch.float32,
+            "float": torch.float32,
+            "float16": torch.float16,
+            "half": torch.float16,
+            "bfloat16": torch.bfloat16,
+        }[name]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_text_config.vocab_size)
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.hf_text_config.num_hidden_layers)
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache settings."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory_bytes: int | None = None
+    """Bytes for the KV cache; overrides gpu_memory_utilization."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of device memory the engine may use on CUDA."""
+    enable_prefix_caching: bool = False
+    """Reuse KV blocks of shared prompt prefixes (not built yet; must be False)."""
+    num_gpu_blocks: int | None = None
+    """Number of KV blocks (derived from the memory budget by the worker)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes!r}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.enable_prefix_caching:
+            raise ValueError("enable_prefix_caching=True is not supported yet")
+
+
+@dataclass
+class SchedulerConfig:
+    """Batching limits."""
+
+    max_num_seqs: int = 256
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps."""
+    max_model_len: int = 2048
+    """Copied from ModelConfig."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split across processes."""
+
+    pipeline_parallel_size: int = 1
+    """Number of pipeline stages (one process / Ray actor each)."""
+    tensor_parallel_size: int = 1
+    """Tensor parallelism (not built: must be 1)."""
+    distributed_executor_backend: str | None = None
+    """mp | ray | uni; None picks uni for P = 1 and mp otherwise."""
+
+    def __post_init__(self) -> None:
+        p = self.pipeline_parallel_size
+        if not isinstance(p, int) or p < 1:
+            raise ValueError(f"pipeline_parallel_size must be a positive integer, got {p!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size} is not supported "
+                "(only 1; use pipeline_parallel_size to split a model)"
+            )
+        backend = self.distributed_executor_backend
+        if backend not in (None, "mp", "ray", "uni"):
+            raise ValueError(
+                f"distributed_executor_backend must be 'mp', 'ray' or 'uni', got {backend!r}"
+            )
+        if backend is None:
+            self.distributed_executor_backend = "uni" if p == 1 else "mp"
+        elif backend == "uni" and p > 1:
+            raise ValueError("distributed_executor_backend='uni' needs pipeline_parallel_size=1")
+
+    @property
+    def world_size(self) -> int:
+        return self.pipeline_parallel_size
+
+
+SPEC_METHODS = ("mtp", "eagle", "eagle3")
+_METHOD_ALIASES = {
+    "deepseek_mtp": "mtp",
+    "qwen3_5_mtp": "mtp",
+    "qwen3_next_mtp": "mtp",
+    "mimo_mtp": "mtp",
+    "ernie_mtp": "mtp",
+    "glm4_moe_mtp": "mtp",
+}
+_SPEC_KEYS = {
+    "method",
+    "num_speculative_tokens",
+    "model",
+    "draft_sample_method",
+    "max_model_len",
+    "draft_tensor_parallel_size",
+    "quantization",
+    "revision",
+}
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: which drafter and how many tokens it proposes per step."""
+
+    method: str = "mtp"
+    """mtp | eagle | eagle3 (deepseek_mtp, qwen3_5_mtp ... map to mtp)."""
+    num_speculative_tokens: int = 1
+    """K: draft tokens proposed per step."""
+    model: str | None = None
+    """Draft checkpoint folder; for mtp defaults to the target checkpoint."""
+    draft_sample_method: str = "greedy"
+    """greedy | probabilistic: how the draft picks its tokens."""
+    draft_model_config: Any = field(default=None, repr=False)
+    """The draft's ModelConfig (filled by VllmConfig)."""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        unknown = set(d) - _SPEC_KEYS
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown key(s) {sorted(unknown)}; known: {sorted(_SPEC_KEYS)}"
+            )
+        if "method" not in d:
+            raise ValueError("speculative_config.method is required (e.g. 'mtp' or 'eagle3')")
+        keep = {k: d[k] for k in ("method", "num_speculative_tokens", "model", "draft_sample_method")}
+        keep = {k: v for k, v in keep.items() if v is not None}
+        if d.get("draft_tensor_parallel_size") not in (None, 1):
+            raise ValueError("speculative_config.draft_tensor_parallel_size must be 1")
+        return cls(**keep)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, str):
+            raise ValueError(f"speculative_config.method must be a string, got {self.method!r}")
+        self.method = _METHOD_ALIASES.get(self.method, self.method)
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"speculative_config.method {self.method!r} is not supported; "
+                f"choose one of {list(SPEC_METHODS)}"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}"
+            )
+        if self.draft_sample_method not in ("greedy", "probabilistic"):
+            raise ValueError(
+                "speculative_config.draft_sample_method must be 'greedy' or 'probabilistic', "
+                f"got {self.draft_sample_method!r}"
+            )
+        if self.method in ("eagle", "eagle3") and not self.model:
+            raise ValueError(f"speculative_config.model is required for method {self.method!r}")
+
+    @property
+    def use_eagle(self) -> bool:
+        return self.method in ("eagle", "eagle3")
+
+
+@dataclass
+class DeviceConfig:
+    """Where the model runs."""
+
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:N."""
+
+    def __post_init__(self) -> None:
+        import torch
+
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+
+@dataclass
+class VllmConfig:
+    """Everything the engine and workers need, picklable."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig | None = None
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    enforce_eager: bool = False
+    disable_log_stats: bool = True
+
+    def __post_init__(self) -> None:
+        mc, sc = self.model_config, self.scheduler_config
+        sc.max_model_len = mc.max_model_len
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < mc.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={sc.max_num_batched_tokens} is smaller than "
+                f"max_model_len={mc.max_model_len} with chunked prefill disabled"
+            )
+        n_layers = mc.num_hidden_layers
+        p = self.parallel_config.pipeline_parallel_size
+        if p > n_layers:
+            raise ValueError(
+                f"pipeline_parallel_size={p} is larger than the model's {n_layers} layers"
+            )
+        spec = self.speculative_config
+        if spec is not None and spec.draft_model_config is None:
+            draft_path = spec.model or mc.model
+            spec.draft_model_config = ModelConfig(
+                model=draft_path,
+                tokenizer=mc.tokenizer,
+                dtype=mc.dtype,
+                seed=mc.seed,
+                max_model_len=None,
+                trust_remote_code=mc.trust_remote_code,
+            )
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    v = os.environ.get(name)
+    return default if v is None else v.strip().lower() in ("1", "true", "yes", "on")

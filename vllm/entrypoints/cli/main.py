@@ -1,0 +1,36 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""The `vllm` console script."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vllm.version import __version__
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm", description="vLLM-compatible inference engine")
+    parser.add_argument("-v", "--version", action="version", version=__version__)
+    sub = parser.add_subparsers(dest="command")
+    try:
+        from vllm.entrypoints.cli.serve import add_serve_parser
+    except ImportError:
+        add_serve_parser = None
+    if add_serve_parser is not None:
+        add_serve_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "dispatch", None) is None:
+        parser.print_help()
+        return 1
+    return int(args.dispatch(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

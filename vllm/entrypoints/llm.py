@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""The offline API: LLM(...).generate / .chat, as in vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.llm_engine import LLMEngine, PromptType
+from vllm.v1.metrics.reader import Metric
+
+
+class LLM:
+    """An offline engine: `LLM(model=PATH, ...)`; unknown arguments raise TypeError."""
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        args = EngineArgs.from_kwargs(model=model or "", **kwargs)
+        self.engine_args = args
+        self.llm_engine = LLMEngine.from_engine_args(args)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        elif isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"got {len(prompts)} prompts but {len(params)} sampling_params"
+                )
+        return self._run(prompts, params, use_tqdm)
+
+    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool):
+        engine = self.llm_engine
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                rid = engine.next_request_id()
+                engine.add_request(rid, p, sp)
+                ids.append(rid)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            bar.close()
+        return results
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        if messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        else:
+            conversations = list(messages)
+        tok = self.get_tokenizer()
+        prompts = []
+        for conv in conversations:
+            ids = tok.apply_chat_template(
+                conv,
+                tokenize=True,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+            )
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_metrics(self) -> list[Metric]:
+        return self.llm_engine.get_metrics()
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass

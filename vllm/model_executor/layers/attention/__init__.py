@@ -1,0 +1,106 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Attention layers as models see them; each owns its paged cache tensor (bound by the runner)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm.forward_context import get_forward_context
+from vllm.v1.attention.backends.mla.torch_mla import TorchMLAImpl
+from vllm.v1.attention.backends.torch_paged import TorchPagedAttentionImpl
+
+
+class AttentionLayerBase(nn.Module):
+    """Common part: a layer name and a KV cache the runner allocates and binds."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.layer_name = prefix
+        self.kv_cache: torch.Tensor | None = None
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def kv_cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        n = 1
+        for d in self.kv_cache_shape(1, 1):
+            n *= d
+        return n * torch.empty((), dtype=dtype).element_size()
+
+
+class Attention(AttentionLayerBase):
+    """Multi-head / grouped-query attention over a paged cache of full K and V."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(prefix)
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.impl = TorchPagedAttentionImpl(num_heads, head_size, self.num_kv_heads, scale)
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return self.impl.kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_size)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        meta = get_forward_context().attn_metadata
+        out = torch.zeros(q.shape[0], self.num_heads * self.head_size, dtype=q.dtype,
+                          device=q.device)
+        if self.kv_cache is None or meta is None:
+            # Memory-profiling / dummy run without a cache.
+            return out
+        out[: meta.num_tokens] = self.impl.forward(q, k, v, self.kv_cache, meta)
+        return out
+
+
+class MLAAttention(AttentionLayerBase):
+    """Multi-head latent attention over a cache of (kv_c, k_pe) per token."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        kv_lora_rank: int,
+        scale: float,
+        kv_b_proj: nn.Linear,
+        prefix: str = "",
+    ) -> None:
+        super().__init__(prefix)
+        self.num_heads = num_heads
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        # Not a submodule: the owning attention block registers kv_b_proj itself.
+        self._kv_b_proj = [kv_b_proj]
+        self.impl = TorchMLAImpl(
+            num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank, scale
+        )
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return self.impl.kv_cache_shape(
+            num_blocks, block_size, self.kv_lora_rank, self.qk_rope_head_dim
+        )
+
+    def forward(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+        mask_fn=None,
+    ) -> torch.Tensor:
+        meta = get_forward_context().attn_metadata
+        out = torch.zeros(q_nope.shape[0], self.num_heads * self.v_head_dim, dtype=q_nope.dtype,
+                          device=q_nope.device)
+        if self.kv_cache is None or meta is None:
+            return out
+        out[: meta.num_tokens] = self.impl.forward(
+            q_nope, q_pe, kv_c, k_pe, self._kv_b_proj[0].weight, self.kv_cache, meta, mask_fn
+        )
+        return out

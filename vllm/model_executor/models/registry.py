@@ -1,0 +1,31 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Architecture name (config.architectures[0]) -> model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("vllm.model_executor.models.llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": ("vllm.model_executor.models.qwen2", "Qwen2ForCausalLM"),
+    "DeepseekV2ForCausalLM": ("vllm.model_executor.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("vllm.model_executor.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+}
+
+
+def register_model(arch: str, module: str, cls_name: str) -> None:
+    _MODELS[arch] = (module, cls_name)
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_model_cls(arch: str) -> type:
+    if arch not in _MODELS:
+        raise ValueError(
+            f"architecture {arch!r} is not supported; supported: {supported_architectures()}"
+        )
+    module, name = _MODELS[arch]
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,125 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Shared model-building helpers: PP placeholders, layer slicing, strict weight loading."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from vllm.distributed.parallel_state import get_pp_group
+from vllm.distributed.utils import get_pp_indices
+from vllm.sequence import IntermediateTensors
+
+
+class PPMissingLayer(nn.Identity):
+    """Placeholder for a layer another pipeline stage owns; returns its first input."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__()
+
+    def forward(self, *args, **kwargs):
+        return args[0] if args else next(iter(kwargs.values()), None)
+
+
+def maybe_prefix(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def make_layers(
+    num_hidden_layers: int, layer_fn: Callable[[str], nn.Module], prefix: str
+) -> tuple[int, int, nn.ModuleList]:
+    """Build this stage's layers; other stages' slots hold PPMissingLayer (global indices kept)."""
+    pp = get_pp_group()
+    start, end = get_pp_indices(num_hidden_layers, pp.rank, pp.world_size)
+    layers = [
+        layer_fn(f"{prefix}.{i}") if start <= i < end else PPMissingLayer()
+        for i in range(num_hidden_layers)
+    ]
+    return start, end, nn.ModuleList(layers)
+
+
+def get_pp_missing_layer_names(model: nn.Module) -> list[str]:
+    return [name + "." for name, m in model.named_modules() if isinstance(m, PPMissingLayer)]
+
+
+def is_pp_missing_parameter(name: str, model: nn.Module) -> bool:
+    """True when the weight belongs to a layer this stage does not hold."""
+    names = getattr(model, "_pp_missing_names", None)
+    if names is None:
+        names = get_pp_missing_layer_names(model)
+        model._pp_missing_names = names
+    return any(name.startswith(p) for p in names)
+
+
+def make_empty_intermediate_tensors_factory(keys: list[str], hidden_size: int):
+    def make(batch_size: int, dtype: torch.dtype, device: torch.device) -> IntermediateTensors:
+        return IntermediateTensors(
+            {k: torch.zeros(batch_size, hidden_size, dtype=dtype, device=device) for k in keys}
+        )
+
+    return make
+
+
+class WeightLoadError(ValueError):
+    pass
+
+
+def load_params_strict(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    rename: Callable[[str], str | None] = lambda n: n,
+    shared: Iterable[str] = (),
+    custom: Callable[[str, torch.Tensor, dict[str, nn.Parameter]], bool] | None = None,
+) -> set[str]:
+    """Copy checkpoint tensors into the model's parameters, strictly.
+
+    rename maps a checkpoint name to a parameter name (None: skip the weight on purpose).
+    custom(name, tensor, params) may consume a weight itself (stacked/expert tensors) and returns
+    True when it did. Every parameter must be loaded exactly once unless it is listed in shared
+    (tied/derived) or lives in a layer of another pipeline stage. Misshaped, unknown or missing
+    weights raise WeightLoadError naming them.
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for ckpt_name, tensor in weights:
+        name = rename(ckpt_name)
+        if name is None or is_pp_missing_parameter(name, model):
+            continue
+        if custom is not None and custom(name, tensor, params):
+            loaded.add(name)
+            continue
+        param = params.get(name)
+        if param is None:
+            raise WeightLoadError(
+                f"checkpoint weight {ckpt_name!r} has no matching parameter ({name!r}) in "
+                f"{type(model).__name__}"
+            )
+        if tuple(param.shape) != tuple(tensor.shape):
+            raise WeightLoadError(
+                f"weight {ckpt_name!r} has shape {tuple(tensor.shape)} in the checkpoint but "
+                f"the model expects {tuple(param.shape)}"
+            )
+        if name in loaded:
+            raise WeightLoadError(f"weight {ckpt_name!r} appears twice in the checkpoint")
+        with torch.no_grad():
+            param.copy_(tensor.to(param.dtype))
+        loaded.add(name)
+    return loaded
+
+
+def check_all_loaded(model: nn.Module, loaded: set[str], shared: Iterable[str] = ()) -> None:
+    """Raise naming every parameter of this stage that no checkpoint weight filled."""
+    shared = set(shared)
+    missing = [
+        n
+        for n, _ in model.named_parameters()
+        if n not in loaded and n not in shared and not is_pp_missing_parameter(n, model)
+    ]
+    if missing:
+        more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
+        raise WeightLoadError(
+            f"checkpoint is missing weight(s) for {type(model).__name__}: {missing[:8]}{more}"
+        )

@@ -1,0 +1,72 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Reference MLA attention in torch over a compressed latent cache [slots, kv_lora_rank + rope].
+
+The cache holds the normalised latent kv_c and the rotated k_pe per token, not full K/V. Attention
+runs in the absorbed form: queries are projected into latent space with W_UK, attend over the
+latent cache as a single-KV-head MQA, and the latent output is projected out with W_UV.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.v1.attention.backends.torch_paged import AttentionMetadata, padded_attention
+
+
+class TorchMLAImpl:
+    def __init__(
+        self,
+        num_heads: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        kv_lora_rank: int,
+        scale: float,
+    ) -> None:
+        self.num_heads = num_heads
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.kv_lora_rank = kv_lora_rank
+        self.scale = scale
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int):
+        return (num_blocks * block_size, 1, kv_lora_rank + rope_dim)
+
+    def split_kv_b(self, kv_b_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, rank] and W_UV [H, v, rank] from kv_b_proj.weight."""
+        w = kv_b_weight.view(
+            self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
+        )
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+
+    def write_cache(
+        self, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor, meta
+    ) -> None:
+        T = meta.num_tokens
+        kv_cache[meta.slot_mapping, 0] = torch.cat([kv_c[:T], k_pe[:T]], dim=-1).to(kv_cache.dtype)
+
+    def forward(
+        self,
+        q_nope: torch.Tensor,  # [T, H, nope]
+        q_pe: torch.Tensor,  # [T, H, rope]
+        kv_c: torch.Tensor,  # [T, rank]
+        k_pe: torch.Tensor,  # [T, rope]
+        kv_b_weight: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        mask_fn=None,
+    ) -> torch.Tensor:
+        T = meta.num_tokens
+        self.write_cache(kv_c, k_pe, kv_cache, meta)
+        w_uk, w_uv = self.split_kv_b(kv_b_weight)
+        q_lat = torch.einsum("thn,hnr->thr", q_nope[:T], w_uk.to(q_nope.dtype))
+        q = torch.cat([q_lat, q_pe[:T]], dim=-1)
+        latent = kv_cache.to(q.dtype) if kv_cache.dtype != q.dtype else kv_cache
+        out_lat = padded_attention(
+            q, latent, latent[..., : self.kv_lora_rank], meta, self.scale, mask_fn
+        )  # [T, H, rank]
+        out = torch.einsum("thr,hvr->thv", out_lat, w_uv.to(out_lat.dtype))
+        return out.reshape(T, self.num_heads * self.v_head_dim)

@@ -1,0 +1,69 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""What the scheduler decides each step (pure data, picklable, the same for every stage)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request entering the batch (first time, or again after preemption)."""
+
+    req_id: str
+    prefill_token_ids: list[int]  # prompt, plus outputs so far when resumed after preemption
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed: int
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests already in the batch: new blocks and the scheduler's computed count."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # batch order = insertion order
+    total_num_scheduled_tokens: int
+    scheduled_spec_decode_tokens: dict[str, list[int]]
+    finished_req_ids: set[str]  # finished or preempted since the last step: free their slots
+    step_id: int = 0
+
+    @property
+    def req_ids(self) -> list[str]:
+        return list(self.num_scheduled_tokens)
+
+    @classmethod
+    def empty(cls, finished: set[str], step_id: int = 0) -> SchedulerOutput:
+        return cls([], CachedRequestData(), {}, 0, {}, finished, step_id)
+
+
+@dataclass
+class LogprobsLists:
+    """Top logprobs of one sampled token: ids[0] is the sampled token, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[LogprobsLists]] | None = None
+    prompt_logprobs: dict[str, list[LogprobsLists | None]] = field(default_factory=dict)
+    draft_token_ids: list[list[int]] | None = None

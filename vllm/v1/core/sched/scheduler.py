@@ -1,0 +1,294 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Continuous-batching scheduler (pure Python, no torch).
+
+Each step spends a token budget: running requests first (decode: 1 + their draft tokens;
+or the next chunk of a prompt), then waiting ones in arrival order. When KV blocks run out, the
+newest running request is preempted: its blocks are freed and it is recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.output import (
+    CachedRequestData,
+    LogprobsLists,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+from vllm.v1.metrics.stats import SchedulerStats, SpecDecodingStats
+from vllm.v1.request import Request, RequestStatus
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[LogprobsLists] | None = None
+    prompt_logprobs: list[LogprobsLists | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@dataclass
+class SchedulerStepResult:
+    outputs: dict[str, EngineCoreOutput] = field(default_factory=dict)
+    stats: SchedulerStats | None = None
+
+
+class Scheduler:
+    def __init__(self, vllm_config: VllmConfig, num_blocks: int, num_state_slots: int = 0):
+        sc = vllm_config.scheduler_config
+        self.max_num_seqs = sc.max_num_seqs
+        self.max_num_batched_tokens = sc.max_num_batched_tokens
+        self.enable_chunked_prefill = sc.enable_chunked_prefill
+        self.max_model_len = sc.max_model_len
+        self.block_size = vllm_config.cache_config.block_size
+        self.num_spec_tokens = vllm_config.num_speculative_tokens
+        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, num_state_slots)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self._step_id = 0
+        # How many of each request's blocks the workers already know about.
+        self._sent_blocks: dict[str, int] = {}
+
+    # ---- request lifecycle -------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            req.status = status
+            self._free(req)
+
+    def _free(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        self._sent_blocks.pop(req.request_id, None)
+        self.finished_req_ids.add(req.request_id)
+        if not req.in_flight:
+            self.requests.pop(req.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- scheduling --------------------------------------------------------------------
+    def _preempt(self, req: Request) -> None:
+        self.kv_cache_manager.free(req)
+        self._sent_blocks.pop(req.request_id, None)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.finished_req_ids.add(req.request_id)  # workers drop the slot; it comes back as new
+        self.waiting.appendleft(req)
+
+    def _pick_victim(self) -> Request | None:
+        """The newest running request that is not in flight (its blocks are safe to free)."""
+        for j in range(len(self.running) - 1, -1, -1):
+            if not self.running[j].in_flight:
+                return self.running.pop(j)
+        return None
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        lookahead = self.num_spec_tokens
+        num_scheduled: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if req.in_flight:
+                i += 1
+                continue
+            n = req.num_tokens_with_spec - req.num_computed_tokens
+            n = min(n, budget, self.max_model_len - req.num_computed_tokens)
+            if n <= 0:
+                i += 1
+                continue
+            scheduled_self = True
+            while self.kv_cache_manager.allocate_slots(req, n, lookahead) is None:
+                victim = self._pick_victim()
+                if victim is None:
+                    scheduled_self = False
+                    break
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    scheduled_self = False
+                    break
+            if not scheduled_self:
+                break
+            # Drafts beyond what fits this step are dropped (the budget or max_model_len cut them).
+            num_spec = max(0, req.num_computed_tokens + n - req.num_tokens)
+            req.spec_token_ids = req.spec_token_ids[:num_spec]
+            if req.spec_token_ids:
+                spec_tokens[req.request_id] = list(req.spec_token_ids)
+            cached.req_ids.append(req.request_id)
+            cached.new_block_ids.append(self._take_new_blocks(req))
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            num_scheduled[req.request_id] = n
+            budget -= n
+            i += 1
+
+        while (
+            self.waiting
+            and budget > 0
+            and not preempted
+            and len(self.running) < self.max_num_seqs
+        ):
+            req = self.waiting[0]
+            n = req.num_tokens - req.num_computed_tokens
+            if n > budget and not self.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if self.kv_cache_manager.allocate_slots(req, n, lookahead) is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            self._sent_blocks[req.request_id] = len(self.kv_cache_manager.get_block_ids(
+                req.request_id))
+            new_reqs.append(
+                NewRequestData(
+                    req_id=req.request_id,
+                    prefill_token_ids=list(req.all_token_ids),
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    sampling_params=req.sampling_params,
+                    seed=req.seed,
+                    block_ids=list(self.kv_cache_manager.get_block_ids(req.request_id)),
+                    num_computed_tokens=req.num_computed_tokens,
+                )
+            )
+            num_scheduled[req.request_id] = n
+            budget -= n
+
+        for rid, n in num_scheduled.items():
+            req = self.requests[rid]
+            req.num_computed_tokens += n
+            req.in_flight += 1
+        finished, self.finished_req_ids = self.finished_req_ids, set()
+        self._step_id += 1
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            scheduled_spec_decode_tokens=spec_tokens,
+            finished_req_ids=finished,
+            step_id=self._step_id,
+        )
+
+    def _take_new_blocks(self, req: Request) -> list[int]:
+        blocks = self.kv_cache_manager.get_block_ids(req.request_id)
+        sent = self._sent_blocks.get(req.request_id, 0)
+        self._sent_blocks[req.request_id] = len(blocks)
+        return list(blocks[sent:])
+
+    # ---- results -----------------------------------------------------------------------
+    def update_from_output(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> SchedulerStepResult:
+        result = SchedulerStepResult()
+        spec_stats = SpecDecodingStats(self.num_spec_tokens) if self.num_spec_tokens else None
+        for rid, n in sched_out.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            req.in_flight -= 1
+            if req.is_finished():
+                if not req.in_flight:
+                    self.requests.pop(rid, None)
+                continue
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted while this step was in flight; it will be recomputed
+            idx = runner_out.req_id_to_index[rid]
+            sampled = runner_out.sampled_token_ids[idx]
+            drafts = sched_out.scheduled_spec_decode_tokens.get(rid, [])
+            out = EngineCoreOutput(rid, [])
+            if drafts and sampled:
+                num_accepted = len(sampled) - 1
+                req.num_computed_tokens -= len(drafts) - num_accepted
+                out.num_draft_tokens, out.num_accepted_tokens = len(drafts), num_accepted
+                if spec_stats is not None:
+                    spec_stats.observe_draft(len(drafts), num_accepted)
+            req.spec_token_ids = []
+            logprobs = runner_out.logprobs[idx] if runner_out.logprobs else None
+            for tok in sampled:
+                req.append_output_token_ids(tok)
+                out.new_token_ids.append(tok)
+                if self._check_stop(req):
+                    break
+            if logprobs is not None:
+                out.new_logprobs = logprobs[: len(out.new_token_ids)]
+            if rid in runner_out.prompt_logprobs:
+                out.prompt_logprobs = runner_out.prompt_logprobs[rid]
+            if req.is_finished():
+                out.finish_reason = req.get_finished_reason()
+                out.stop_reason = req.stop_reason
+                self.running.remove(req)
+                self._free(req)
+            elif runner_out.draft_token_ids is not None and sampled:
+                req.spec_token_ids = list(runner_out.draft_token_ids[idx])
+            if out.new_token_ids or out.finish_reason or out.prompt_logprobs:
+                result.outputs[rid] = out
+        result.stats = SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage(),
+            num_preemptions=self.num_preemptions,
+            spec_decoding_stats=spec_stats,
+        )
+        return result
+
+    def _check_stop(self, req: Request) -> bool:
+        params = req.sampling_params
+        last = req.output_token_ids[-1]
+        if req.num_output_tokens >= params.min_tokens and last in params.all_stop_token_ids:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = None if last == params.eos_token_id else last
+            return True
+        if (
+            params.max_tokens is not None and req.num_output_tokens >= params.max_tokens
+        ) or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage(),
+            num_preemptions=self.num_preemptions,
+        )

@@ -1,0 +1,220 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""LLMEngine: add requests, step (schedule -> execute -> update -> detokenise), abort."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.logger import init_logger
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.output_processor import ChildState, OutputProcessor, RequestState
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+from vllm.v1.metrics.reader import Metric, get_metrics_snapshot
+from vllm.v1.request import Request, RequestStatus
+
+logger = init_logger(__name__)
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - any failure here means the same thing to the user
+        raise ValueError(f"could not load a tokenizer from {path!r}: {e}") from e
+
+
+class LLMEngine:
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.vllm_config = vllm_config
+        mc = vllm_config.model_config
+        self.model_config = mc
+        self.tokenizer = load_tokenizer(mc.tokenizer, mc.trust_remote_code)
+        self.executor = Executor.get_class(vllm_config)(vllm_config)
+        try:
+            num_blocks = self.executor.determine_num_blocks()
+            self.executor.initialize_kv_cache(num_blocks)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        bs = vllm_config.cache_config.block_size
+        vllm_config.cache_config.num_gpu_blocks = num_blocks
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens); max concurrency at max_model_len=%d: "
+            "%.1f", num_blocks, bs, num_blocks * bs, mc.max_model_len,
+            num_blocks * bs / mc.max_model_len,
+        )
+        self.scheduler = Scheduler(vllm_config, num_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self._rng = random.Random(mc.seed)
+        k = vllm_config.num_speculative_tokens
+        self.prom = PrometheusStatLogger(mc.model, k)
+        self.log_stats = not vllm_config.disable_log_stats
+        self.stat_logger = LoggingStatLogger(k) if self.log_stats else None
+        self._req_counter = 0
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
+
+    # ---- inputs -------------------------------------------------------------------------
+    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """Validate a prompt and return (text, token ids); errors name what is wrong."""
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            elif "prompt" in prompt:
+                text = prompt["prompt"]
+                if not isinstance(text, str):
+                    raise TypeError(f"prompt must be a string, got {type(text).__name__}")
+                ids = self.tokenizer.encode(text)
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, (list, tuple)):
+            text, ids = None, list(prompt)
+        else:
+            raise TypeError(f"unsupported prompt type {type(prompt).__name__}")
+        if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in ids
+        ):
+            raise TypeError("prompt_token_ids must be a list of integers")
+        ids = list(ids)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of vocabulary (vocab_size={vocab})")
+        max_len = self.model_config.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"The decoder prompt (length {len(ids)}) is longer than the maximum model "
+                f"length of {max_len} (it must leave room for at least one output token)"
+            )
+        if not self.scheduler.kv_cache_manager.can_ever_fit(len(ids) + 1):
+            raise ValueError(
+                f"the prompt of {len(ids)} tokens can never fit in the KV cache "
+                f"({self.scheduler.kv_cache_manager.num_blocks} blocks of "
+                f"{self.scheduler.block_size} tokens)"
+            )
+        return text, ids
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+        if request_id in self.output_processor.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self.process_prompt(prompt)
+        arrival_time = arrival_time if arrival_time is not None else time.time()
+        children: dict[str, ChildState] = {}
+        requests = []
+        for i in range(params.n):
+            child_params = params.clone()
+            child_params.n = 1
+            child_params.update_from_tokenizer(self.eos_token_id)
+            if params.seed is not None:
+                seed = params.seed + i
+            else:
+                seed = self._rng.getrandbits(62)
+            cid = request_id if params.n == 1 else f"{i}_{request_id}"
+            children[cid] = ChildState(i, child_params)
+            requests.append(Request(cid, ids, child_params, arrival_time, seed))
+        self.output_processor.add(
+            RequestState(request_id, text, ids, params, children, arrival_time)
+        )
+        for r in requests:
+            self.scheduler.add_request(r)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            st = self.output_processor.requests.get(rid)
+            if st is None:
+                continue
+            self.scheduler.finish_requests(list(st.children), RequestStatus.FINISHED_ABORTED)
+            self.output_processor.remove(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.output_processor.requests)
+
+    def next_request_id(self) -> str:
+        self._req_counter += 1
+        return str(self._req_counter - 1)
+
+    # ---- one step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        if so.total_num_scheduled_tokens == 0 and not so.finished_req_ids:
+            return []
+        runner_out = self.executor.execute_model(so)
+        result = self.scheduler.update_from_output(so, runner_out)
+        now = time.time()
+        outputs, to_abort = self.output_processor.process(result.outputs, now)
+        if to_abort:
+            self.scheduler.finish_requests(to_abort, RequestStatus.FINISHED_STOPPED)
+        self._record_stats(so, result, outputs, now)
+        for ro in outputs:
+            if ro.finished:
+                self.output_processor.remove(ro.request_id)
+        return outputs
+
+    def _record_stats(self, so, result, outputs: list[RequestOutput], now: float) -> None:
+        num_prompt = 0
+        num_gen = 0
+        for rid, n in so.num_scheduled_tokens.items():
+            if n != 1 + len(so.scheduled_spec_decode_tokens.get(rid, [])):
+                num_prompt += n
+        for out in result.outputs.values():
+            num_gen += len(out.new_token_ids)
+        stats = result.stats
+        self.prom.record(stats, num_prompt, num_gen)
+        for ro in outputs:
+            st = self.output_processor.requests.get(ro.request_id)
+            if st is None:
+                continue
+            if st.first_token_time == now and st.num_generation_tokens:
+                self.prom.record_ttft(now - st.arrival_time)
+            if ro.finished:
+                reason = ro.outputs[0].finish_reason or "abort"
+                self.prom.record_finished(reason, now - st.arrival_time)
+        if self.stat_logger is not None:
+            self.stat_logger.record(stats, num_prompt, num_gen)
+
+    def get_metrics(self) -> list[Metric]:
+        return get_metrics_snapshot(self.prom.registry)
+
+    def shutdown(self) -> None:
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.shutdown()
+            self.executor = None
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass

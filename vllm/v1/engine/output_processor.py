@@ -1,0 +1,202 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Turns per-step token outputs into RequestOutputs: detokenisation, stop strings, logprobs,
+n > 1 fan-in, and the output kinds (cumulative, delta, final only)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from vllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.core.sched.output import LogprobsLists
+from vllm.v1.core.sched.scheduler import EngineCoreOutput
+
+
+@dataclass
+class ChildState:
+    index: int
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0  # tokens already emitted (delta mode)
+    sent_text: int = 0  # characters already emitted (delta mode)
+    sent_logprobs: int = 0
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: dict[str, ChildState]
+    arrival_time: float
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_generation_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    def add(self, state: RequestState) -> None:
+        self.requests[state.request_id] = state
+        for cid in state.children:
+            self.child_to_parent[cid] = state.request_id
+
+    def remove(self, request_id: str) -> None:
+        st = self.requests.pop(request_id, None)
+        if st is not None:
+            for cid in st.children:
+                self.child_to_parent.pop(cid, None)
+
+    def _decode(self, ids: list[int], params: SamplingParams) -> str:
+        if not params.detokenize or self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+
+    def _to_logprob_dict(self, lp: LogprobsLists) -> dict[int, Logprob]:
+        out: dict[int, Logprob] = {}
+        ids = lp.token_ids
+        for rank, (tid, val) in enumerate(zip(ids, lp.logprobs)):
+            if tid in out:
+                continue
+            r = lp.sampled_rank if rank == 0 else rank
+            text = self.tokenizer.decode([tid]) if self.tokenizer is not None else None
+            out[tid] = Logprob(val, r, text)
+        return out
+
+    def process(
+        self, outputs: dict[str, EngineCoreOutput], now: float | None = None
+    ) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's outputs. Returns (RequestOutputs to emit, child ids to abort
+        because a stop string ended them)."""
+        now = now if now is not None else time.time()
+        touched: dict[str, RequestState] = {}
+        to_abort: list[str] = []
+        for cid, out in outputs.items():
+            rid = self.child_to_parent.get(cid)
+            if rid is None:
+                continue
+            st = self.requests[rid]
+            child = st.children[cid]
+            if child.finish_reason is not None:
+                continue
+            touched[rid] = st
+            if out.prompt_logprobs is not None and child.index == 0:
+                if st.prompt_logprobs is None:
+                    st.prompt_logprobs = []
+                if len(st.prompt_logprobs) < len(st.prompt_token_ids):
+                    st.prompt_logprobs += [
+                        None if e is None else self._to_logprob_dict(e)
+                        for e in out.prompt_logprobs
+                    ]
+            if out.new_token_ids:
+                if st.first_token_time is None:
+                    st.first_token_time = now
+                st.last_token_time = now
+                st.num_generation_tokens += len(out.new_token_ids)
+            child.token_ids.extend(out.new_token_ids)
+            if out.new_logprobs is not None:
+                if child.logprobs is None:
+                    child.logprobs, child.cumulative_logprob = [], 0.0
+                for lp in out.new_logprobs:
+                    if lp is None:
+                        continue
+                    child.logprobs.append(self._to_logprob_dict(lp))
+                    child.cumulative_logprob += lp.logprobs[0]
+            if out.new_token_ids:
+                child.text = self._decode(child.token_ids, child.params)
+            if out.finish_reason is not None:
+                child.finish_reason = out.finish_reason
+                child.stop_reason = out.stop_reason
+            elif child.params.stop and self._check_stop_strings(child, len(out.new_token_ids)):
+                to_abort.append(cid)
+        results = []
+        for rid, st in touched.items():
+            ro = self._make_output(st)
+            if ro is not None:
+                results.append(ro)
+            if st.finished:
+                st.finished_time = now
+        return results, to_abort
+
+    def _check_stop_strings(self, child: ChildState, num_new: int) -> bool:
+        text = child.text
+        # Only the tail can contain a new match.
+        longest = max(len(s) for s in child.params.stop)
+        start = max(0, len(text) - num_new * 32 - longest)
+        best = None
+        for s in child.params.stop:
+            idx = text.find(s, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return False
+        idx, s = best
+        child.text = text[: idx + len(s)] if child.params.include_stop_str_in_output else text[:idx]
+        child.finish_reason = "stop"
+        child.stop_reason = s
+        return True
+
+    def _make_output(self, st: RequestState) -> RequestOutput | None:
+        kind = st.params.output_kind
+        finished = st.finished
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completions = []
+        for child in sorted(st.children.values(), key=lambda c: c.index):
+            if kind == RequestOutputKind.DELTA:
+                text = child.text
+                # Hold back what could still become a stop string or an incomplete character.
+                hold = 0 if child.finish_reason else max((len(s) - 1 for s in child.params.stop),
+                                                         default=0)
+                end = len(text) - hold
+                while end > child.sent_text and text[end - 1] == "\ufffd" and not child.finish_reason:
+                    end -= 1
+                end = max(end, child.sent_text)
+                delta_text = text[child.sent_text : end]
+                child.sent_text = end
+                toks = child.token_ids[child.sent_tokens :]
+                child.sent_tokens = len(child.token_ids)
+                lps = None
+                if child.logprobs is not None:
+                    lps = child.logprobs[child.sent_logprobs :]
+                    child.sent_logprobs = len(child.logprobs)
+                completions.append(
+                    CompletionOutput(child.index, delta_text, toks, child.cumulative_logprob,
+                                     lps, child.finish_reason, child.stop_reason)
+                )
+            else:
+                completions.append(
+                    CompletionOutput(child.index, child.text, list(child.token_ids),
+                                     child.cumulative_logprob,
+                                     list(child.logprobs) if child.logprobs is not None else None,
+                                     child.finish_reason, child.stop_reason)
+                )
+        metrics = RequestMetrics(st.arrival_time, st.first_token_time, st.finished_time,
+                                 st.num_generation_tokens)
+        return RequestOutput(
+            request_id=st.request_id,
+            prompt=st.prompt,
+            prompt_token_ids=st.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            prompt_logprobs=st.prompt_logprobs,
+            metrics=metrics,
+        )

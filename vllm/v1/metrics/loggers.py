@@ -1,0 +1,146 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Engine statistics: Prometheus collectors (vLLM's metric names) and a periodic log line."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry
+from prometheus_client import Counter as PCounter
+from prometheus_client import Gauge as PGauge
+from prometheus_client import Histogram as PHistogram
+
+from vllm.logger import init_logger
+from vllm.v1.metrics.stats import SchedulerStats
+
+logger = init_logger(__name__)
+
+_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+
+
+class PrometheusStatLogger:
+    """One registry per engine, so several engines in a process do not collide."""
+
+    def __init__(self, model_name: str, num_spec_tokens: int) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.labels = {"model_name": model_name}
+        r = self.registry
+
+        def counter(name: str, doc: str, extra: list[str] | None = None) -> PCounter:
+            return PCounter(name, doc, labels + (extra or []), registry=r)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens produced.")
+        self.request_success = counter(
+            "vllm:request_success", "Finished requests.", ["finished_reason"]
+        )
+        self.num_preemptions = counter("vllm:num_preemptions", "Preemptions.")
+        self.running = PGauge("vllm:num_requests_running", "Running requests.", labels, registry=r)
+        self.waiting = PGauge("vllm:num_requests_waiting", "Waiting requests.", labels, registry=r)
+        self.kv_usage = PGauge("vllm:kv_cache_usage_perc", "KV cache usage.", labels, registry=r)
+        self.ttft = PHistogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = PHistogram(
+            "vllm:inter_token_latency_seconds", "Inter-token latency.", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.e2e = PHistogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels,
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        # Spec-decode counters are always registered; they move once speculation runs.
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Draft proposals.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens.")
+        self.spec_accepted = counter(
+            "vllm:spec_decode_num_accepted_tokens", "Accepted draft tokens."
+        )
+        self.spec_per_pos = counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens per draft position.",
+            ["position"],
+        )
+        for i in range(num_spec_tokens):
+            self.spec_per_pos.labels(**self.labels, position=str(i))
+        self._last_preemptions = 0
+
+    def record(self, stats: SchedulerStats, num_prompt: int, num_gen: int) -> None:
+        lab = self.labels
+        self.prompt_tokens.labels(**lab).inc(num_prompt)
+        self.generation_tokens.labels(**lab).inc(num_gen)
+        self.running.labels(**lab).set(stats.num_running_reqs)
+        self.waiting.labels(**lab).set(stats.num_waiting_reqs)
+        self.kv_usage.labels(**lab).set(stats.kv_cache_usage)
+        if stats.num_preemptions > self._last_preemptions:
+            self.num_preemptions.labels(**lab).inc(stats.num_preemptions - self._last_preemptions)
+            self._last_preemptions = stats.num_preemptions
+        sd = stats.spec_decoding_stats
+        if sd is not None and sd.num_drafts:
+            self.spec_drafts.labels(**lab).inc(sd.num_drafts)
+            self.spec_draft_tokens.labels(**lab).inc(sd.num_draft_tokens)
+            self.spec_accepted.labels(**lab).inc(sd.num_accepted_tokens)
+            for i, v in enumerate(sd.num_accepted_tokens_per_pos):
+                if v:
+                    self.spec_per_pos.labels(**lab, position=str(i)).inc(v)
+
+    def record_finished(self, reason: str, e2e: float) -> None:
+        self.request_success.labels(**self.labels, finished_reason=reason).inc()
+        self.e2e.labels(**self.labels).observe(e2e)
+
+    def record_ttft(self, seconds: float) -> None:
+        self.ttft.labels(**self.labels).observe(seconds)
+
+    def record_itl(self, seconds: float) -> None:
+        self.itl.labels(**self.labels).observe(seconds)
+
+
+class LoggingStatLogger:
+    """Every `interval` seconds: throughput, queue sizes, and spec-decode acceptance."""
+
+    def __init__(self, num_spec_tokens: int, interval: float = 5.0) -> None:
+        self.interval = interval
+        self.num_spec_tokens = num_spec_tokens
+        self._reset(time.monotonic())
+
+    def _reset(self, now: float) -> None:
+        self.last = now
+        self.prompt = self.gen = 0
+        self.drafts = self.draft_tokens = self.accepted = 0
+        self.per_pos = [0] * self.num_spec_tokens
+
+    def record(self, stats: SchedulerStats, num_prompt: int, num_gen: int) -> None:
+        self.prompt += num_prompt
+        self.gen += num_gen
+        sd = stats.spec_decoding_stats
+        if sd is not None:
+            self.drafts += sd.num_drafts
+            self.draft_tokens += sd.num_draft_tokens
+            self.accepted += sd.num_accepted_tokens
+            self.per_pos = [a + b for a, b in zip(self.per_pos, sd.num_accepted_tokens_per_pos)]
+        now = time.monotonic()
+        if now - self.last >= self.interval:
+            dt = now - self.last
+            msg = (
+                f"Avg prompt throughput: {self.prompt / dt:.1f} tokens/s, "
+                f"Avg generation throughput: {self.gen / dt:.1f} tokens/s, "
+                f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
+                f"KV cache usage: {100 * stats.kv_cache_usage:.1f}%"
+            )
+            logger.info(msg)
+            if self.drafts:
+                rates = ", ".join(f"{v / self.drafts:.3f}" for v in self.per_pos)
+                logger.info(
+                    "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, "
+                    "Drafted: %d tokens, Per-position acceptance rate: %s, "
+                    "Avg Draft acceptance rate: %.1f%%",
+                    1 + self.accepted / self.drafts,
+                    self.accepted,
+                    self.draft_tokens,
+                    rates,
+                    100 * self.accepted / max(self.draft_tokens, 1),
+                )
+            self._reset(now)

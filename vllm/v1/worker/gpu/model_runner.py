@@ -1,0 +1,248 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""ModelRunner: turns a SchedulerOutput into tensors, runs this stage's slice of the model, and
+on the last stage samples (or verifies drafts) and proposes the next drafts."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from vllm.config import VllmConfig
+from vllm.distributed.parallel_state import get_pp_group
+from vllm.forward_context import set_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention import AttentionLayerBase
+from vllm.model_executor.model_loader import get_model
+from vllm.model_executor.models.interfaces import supports_pp
+from vllm.sequence import IntermediateTensors
+from vllm.v1.core.kv_cache_manager import cdiv
+from vllm.v1.core.sched.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from vllm.v1.worker.gpu.input_batch import InputBatch, prepare_inputs
+from vllm.v1.worker.gpu.sample.sampler import compute_logprobs, sample_tokens
+from vllm.v1.worker.gpu.states import RequestStates
+
+logger = init_logger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
+        self.vllm_config = vllm_config
+        self.device = torch.device(device)
+        mc = vllm_config.model_config
+        self.dtype = mc.torch_dtype(self.device.type)
+        self.block_size = vllm_config.cache_config.block_size
+        self.max_model_len = mc.max_model_len
+        self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        self.num_spec = vllm_config.num_speculative_tokens
+        self.pp = get_pp_group()
+        self.max_blocks_per_req = cdiv(self.max_model_len + self.num_spec + 1, self.block_size) + 1
+        self.states = RequestStates(
+            self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.num_spec
+        )
+        self.model: torch.nn.Module | None = None
+        self.attn_layers: dict[str, AttentionLayerBase] = {}
+        self.speculator = None
+        self.kv_caches: dict[str, torch.Tensor] = {}
+
+    # ---- setup --------------------------------------------------------------------------
+    def load_model(self) -> None:
+        if self.pp.world_size > 1:
+            from vllm.model_executor.models.registry import resolve_model_cls
+
+            cls = resolve_model_cls(self.vllm_config.model_config.architecture)
+            if not supports_pp(cls):
+                raise ValueError(
+                    f"{cls.__name__} does not support pipeline parallelism "
+                    "(Pipeline parallelism is not supported for this model)"
+                )
+        self.model = get_model(self.vllm_config, device=self.device)
+        if self.vllm_config.speculative_config is not None and self.pp.is_last_rank:
+            from vllm.v1.worker.gpu.spec_decode import init_speculator
+
+            self.speculator = init_speculator(self.vllm_config, self.device)
+            self.speculator.load_model(self.model)
+        self.attn_layers = {
+            name: m
+            for name, m in self._all_modules()
+            if isinstance(m, AttentionLayerBase)
+        }
+
+    def _all_modules(self):
+        yield from self.model.named_modules()
+        if self.speculator is not None and self.speculator.model is not None:
+            for name, m in self.speculator.model.named_modules():
+                yield "drafter." + name, m
+
+    def kv_cache_bytes_per_block(self) -> int:
+        return sum(
+            layer.kv_cache_bytes_per_token(self.dtype) * self.block_size
+            for layer in self.attn_layers.values()
+        )
+
+    def max_useful_blocks(self) -> int:
+        return self.max_num_reqs * self.max_blocks_per_req
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        for name, layer in self.attn_layers.items():
+            cache = torch.zeros(
+                layer.kv_cache_shape(num_blocks, self.block_size),
+                dtype=self.dtype,
+                device=self.device,
+            )
+            layer.kv_cache = cache
+            self.kv_caches[name] = cache
+        self.num_blocks = num_blocks
+        if self.speculator is not None:
+            self.speculator.warmup(self)
+
+    # ---- per step -----------------------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        st = self.states
+        for rid in so.finished_req_ids:
+            st.remove(rid)
+        for data in so.scheduled_new_reqs:
+            st.add(data)
+        cr = so.scheduled_cached_reqs
+        for rid, blocks, nc in zip(cr.req_ids, cr.new_block_ids, cr.num_computed_tokens):
+            s = st.slot(rid)
+            if blocks:
+                st.append_blocks(s, blocks)
+            if int(st.num_computed[s]) != nc:
+                raise RuntimeError(
+                    f"request {rid}: worker has {int(st.num_computed[s])} computed tokens, "
+                    f"the scheduler {nc} (stage {self.pp.rank})"
+                )
+
+    def prepare(self, so: SchedulerOutput) -> InputBatch:
+        num_sched = np.array(list(so.num_scheduled_tokens.values()), dtype=np.int64)
+        return prepare_inputs(
+            self.states,
+            so.req_ids,
+            num_sched,
+            self.block_size,
+            self.device,
+            short_query_len=self.num_spec + 1 if self.num_spec else 1,
+        )
+
+    @torch.inference_mode()
+    def execute_model(
+        self, so: SchedulerOutput, intermediate_tensors: IntermediateTensors | None = None
+    ) -> ModelRunnerOutput | IntermediateTensors | None:
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], {}, []) if self.pp.is_last_rank else None
+        batch = self.prepare(so)
+        with set_forward_context(batch.attn_metadata):
+            out = self.model(
+                batch.input_ids if self.pp.is_first_rank else None,
+                batch.positions,
+                intermediate_tensors,
+            )
+        # Optimistic advance; the last stage's accept/reject result rolls it back.
+        self.states.num_computed[batch.idx_mapping_np] += batch.num_scheduled_tokens
+        if not self.pp.is_last_rank:
+            return out
+        return self._sample_and_propose(so, batch, out)
+
+    def _sample_and_propose(
+        self, so: SchedulerOutput, batch: InputBatch, hidden: torch.Tensor
+    ) -> ModelRunnerOutput:
+        aux = None
+        if isinstance(hidden, tuple):
+            hidden, aux = hidden
+        st = self.states
+        slots = batch.idx_mapping_np
+        prompt_lp = self._prompt_logprobs(batch, hidden)
+        sampled_lists: list[list[int]] = [[] for _ in range(batch.num_reqs)]
+        logprob_lists: list[list[LogprobsLists]] | None = None
+        num_sampled = np.zeros(batch.num_reqs, dtype=np.int64)
+        num_rejected = np.zeros(batch.num_reqs, dtype=np.int64)
+        if len(batch.logits_indices_np):
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            rows = np.repeat(np.arange(batch.num_reqs), np.diff(batch.cu_num_logits_np))
+            rslots = slots[rows]
+            # Position of the token each logits row predicts.
+            positions = batch.positions_np[batch.logits_indices_np] + 1
+            tokens = sample_tokens(
+                logits,
+                st.temperature[rslots],
+                st.top_k[rslots],
+                st.top_p[rslots],
+                st.min_p[rslots],
+                st.seed[rslots],
+                positions,
+            )
+            if batch.has_drafts:
+                from vllm.v1.worker.gpu.spec_decode.rejection_sampler import rejection_sample
+
+                sampled_lists, keep_rows = rejection_sample(
+                    self, batch, logits, tokens, rows, positions
+                )
+            else:
+                keep_rows = np.arange(len(rows))
+                tok_list = tokens.tolist()
+                for j, r in enumerate(rows.tolist()):
+                    sampled_lists[r].append(tok_list[j])
+            if (st.num_logprobs[rslots] >= -1).any():
+                kept = torch.from_numpy(keep_rows).to(logits.device)
+                sampled_flat = torch.tensor(
+                    [t for lst in sampled_lists for t in lst], dtype=torch.long,
+                    device=logits.device,
+                )
+                lps = compute_logprobs(logits[kept], sampled_flat, st.num_logprobs[rslots[keep_rows]])
+                logprob_lists = [[] for _ in range(batch.num_reqs)]
+                for j, r in enumerate(rows[keep_rows].tolist()):
+                    logprob_lists[r].append(lps[j])
+        for i, s in enumerate(slots.tolist()):
+            toks = sampled_lists[i]
+            num_sampled[i] = len(toks)
+            if toks:
+                num_rejected[i] = batch.num_draft_tokens_np[i] + 1 - len(toks)
+                st.num_computed[s] -= num_rejected[i]
+                st.append_sampled(s, toks)
+        self._after_sample(batch, sampled_lists, num_sampled, num_rejected)
+        drafts = None
+        if self.speculator is not None:
+            drafts = self.speculator.propose(
+                self, batch, hidden, aux, sampled_lists, num_sampled, num_rejected
+            )
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
+            sampled_token_ids=sampled_lists,
+            logprobs=logprob_lists,
+            prompt_logprobs=prompt_lp,
+            draft_token_ids=drafts,
+        )
+
+    def _after_sample(self, batch, sampled_lists, num_sampled, num_rejected) -> None:
+        """Hook for pipeline parallelism: the last stage broadcasts what it sampled."""
+
+    def _prompt_logprobs(
+        self, batch: InputBatch, hidden: torch.Tensor
+    ) -> dict[str, list[LogprobsLists | None]]:
+        st = self.states
+        want = st.num_prompt_logprobs[batch.idx_mapping_np] >= -1
+        out: dict[str, list[LogprobsLists | None]] = {}
+        if not want.any():
+            return out
+        for i in np.nonzero(want)[0].tolist():
+            s = int(batch.idx_mapping_np[i])
+            c = int(batch.num_computed_tokens_np[i])
+            n_prompt = int(st.num_prompt[s])
+            if c >= n_prompt:
+                continue
+            start = int(batch.query_start_loc_np[i])
+            end_pos = min(c + int(batch.num_scheduled_tokens[i]), n_prompt)
+            # Logits at position p predict prompt token p + 1.
+            pos = np.arange(c, min(end_pos, n_prompt - 1))
+            entries: list[LogprobsLists | None] = [None] if c == 0 else []
+            if len(pos):
+                rows = torch.from_numpy(start + pos - c).to(hidden.device)
+                logits = self.model.compute_logits(hidden[rows])
+                targets = torch.from_numpy(st.token_ids[s, pos + 1].copy()).to(hidden.device)
+                k = np.full(len(pos), st.num_prompt_logprobs[s])
+                entries += compute_logprobs(logits, targets, k)
+            out[st.slot_req_id[s]] = entries
+        return out

@@ -1,0 +1,93 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Per-request state kept on the worker in persistent slots (the V2 model runner's layout).
+
+A request keeps its slot from the step it enters the batch until it finishes or is preempted, so
+token history, block table and sampling parameters are written once, not rebuilt every step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import NewRequestData
+
+
+class RequestStates:
+    def __init__(
+        self, max_num_reqs: int, max_model_len: int, max_blocks_per_req: int, num_spec: int
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.num_spec = num_spec
+        self.req_id_to_slot: dict[str, int] = {}
+        self.slot_req_id: list[str | None] = [None] * max_num_reqs
+        self._free: deque[int] = deque(range(max_num_reqs))
+        width = max_model_len + num_spec + 1
+        self.token_ids = np.zeros((max_num_reqs, width), dtype=np.int64)  # prompt + sampled
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # length of token_ids history
+        self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_prompt = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.draft_tokens = np.zeros((max_num_reqs, max(num_spec, 1)), dtype=np.int64)
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        self.seed = np.zeros(max_num_reqs, dtype=np.int64)
+        self.num_logprobs = np.full(max_num_reqs, -2, dtype=np.int64)  # -2: none requested
+        self.num_prompt_logprobs = np.full(max_num_reqs, -2, dtype=np.int64)
+        # Bumped whenever a slot is freed, so results addressed to its old owner can be dropped.
+        self.generation = np.zeros(max_num_reqs, dtype=np.int64)
+        self.params: list[SamplingParams | None] = [None] * max_num_reqs
+
+    def slot(self, req_id: str) -> int:
+        return self.req_id_to_slot[req_id]
+
+    def add(self, data: NewRequestData) -> int:
+        if data.req_id in self.req_id_to_slot:
+            raise RuntimeError(f"request {data.req_id} added twice")
+        s = self._free.popleft()
+        self.req_id_to_slot[data.req_id] = s
+        self.slot_req_id[s] = data.req_id
+        toks = data.prefill_token_ids
+        self.token_ids[s, : len(toks)] = toks
+        self.num_tokens[s] = len(toks)
+        self.num_computed[s] = data.num_computed_tokens
+        self.num_prompt[s] = data.num_prompt_tokens
+        self.num_blocks[s] = 0
+        self.append_blocks(s, data.block_ids)
+        p = data.sampling_params
+        self.params[s] = p
+        self.temperature[s] = p.temperature
+        self.top_k[s] = p.top_k
+        self.top_p[s] = p.top_p
+        self.min_p[s] = p.min_p
+        self.seed[s] = data.seed
+        self.num_logprobs[s] = -2 if p.logprobs is None else p.logprobs
+        self.num_prompt_logprobs[s] = -2 if p.prompt_logprobs is None else p.prompt_logprobs
+        return s
+
+    def append_blocks(self, s: int, block_ids: list[int]) -> None:
+        n = int(self.num_blocks[s])
+        self.block_table[s, n : n + len(block_ids)] = block_ids
+        self.num_blocks[s] = n + len(block_ids)
+
+    def remove(self, req_id: str) -> int | None:
+        s = self.req_id_to_slot.pop(req_id, None)
+        if s is None:
+            return None
+        self.slot_req_id[s] = None
+        self.params[s] = None
+        self.generation[s] += 1
+        self._free.append(s)
+        return s
+
+    def append_sampled(self, s: int, tokens: list[int]) -> None:
+        n = int(self.num_tokens[s])
+        self.token_ids[s, n : n + len(tokens)] = tokens
+        self.num_tokens[s] = n + len(tokens)
