@@ -96,7 +96,9 @@ class ModelConfig:
         if self.max_model_len is None:
             self.max_model_len = int(max_pos)
         elif not isinstance(self.max_model_len, int) or self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be a positive integer, got {self.max_model_len!r}")
+            raise ValueError(
+                f"max_model_len must be a positive integer, got {self.max_model_len!r}"
+            )
         elif self.max_model_len > max_pos:
             raise ValueError(
                 f"max_model_len={self.max_model_len} exceeds the model's "
@@ -225,6 +227,23 @@ class ParallelConfig:
 
 
 SPEC_METHODS = ("mtp", "eagle", "eagle3")
+# Target architecture -> the architecture of its in-checkpoint MTP draft.
+MTP_DRAFT_ARCHITECTURES = {
+    "DeepseekV2ForCausalLM": "DeepSeekMTPModel",
+    "DeepseekV3ForCausalLM": "DeepSeekMTPModel",
+}
+
+
+def num_mtp_layers(hf_text_config: Any) -> int:
+    """MTP layers a checkpoint ships (DeepSeek num_nextn_predict_layers, Qwen3.5
+    mtp_num_hidden_layers)."""
+    for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
+        v = getattr(hf_text_config, key, None)
+        if v:
+            return int(v)
+    return 0
+
+
 _METHOD_ALIASES = {
     "deepseek_mtp": "mtp",
     "qwen3_5_mtp": "mtp",
@@ -267,11 +286,15 @@ class SpeculativeConfig:
         unknown = set(d) - _SPEC_KEYS
         if unknown:
             raise ValueError(
-                f"speculative_config has unknown key(s) {sorted(unknown)}; known: {sorted(_SPEC_KEYS)}"
+                f"speculative_config has unknown key(s) {sorted(unknown)}; "
+                f"known: {sorted(_SPEC_KEYS)}"
             )
         if "method" not in d:
             raise ValueError("speculative_config.method is required (e.g. 'mtp' or 'eagle3')")
-        keep = {k: d[k] for k in ("method", "num_speculative_tokens", "model", "draft_sample_method")}
+        keep = {
+            k: d.get(k)
+            for k in ("method", "num_speculative_tokens", "model", "draft_sample_method")
+        }
         keep = {k: v for k, v in keep.items() if v is not None}
         if d.get("draft_tensor_parallel_size") not in (None, 1):
             raise ValueError("speculative_config.draft_tensor_parallel_size must be 1")
@@ -302,6 +325,50 @@ class SpeculativeConfig:
     @property
     def use_eagle(self) -> bool:
         return self.method in ("eagle", "eagle3")
+
+    def verify_with_target(self, target: ModelConfig) -> None:
+        """Check the draft against the target and point the draft config at the draft
+        architecture (the MTP head of the target checkpoint, or the EAGLE head class)."""
+        draft = self.draft_model_config
+        k = self.num_speculative_tokens
+        if self.method == "mtp":
+            n = num_mtp_layers(target.hf_text_config)
+            if n <= 0:
+                raise ValueError(
+                    f"speculative_config.method='mtp' needs a target with MTP layers, but "
+                    f"{target.model!r} has none (num_nextn_predict_layers is 0 or missing)"
+                )
+            arch = MTP_DRAFT_ARCHITECTURES.get(target.architecture)
+            if arch is None:
+                raise ValueError(
+                    f"speculative_config.method='mtp' is not supported for {target.architecture}"
+                    f"; supported: {sorted(MTP_DRAFT_ARCHITECTURES)}"
+                )
+            draft.hf_config.architectures = [arch]
+            if k > n:
+                logger.warning(
+                    "num_speculative_tokens=%d exceeds the %d MTP layer(s) of %s: draft step s "
+                    "reuses layer s mod %d, so acceptance decays at later positions",
+                    k,
+                    n,
+                    target.model,
+                    n,
+                )
+        else:
+            if draft.architecture in ("LlamaForCausalLM", "Qwen2ForCausalLM") and (
+                self.method == "eagle3"
+            ):
+                draft.hf_config.architectures = ["LlamaForCausalLMEagle3"]
+            if draft.vocab_size != target.vocab_size:
+                raise ValueError(
+                    f"speculative_config.model {self.model!r} embeds a vocabulary of "
+                    f"{draft.vocab_size} tokens but the target's has {target.vocab_size}"
+                )
+        if draft.max_model_len < target.max_model_len:
+            raise ValueError(
+                f"speculative_config.model {draft.model!r} supports {draft.max_model_len} "
+                f"positions, fewer than max_model_len={target.max_model_len}; lower max_model_len"
+            )
 
 
 @dataclass
@@ -353,11 +420,13 @@ class VllmConfig:
             spec.draft_model_config = ModelConfig(
                 model=draft_path,
                 tokenizer=mc.tokenizer,
-                dtype=mc.dtype,
+                # The draft shares the runner's KV dtype: resolve "auto" from the target.
+                dtype=mc.dtype if mc.dtype != "auto" else (_config_dtype(mc.hf_config) or "auto"),
                 seed=mc.seed,
                 max_model_len=None,
                 trust_remote_code=mc.trust_remote_code,
             )
+            spec.verify_with_target(mc)
 
     @property
     def num_speculative_tokens(self) -> int:

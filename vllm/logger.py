@@ -11,7 +11,9 @@ import sys
 _root = logging.getLogger("vllm")
 if not _root.handlers:
     _h = logging.StreamHandler(sys.stderr)
-    _h.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%H:%M:%S"))
+    _h.setFormatter(
+        logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%H:%M:%S")
+    )
     _root.addHandler(_h)
     _root.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
     _root.propagate = False

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-import re
+import json
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +22,8 @@ from vllm.model_executor.models.deepseek_v2 import get_spec_layer_idx_from_weigh
 from vllm.model_executor.models.utils import WeightLoadError
 from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.torch_paged import build_attn_metadata
+
+from ..checkpoints import make_deepseek_v2, make_deepseek_v3
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,67 +43,28 @@ YARN = {
 }
 
 
-def _common(q_lora_rank: int | None, yarn: bool) -> dict:
-    return dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        moe_intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_shared_experts=1,
-        n_routed_experts=8,
-        kv_lora_rank=32,
-        q_lora_rank=q_lora_rank,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=16,
-        v_head_dim=24,
-        n_group=4,
-        topk_group=2,
-        num_experts_per_tok=2,
-        first_k_dense_replace=1,
-        max_position_embeddings=128,
-        initializer_range=0.1,
-        rope_parameters=dict(YARN) if yarn else {"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-    )
-
-
 def _build(tmp: Path, arch: str, q_lora_rank: int | None, yarn: bool = False, **kw) -> Path:
-    """Save a tiny random HF checkpoint and return its folder; a V3 one also carries tensors of
-    its MTP layer (num_nextn_predict_layers=1), which the target must skip."""
-    torch.manual_seed(0)
+    """A tiny random checkpoint from tests/checkpoints.py (V3 with one MTP layer by default,
+    whose tensors the target must skip)."""
+    common = dict(q_lora_rank=q_lora_rank, qk_rope_head_dim=16, v_head_dim=24)
+    common["rope_scaling"] = dict(YARN) if yarn else None
     if arch == "DeepseekV3ForCausalLM":
-        cfg = transformers.DeepseekV3Config(
-            **_common(q_lora_rank, yarn), routed_scaling_factor=2.5, num_nextn_predict_layers=1
-        )
-        model = transformers.DeepseekV3ForCausalLM(cfg)
-        with torch.no_grad():
-            for layer in model.model.layers[cfg.first_k_dense_replace :]:
-                # Random bias: selection must use it and the weights must not.
-                layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.05)
-    else:
-        cfg = transformers.DeepseekV2Config(**_common(q_lora_rank, yarn), **kw)
-        model = transformers.DeepseekV2ForCausalLM(cfg)
-    path = tmp / f"{arch}-{q_lora_rank}-{yarn}"
-    model.save_pretrained(path)
-    if arch != "DeepseekV3ForCausalLM":
-        return path
-    weights = load_file(path / "model.safetensors")
-    h, n = cfg.hidden_size, cfg.num_hidden_layers
-    for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
-        weights[f"model.layers.{n}.{name}"] = torch.ones(h)
-    weights[f"model.layers.{n}.eh_proj.weight"] = torch.zeros(h, 2 * h)
-    weights[f"model.layers.{n}.self_attn.kv_b_proj.weight"] = torch.zeros(1)
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return path
+        kw = {"n_group": 4, "topk_group": 2, "num_nextn_predict_layers": 1, **kw}
+        return Path(make_deepseek_v3(tmp / "v3", **common, **kw))
+    return Path(make_deepseek_v2(tmp / "v2", **common, **kw))
 
 
-def _hf_logits(path: Path, ids: torch.Tensor) -> torch.Tensor:
-    model = transformers.AutoModelForCausalLM.from_pretrained(
+def _hf_model(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager"
     ).eval()
+
+
+def _hf_logits(path_or_model, ids: torch.Tensor) -> torch.Tensor:
+    """HF logits of the whole sequence (no cache) for every position."""
+    model = (
+        path_or_model if isinstance(path_or_model, torch.nn.Module) else _hf_model(path_or_model)
+    )
     with torch.no_grad():
         return model(ids[None]).logits[0].float()
 
@@ -134,9 +97,9 @@ def _prompt(vocab: int) -> torch.Tensor:
 
 
 def _check_prefill_and_decode(path: Path) -> None:
-    model = _load(path)
+    model, hf = _load(path), _hf_model(path)
     ids = _prompt(model.config.vocab_size)
-    ref = _hf_logits(path, ids)
+    ref = _hf_logits(hf, ids)
     logits = model.compute_logits(_step(model, ids, 0))
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
@@ -144,7 +107,7 @@ def _check_prefill_and_decode(path: Path) -> None:
         nxt = ref[-1].argmax().view(1)
         start = len(ids)
         ids = torch.cat([ids, nxt])
-        ref = _hf_logits(path, ids)
+        ref = _hf_logits(hf, ids)
         out = model.compute_logits(_step(model, nxt, start))
         torch.testing.assert_close(out[0], ref[-1], atol=1e-4, rtol=1e-4)
 
@@ -171,6 +134,8 @@ def test_deepseek_v2_matches_hf(
         yarn,
         topk_method=topk_method,
         routed_scaling_factor=1.5,
+        n_group=4,
+        topk_group=1,  # with 2 of 4 groups and top-2, group-limited would equal greedy
     )
     _check_prefill_and_decode(path)
 
@@ -183,22 +148,9 @@ def _rewrite(path: Path, edit) -> None:
 
 def test_fused_expert_checkpoint_names(tmp_path: Path) -> None:
     """HF's in-memory layout (mlp.experts.gate_up_proj / down_proj, stacked) loads too."""
-    path = _build(tmp_path, "DeepseekV3ForCausalLM", 24)
-    per_expert = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+_proj)\.weight")
-
-    def fuse(w: dict) -> None:
-        groups: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
-        for name in [n for n in w if per_expert.fullmatch(n)]:
-            prefix, e, proj = per_expert.fullmatch(name).groups()
-            groups.setdefault(prefix, {})[(int(e), proj)] = w.pop(name)
-        for prefix, g in groups.items():
-            n = 1 + max(e for e, _ in g)
-            w[f"{prefix}.gate_up_proj"] = torch.stack(
-                [torch.cat([g[(e, "gate_proj")], g[(e, "up_proj")]]) for e in range(n)]
-            )
-            w[f"{prefix}.down_proj"] = torch.stack([g[(e, "down_proj")] for e in range(n)])
-
-    _rewrite(path, fuse)
+    path = _build(tmp_path, "DeepseekV3ForCausalLM", 24, per_expert_names=False)
+    names = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.1.mlp.experts.gate_up_proj" in names
     model = _load(path)
     ids = _prompt(model.config.vocab_size)
     logits = model.compute_logits(_step(model, ids, 0))
@@ -206,9 +158,11 @@ def test_fused_expert_checkpoint_names(tmp_path: Path) -> None:
 
 
 def test_missing_expert_weight_is_named(tmp_path: Path) -> None:
-    path = _build(tmp_path, "DeepseekV3ForCausalLM", None)
+    path = _build(tmp_path, "DeepseekV3ForCausalLM", None, num_nextn_predict_layers=0)
     _rewrite(path, lambda w: w.pop("model.layers.2.mlp.experts.5.up_proj.weight"))
-    with pytest.raises(WeightLoadError, match=r"model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"):
+    with pytest.raises(
+        WeightLoadError, match=r"model\.layers\.2\.mlp\.experts\.5\.up_proj\.weight"
+    ):
         _load(path)
 
 
@@ -216,11 +170,11 @@ def test_missing_expert_weight_is_named(tmp_path: Path) -> None:
     "name,shape",
     [
         ("model.layers.1.mlp.experts.3.gate_proj.weight", (31, 64)),
-        ("model.layers.0.self_attn.kv_b_proj.weight", (160, 31)),
+        ("model.layers.0.self_attn.kv_b_proj.weight", (160, 31)),  # 4 heads * (16 + 24)
     ],
 )
 def test_misshaped_weight_names_both_shapes(tmp_path: Path, name: str, shape) -> None:
-    path = _build(tmp_path, "DeepseekV3ForCausalLM", None)
+    path = _build(tmp_path, "DeepseekV3ForCausalLM", None, num_nextn_predict_layers=0)
     _rewrite(path, lambda w: w.__setitem__(name, torch.zeros(shape)))
     expected = (32, 64) if "experts" in name else (160, 32)
     with pytest.raises(WeightLoadError) as err:
@@ -230,7 +184,7 @@ def test_misshaped_weight_names_both_shapes(tmp_path: Path, name: str, shape) ->
 
 
 def test_expert_weight_loaded_twice_is_an_error(tmp_path: Path) -> None:
-    path = _build(tmp_path, "DeepseekV3ForCausalLM", None)
+    path = _build(tmp_path, "DeepseekV3ForCausalLM", None, num_nextn_predict_layers=0)
 
     def add_fused_copy(w: dict) -> None:
         p = "model.layers.1.mlp.experts"
@@ -244,7 +198,7 @@ def test_expert_weight_loaded_twice_is_an_error(tmp_path: Path) -> None:
 def test_pipeline_stages_match_hf(tmp_path: Path) -> None:
     """Two stages run in one process (no communication needed) equal HF's logits."""
     path = _build(tmp_path, "DeepseekV3ForCausalLM", 24)
-    ids = _prompt(128)
+    ids = _prompt(transformers.AutoConfig.from_pretrained(path).vocab_size)
     prev = get_pp_group()
     try:
         set_pp_group(PPGroup(rank=0, world_size=2))

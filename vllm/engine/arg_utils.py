@@ -55,7 +55,8 @@ class EngineArgs:
         unknown = set(kwargs) - cls.field_names()
         if unknown:
             raise TypeError(
-                f"unknown engine argument(s): {sorted(unknown)}; supported: {sorted(cls.field_names())}"
+                f"unknown engine argument(s): {sorted(unknown)}; "
+                f"supported: {sorted(cls.field_names())}"
             )
         return cls(**kwargs)
 

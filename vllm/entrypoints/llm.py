@@ -45,9 +45,7 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(
-                    f"got {len(prompts)} prompts but {len(params)} sampling_params"
-                )
+                raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
         return self._run(prompts, params, use_tqdm)
 
     def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool):
@@ -92,15 +90,15 @@ class LLM:
         tok = self.get_tokenizer()
         prompts = []
         for conv in conversations:
-            ids = tok.apply_chat_template(
+            text = tok.apply_chat_template(
                 conv,
-                tokenize=True,
+                tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template,
             )
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+            # The template already holds the special tokens; don't add a BOS twice.
+            ids = tok.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def get_metrics(self) -> list[Metric]:

@@ -118,7 +118,9 @@ class DeepseekV2MoE(nn.Module):
         num_experts = int(config.n_routed_experts)
         # HF's V2/V3 configs lack these keys (the classes hard-code them); real checkpoints
         # spell them out: V2 softmax + greedy / group_limited_greedy, V3 sigmoid + noaux_tc.
-        self.scoring_func = getattr(config, "scoring_func", None) or ("softmax" if v2 else "sigmoid")
+        self.scoring_func = getattr(config, "scoring_func", None) or (
+            "softmax" if v2 else "sigmoid"
+        )
         topk_method = getattr(config, "topk_method", None) or ("greedy" if v2 else "noaux_tc")
         if topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
             raise ValueError(f"topk_method {topk_method!r} is not supported")
@@ -201,7 +203,9 @@ class DeepseekV2MLAAttention(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
         self.kv_b_proj = nn.Linear(
-            self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+            self.kv_lora_rank,
+            self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
+            bias=False,
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, h, bias=bias)
         theta, scaling = rope_params(config)
@@ -280,7 +284,8 @@ class DeepseekV2DecoderLayer(nn.Module):
 
 _EXPERT_WEIGHT = re.compile(
     r"^(?P<prefix>.+\.mlp\.experts)\."
-    r"(?:(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight|(?P<fused>gate_up_proj|down_proj))$"
+    r"(?:(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight"
+    r"|(?P<fused>gate_up_proj|down_proj))$"
 )
 
 
@@ -437,7 +442,9 @@ class DeepseekV2ForCausalLM(nn.Module):
 
     supports_pp = True
 
-    def __init__(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
+    ) -> None:
         super().__init__()
         config = model_config.hf_text_config
         self.config = config

@@ -24,9 +24,118 @@ class SupportsPP(Protocol):
 
 
 def supports_pp(model: object) -> bool:
+    """A class qualifies by its flag and forward signature; an instance must also have a
+    make_empty_intermediate_tensors (models usually set it in __init__)."""
     cls = model if isinstance(model, type) else type(model)
     if not getattr(cls, "supports_pp", False):
         return False
-    if not callable(getattr(cls, "make_empty_intermediate_tensors", None)):
+    if not isinstance(model, type) and not callable(
+        getattr(model, "make_empty_intermediate_tensors", None)
+    ):
         return False
     return "intermediate_tensors" in inspect.signature(cls.forward).parameters
+
+
+# ---- speculative decoding (EAGLE / EAGLE3 / MTP drafts and the targets that feed them) --------
+
+
+class SupportsEagleBase:
+    """Draft models say whether they carry their own embedding / LM head; a draft without its
+    own shares the target's (see spec_decode/eagle/utils.py)."""
+
+    has_own_lm_head: bool = False
+    has_own_embed_tokens: bool = False
+
+
+AUX_HIDDEN_STATE_KEY = "aux_hidden_states_"
+
+
+class EagleModelMixin:
+    """Aux hidden-state taps of a decoder (the inner `.model` of a target).
+
+    Tap L is the residual stream entering layer L (hidden + residual after layer L - 1; tap 0 is
+    the embedding output, tap num_layers the stream before the final norm). Under pipeline
+    parallelism each stage packs its local taps into IntermediateTensors slots numbered globally
+    in tap order, and the last stage collects the upstream slots before its own.
+    """
+
+    aux_hidden_state_layers: tuple[int, ...] = ()
+    supports_aux_hidden_states_over_pp: bool = False
+    AUX_HIDDEN_STATE_KEY: str = AUX_HIDDEN_STATE_KEY
+    _aux_slot_base_cached: int = 0
+    _aux_upstream_total_cached: int = 0
+
+    def _set_aux_hidden_state_layers(self, layers) -> None:
+        self.aux_hidden_state_layers = tuple(sorted({int(x) for x in layers}))
+        self._aux_slot_base_cached = 0
+        self._aux_upstream_total_cached = 0
+        self._cache_aux_pp_layout()
+
+    def _cache_aux_pp_layout(self) -> None:
+        """Slot base of this stage = taps produced upstream (a tap equal to this stage's first
+        layer is the stream the previous stage sends, so it counts as upstream)."""
+        from bisect import bisect_right
+
+        from vllm.distributed.parallel_state import get_pp_group
+
+        pp = get_pp_group()
+        if pp.world_size < 2 or pp.is_first_rank:
+            return
+        base = bisect_right(self.aux_hidden_state_layers, int(getattr(self, "start_layer", 0)))
+        self._aux_slot_base_cached = base
+        if pp.is_last_rank:
+            self._aux_upstream_total_cached = base
+
+    def _maybe_add_hidden_state(
+        self,
+        aux: list[torch.Tensor],
+        layer_idx: int,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> None:
+        if layer_idx in self.aux_hidden_state_layers:
+            # A fresh tensor: later layers must not be able to change what was tapped.
+            aux.append(hidden + residual if residual is not None else hidden.clone())
+
+    def pack_local_aux_hidden_states(self, aux: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        base = self._aux_slot_base_cached
+        return {f"{self.AUX_HIDDEN_STATE_KEY}{base + i}": t for i, t in enumerate(aux)}
+
+    def collect_remote_aux_hidden_states(
+        self, intermediate_tensors: IntermediateTensors | None
+    ) -> list[torch.Tensor]:
+        total = self._aux_upstream_total_cached
+        if total == 0 or intermediate_tensors is None:
+            return []
+        out = []
+        for i in range(total):
+            key = f"{self.AUX_HIDDEN_STATE_KEY}{i}"
+            if key not in intermediate_tensors:
+                raise RuntimeError(
+                    f"Missing {key} in the intermediate tensors from the previous stage "
+                    f"(expected {total} upstream aux hidden states for taps "
+                    f"{self.aux_hidden_state_layers})"
+                )
+            out.append(intermediate_tensors[key])
+        return out
+
+
+class SupportsEagle3(SupportsEagleBase):
+    """A target whose decoder (`self.model`, an EagleModelMixin) can return aux hidden states."""
+
+    supports_eagle3: ClassVar[bool] = True
+
+    def set_aux_hidden_state_layers(self, layers) -> None:
+        inner = self.get_language_model().model if hasattr(self, "get_language_model") else self.model
+        if not isinstance(inner, EagleModelMixin):
+            raise RuntimeError(f"{type(inner).__name__} cannot tap aux hidden states")
+        inner._set_aux_hidden_state_layers(layers)
+
+    def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        n = int(self.config.num_hidden_layers)
+        return (2, n // 2, n - 3)
+
+
+def supports_eagle3(model: object) -> bool:
+    cls = model if isinstance(model, type) else type(model)
+    return bool(getattr(cls, "supports_eagle3", False))

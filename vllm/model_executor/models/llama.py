@@ -16,6 +16,7 @@ from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params
+from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3
 from vllm.model_executor.models.utils import (
     PPMissingLayer,
     check_all_loaded,
@@ -98,8 +99,9 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(nn.Module, EagleModelMixin):
     qkv_bias = False
+    supports_aux_hidden_states_over_pp = True
 
     def __init__(self, config: Any, prefix: str = "model") -> None:
         super().__init__()
@@ -132,28 +134,44 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
+    ) -> torch.Tensor | IntermediateTensors | tuple[torch.Tensor, list[torch.Tensor]]:
+        """Last stage: the normed hidden states, or (hidden, aux hidden states in tap order)
+        when EAGLE3 taps are set; other stages: IntermediateTensors (+ their packed taps)."""
+        aux: list[torch.Tensor] = []
+        remote = self.collect_remote_aux_hidden_states(intermediate_tensors)
         if intermediate_tensors is None:
             hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
             residual = None
+            self._maybe_add_hidden_state(aux, self.start_layer, hidden, residual)
         else:
             hidden = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
-        for layer in self.layers[self.start_layer : self.end_layer]:
-            hidden, residual = layer(positions, hidden, residual)
+        for idx in range(self.start_layer, self.end_layer):
+            hidden, residual = self.layers[idx](positions, hidden, residual)
+            self._maybe_add_hidden_state(aux, idx + 1, hidden, residual)
         if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden, "residual": residual})
+            return IntermediateTensors(
+                {
+                    "hidden_states": hidden,
+                    "residual": residual,
+                    **self.pack_local_aux_hidden_states(aux),
+                }
+            )
         hidden, _ = self.norm(hidden, residual)
+        if remote or aux:
+            return hidden, remote + aux
         return hidden
 
 
-class LlamaForCausalLM(nn.Module):
-    """Llama causal LM; supports pipeline parallelism."""
+class LlamaForCausalLM(nn.Module, SupportsEagle3):
+    """Llama causal LM; supports pipeline parallelism and EAGLE3 aux hidden states."""
 
     supports_pp = True
     model_cls = LlamaModel
 
-    def __init__(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
+    ) -> None:
         super().__init__()
         config = model_config.hf_text_config
         self.config = config

@@ -11,6 +11,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("vllm.model_executor.models.qwen2", "Qwen2ForCausalLM"),
     "DeepseekV2ForCausalLM": ("vllm.model_executor.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("vllm.model_executor.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+    # Speculative-decoding drafts.
+    "DeepSeekMTPModel": ("vllm.model_executor.models.deepseek_mtp", "DeepSeekMTP"),
+    "LlamaForCausalLMEagle3": ("vllm.model_executor.models.llama_eagle3", "LlamaForCausalLMEagle3"),
+    "Eagle3LlamaForCausalLM": ("vllm.model_executor.models.llama_eagle3", "LlamaForCausalLMEagle3"),
 }
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from typing import Any
 
 from vllm.config import VllmConfig
@@ -51,7 +52,11 @@ class LLMEngine:
         vllm_config.cache_config.num_gpu_blocks = num_blocks
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max concurrency at max_model_len=%d: "
-            "%.1f", num_blocks, bs, num_blocks * bs, mc.max_model_len,
+            "%.1f",
+            num_blocks,
+            bs,
+            num_blocks * bs,
+            mc.max_model_len,
             num_blocks * bs / mc.max_model_len,
         )
         self.scheduler = Scheduler(vllm_config, num_blocks)
@@ -63,6 +68,7 @@ class LLMEngine:
         self.log_stats = not vllm_config.disable_log_stats
         self.stat_logger = LoggingStatLogger(k) if self.log_stats else None
         self._req_counter = 0
+        self._batch_queue: deque = deque()  # steps in flight (pipeline parallelism)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -156,7 +162,7 @@ class LLMEngine:
             self.output_processor.remove(rid)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.requests)
@@ -167,10 +173,34 @@ class LLMEngine:
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.executor.max_concurrent_batches > 1:
+            return self._step_pipelined()
         so = self.scheduler.schedule()
         if so.total_num_scheduled_tokens == 0 and not so.finished_req_ids:
             return []
-        runner_out = self.executor.execute_model(so)
+        return self._process_output(so, self.executor.execute_model(so))
+
+    def _step_pipelined(self) -> list[RequestOutput]:
+        """Keep up to max_concurrent_batches steps in flight so pipeline stages overlap: start
+        a new batch while there is room and work, otherwise finish the oldest one."""
+        limit = self.executor.max_concurrent_batches
+        queue = self._batch_queue
+        if len(queue) < limit:
+            sched = self.scheduler
+            # Split the requests across the batches in flight, else one batch takes them all.
+            share = -(-min(sched.get_num_unfinished_requests(), sched.max_num_seqs) // limit)
+            so = sched.schedule(max_num_reqs=max(1, share))
+            if so.total_num_scheduled_tokens or so.finished_req_ids:
+                self.executor.execute_model_async(so)
+                queue.append(so)
+                if so.total_num_scheduled_tokens and len(queue) < limit:
+                    return []
+        if not queue:
+            return []
+        so = queue.popleft()
+        return self._process_output(so, self.executor.get_output())
+
+    def _process_output(self, so, runner_out) -> list[RequestOutput]:
         result = self.scheduler.update_from_output(so, runner_out)
         now = time.time()
         outputs, to_abort = self.output_processor.process(result.outputs, now)

@@ -103,8 +103,7 @@ class OutputProcessor:
                     st.prompt_logprobs = []
                 if len(st.prompt_logprobs) < len(st.prompt_token_ids):
                     st.prompt_logprobs += [
-                        None if e is None else self._to_logprob_dict(e)
-                        for e in out.prompt_logprobs
+                        None if e is None else self._to_logprob_dict(e) for e in out.prompt_logprobs
                     ]
             if out.new_token_ids:
                 if st.first_token_time is None:
@@ -128,7 +127,7 @@ class OutputProcessor:
             elif child.params.stop and self._check_stop_strings(child, len(out.new_token_ids)):
                 to_abort.append(cid)
         results = []
-        for rid, st in touched.items():
+        for st in touched.values():
             ro = self._make_output(st)
             if ro is not None:
                 results.append(ro)
@@ -164,10 +163,15 @@ class OutputProcessor:
             if kind == RequestOutputKind.DELTA:
                 text = child.text
                 # Hold back what could still become a stop string or an incomplete character.
-                hold = 0 if child.finish_reason else max((len(s) - 1 for s in child.params.stop),
-                                                         default=0)
+                hold = (
+                    0
+                    if child.finish_reason
+                    else max((len(s) - 1 for s in child.params.stop), default=0)
+                )
                 end = len(text) - hold
-                while end > child.sent_text and text[end - 1] == "\ufffd" and not child.finish_reason:
+                while (
+                    end > child.sent_text and text[end - 1] == "\ufffd" and not child.finish_reason
+                ):
                     end -= 1
                 end = max(end, child.sent_text)
                 delta_text = text[child.sent_text : end]
@@ -179,18 +183,31 @@ class OutputProcessor:
                     lps = child.logprobs[child.sent_logprobs :]
                     child.sent_logprobs = len(child.logprobs)
                 completions.append(
-                    CompletionOutput(child.index, delta_text, toks, child.cumulative_logprob,
-                                     lps, child.finish_reason, child.stop_reason)
+                    CompletionOutput(
+                        child.index,
+                        delta_text,
+                        toks,
+                        child.cumulative_logprob,
+                        lps,
+                        child.finish_reason,
+                        child.stop_reason,
+                    )
                 )
             else:
                 completions.append(
-                    CompletionOutput(child.index, child.text, list(child.token_ids),
-                                     child.cumulative_logprob,
-                                     list(child.logprobs) if child.logprobs is not None else None,
-                                     child.finish_reason, child.stop_reason)
+                    CompletionOutput(
+                        child.index,
+                        child.text,
+                        list(child.token_ids),
+                        child.cumulative_logprob,
+                        list(child.logprobs) if child.logprobs is not None else None,
+                        child.finish_reason,
+                        child.stop_reason,
+                    )
                 )
-        metrics = RequestMetrics(st.arrival_time, st.first_token_time, st.finished_time,
-                                 st.num_generation_tokens)
+        metrics = RequestMetrics(
+            st.arrival_time, st.first_token_time, st.finished_time, st.num_generation_tokens
+        )
         return RequestOutput(
             request_id=st.request_id,
             prompt=st.prompt,

@@ -6,6 +6,7 @@ ModelRunnerOutput. The scheduler does not know which executor runs."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -40,6 +41,20 @@ class Executor(ABC):
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Batches the engine may have in flight at once (P for a pipeline, else 1)."""
+        return 1
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> None:
+        """Start a step; its ModelRunnerOutput comes from get_output(), in submission order."""
+        self._sync_outputs = getattr(self, "_sync_outputs", deque())
+        self._sync_outputs.append(self.execute_model(scheduler_output))
+
+    def get_output(self) -> ModelRunnerOutput:
+        """The output of the oldest step started with execute_model_async."""
+        return self._sync_outputs.popleft()
 
     def shutdown(self) -> None:
         pass

@@ -16,8 +16,27 @@ from vllm.v1.metrics.stats import SchedulerStats
 
 logger = init_logger(__name__)
 
-_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+_LATENCY_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
 
 
 class PrometheusStatLogger:
@@ -42,16 +61,25 @@ class PrometheusStatLogger:
         self.waiting = PGauge("vllm:num_requests_waiting", "Waiting requests.", labels, registry=r)
         self.kv_usage = PGauge("vllm:kv_cache_usage_perc", "KV cache usage.", labels, registry=r)
         self.ttft = PHistogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "vllm:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.itl = PHistogram(
-            "vllm:inter_token_latency_seconds", "Inter-token latency.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "vllm:inter_token_latency_seconds",
+            "Inter-token latency.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.e2e = PHistogram(
-            "vllm:e2e_request_latency_seconds", "End-to-end request latency.", labels,
-            buckets=_LATENCY_BUCKETS, registry=r,
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         # Spec-decode counters are always registered; they move once speculation runs.
         self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Draft proposals.")

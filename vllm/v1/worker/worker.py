@@ -5,11 +5,21 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
 from vllm.config import VllmConfig
+from vllm.distributed.parallel_state import (
+    PendingSend,
+    destroy_distributed,
+    get_pp_group,
+    init_distributed,
+    recv_tensor_dict,
+    send_tensor_dict,
+)
 from vllm.logger import init_logger
+from vllm.sequence import IntermediateTensors
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.worker.gpu.model_runner import ModelRunner
 
@@ -19,17 +29,40 @@ _CPU_KV_DEFAULT_GIB = 2.0
 
 
 class Worker:
-    def __init__(self, vllm_config: VllmConfig, rank: int = 0) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        rank: int = 0,
+        distributed_init_method: str | None = None,
+    ) -> None:
         self.vllm_config = vllm_config
         self.rank = rank
+        self.world_size = vllm_config.parallel_config.pipeline_parallel_size
+        self.distributed_init_method = distributed_init_method
         self.device = torch.device(vllm_config.device_config.device)
         self.model_runner: ModelRunner | None = None
+        self._pending_sends: list[PendingSend] = []
+        # Seconds spent in stage-to-stage transfers (see comm_stats).
+        self._comm = {"steps": 0, "recv_wait_s": 0.0, "recv_payload_s": 0.0, "send_s": 0.0}
 
     def init_device(self) -> None:
         if self.device.type == "cuda":
             if self.device.index is None:
                 self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
+        if self.world_size > 1:
+            if self.distributed_init_method is None:
+                raise ValueError("pipeline_parallel_size > 1 needs a distributed_init_method")
+            if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+                # Stages share the host's cores; oversubscribing them slows every stage.
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+            init_distributed(
+                self.rank,
+                self.world_size,
+                self.distributed_init_method,
+                backend="nccl" if self.device.type == "cuda" else "gloo",
+                device=self.device if self.device.type == "cuda" else None,
+            )
         torch.manual_seed(self.vllm_config.model_config.seed)
         self.model_runner = ModelRunner(self.vllm_config, self.device)
 
@@ -63,9 +96,44 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_blocks)
 
     def execute_model(self, so: SchedulerOutput, intermediate_tensors=None):
-        return self.model_runner.execute_model(so, intermediate_tensors)
+        """Run this stage. P > 1: non-first stages receive IntermediateTensors from the previous
+        stage, non-last stages send theirs on (non-blocking) and return None."""
+        if self.world_size == 1:
+            return self.model_runner.execute_model(so, intermediate_tensors)
+        pp = get_pp_group()
+        if not pp.is_first_rank and so.total_num_scheduled_tokens > 0:
+            intermediate_tensors = IntermediateTensors(self._recv(pp.prev_rank))
+        out = self.model_runner.execute_model(so, intermediate_tensors)
+        if pp.is_last_rank:
+            return out
+        if isinstance(out, IntermediateTensors):
+            t0 = time.perf_counter()
+            self._pending_sends = [p for p in self._pending_sends if not p.is_completed()]
+            self._pending_sends.append(send_tensor_dict(out.tensors, pp.next_rank))
+            self._comm["send_s"] += time.perf_counter() - t0
+        return None
+
+    def _recv(self, src: int) -> dict[str, torch.Tensor]:
+        t0 = time.perf_counter()
+        tensors = recv_tensor_dict(src, self.device, on_metadata=self._on_metadata)
+        now = time.perf_counter()
+        # Waiting for the metadata includes the upstream stage's compute (pipeline bubble);
+        # what follows it is the transfer proper.
+        self._comm["recv_wait_s"] += self._meta_t - t0
+        self._comm["recv_payload_s"] += now - self._meta_t
+        self._comm["steps"] += 1
+        return tensors
+
+    def _on_metadata(self) -> None:
+        self._meta_t = time.perf_counter()
+
+    def comm_stats(self) -> dict[str, float]:
+        return dict(self._comm, rank=self.rank)
 
     def check_health(self) -> bool:
         return True
 
-
+    def shutdown(self) -> None:
+        self._pending_sends = []
+        if self.world_size > 1:
+            destroy_distributed()

@@ -52,8 +52,9 @@ class Attention(AttentionLayerBase):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = get_forward_context().attn_metadata
-        out = torch.zeros(q.shape[0], self.num_heads * self.head_size, dtype=q.dtype,
-                          device=q.device)
+        out = torch.zeros(
+            q.shape[0], self.num_heads * self.head_size, dtype=q.dtype, device=q.device
+        )
         if self.kv_cache is None or meta is None:
             # Memory-profiling / dummy run without a cache.
             return out
@@ -92,12 +93,20 @@ class MLAAttention(AttentionLayerBase):
         )
 
     def forward(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_c: torch.Tensor,
+        k_pe: torch.Tensor,
         mask_fn=None,
     ) -> torch.Tensor:
         meta = get_forward_context().attn_metadata
-        out = torch.zeros(q_nope.shape[0], self.num_heads * self.v_head_dim, dtype=q_nope.dtype,
-                          device=q_nope.device)
+        out = torch.zeros(
+            q_nope.shape[0],
+            self.num_heads * self.v_head_dim,
+            dtype=q_nope.dtype,
+            device=q_nope.device,
+        )
         if self.kv_cache is None or meta is None:
             return out
         out[: meta.num_tokens] = self.impl.forward(

@@ -160,11 +160,9 @@ def padded_attention(
             if extra is not None:
                 mask = mask & extra
                 mask[..., 0] |= ~mask.any(-1)  # a row with nothing selected still has no NaN
-        if kg.shape[1] != H:
-            rep = H // kg.shape[1]
-            kg = kg.repeat_interleave(rep, dim=1)
-            vg = vg.repeat_interleave(rep, dim=1)
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+        og = F.scaled_dot_product_attention(
+            qg, kg, vg, attn_mask=mask, scale=scale, enable_gqa=kg.shape[1] != H
+        )
         og = og.transpose(1, 2).reshape(-1, H, dv)  # [Rg * Qg, H, Dv]
         out[g.token_index] = og[g.valid]
     return out

@@ -116,8 +116,11 @@ class Scheduler:
                 return self.running.pop(j)
         return None
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
+        """max_num_reqs caps the requests of this step (a pipeline spreads its requests over
+        the batches it keeps in flight)."""
         budget = self.max_num_batched_tokens
+        cap = max_num_reqs if max_num_reqs is not None else self.max_num_seqs
         lookahead = self.num_spec_tokens
         num_scheduled: dict[str, int] = {}
         spec_tokens: dict[str, list[int]] = {}
@@ -126,7 +129,7 @@ class Scheduler:
         preempted = False
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(num_scheduled) < cap:
             req = self.running[i]
             if req.in_flight:
                 i += 1
@@ -166,6 +169,7 @@ class Scheduler:
             and budget > 0
             and not preempted
             and len(self.running) < self.max_num_seqs
+            and len(num_scheduled) < cap
         ):
             req = self.waiting[0]
             n = req.num_tokens - req.num_computed_tokens
@@ -177,8 +181,9 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(req)
             req.status = RequestStatus.RUNNING
-            self._sent_blocks[req.request_id] = len(self.kv_cache_manager.get_block_ids(
-                req.request_id))
+            self._sent_blocks[req.request_id] = len(
+                self.kv_cache_manager.get_block_ids(req.request_id)
+            )
             new_reqs.append(
                 NewRequestData(
                     req_id=req.request_id,
@@ -221,7 +226,7 @@ class Scheduler:
     ) -> SchedulerStepResult:
         result = SchedulerStepResult()
         spec_stats = SpecDecodingStats(self.num_spec_tokens) if self.num_spec_tokens else None
-        for rid, n in sched_out.num_scheduled_tokens.items():
+        for rid in sched_out.num_scheduled_tokens:
             req = self.requests.get(rid)
             if req is None:
                 continue

@@ -66,7 +66,9 @@ def prepare_inputs(
     draft_j = positions - known[row]
     is_draft = draft_j >= 0
     if is_draft.any():
-        drafts = states.draft_tokens[slot_row, np.clip(draft_j, 0, states.draft_tokens.shape[1] - 1)]
+        drafts = states.draft_tokens[
+            slot_row, np.clip(draft_j, 0, states.draft_tokens.shape[1] - 1)
+        ]
         input_ids = np.where(is_draft, drafts, hist)
     else:
         input_ids = hist
@@ -81,9 +83,7 @@ def prepare_inputs(
         np.arange(int(cu[-1])) - np.repeat(cu[:-1], num_logits)
     )
     block_table = states.block_table[slots]
-    slot_mapping = (
-        block_table[row, positions // block_size] * block_size + positions % block_size
-    )
+    slot_mapping = block_table[row, positions // block_size] * block_size + positions % block_size
     meta = build_attn_metadata(
         qsl,
         seq_lens,

@@ -44,6 +44,12 @@ class ModelRunner:
         self.attn_layers: dict[str, AttentionLayerBase] = {}
         self.speculator = None
         self.kv_caches: dict[str, torch.Tensor] = {}
+        # P > 1: the last stage broadcasts what it sampled; the others apply it (pp_utils).
+        self.pp_handler = None
+        if self.pp.world_size > 1:
+            from vllm.v1.worker.gpu.pp_utils import PPHandler
+
+            self.pp_handler = PPHandler(self.max_num_reqs, self.num_spec, self.device)
 
     # ---- setup --------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -129,6 +135,8 @@ class ModelRunner:
     def execute_model(
         self, so: SchedulerOutput, intermediate_tensors: IntermediateTensors | None = None
     ) -> ModelRunnerOutput | IntermediateTensors | None:
+        if self.pp_handler is not None and not self.pp.is_last_rank:
+            self._pp_apply_prev_results(so)
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {}, []) if self.pp.is_last_rank else None
@@ -142,8 +150,19 @@ class ModelRunner:
         # Optimistic advance; the last stage's accept/reject result rolls it back.
         self.states.num_computed[batch.idx_mapping_np] += batch.num_scheduled_tokens
         if not self.pp.is_last_rank:
+            if self.pp_handler is not None:
+                self.pp_handler.receive(batch)
             return out
         return self._sample_and_propose(so, batch, out)
+
+    def _pp_apply_prev_results(self, so: SchedulerOutput) -> None:
+        """Non-last stages: apply the last stage's results that this step's requests need."""
+        st, h = self.states, self.pp_handler
+        for rid in so.finished_req_ids:
+            if rid in st.req_id_to_slot:
+                h.on_req_idx_freed(st.slot(rid))
+        cached = so.scheduled_cached_reqs.req_ids
+        h.apply_pending(st, [st.slot(r) for r in cached if r in st.req_id_to_slot])
 
     def _sample_and_propose(
         self, so: SchedulerOutput, batch: InputBatch, hidden: torch.Tensor
@@ -218,6 +237,13 @@ class ModelRunner:
 
     def _after_sample(self, batch, sampled_lists, num_sampled, num_rejected) -> None:
         """Hook for pipeline parallelism: the last stage broadcasts what it sampled."""
+        if self.pp_handler is None:
+            return
+        width = max((len(t) for t in sampled_lists), default=0)
+        sampled = torch.full((batch.num_reqs, max(width, 1)), -1, dtype=torch.int64)
+        for i, toks in enumerate(sampled_lists):
+            sampled[i, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
+        self.pp_handler.broadcast(sampled, num_sampled, num_rejected, batch)
 
     def _prompt_logprobs(
         self, batch: InputBatch, hidden: torch.Tensor

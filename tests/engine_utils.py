@@ -1,0 +1,43 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Helpers shared by engine tests: HF transformers references and small prompt sets."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.lru_cache(maxsize=8)
+def hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """HF transformers greedy continuation, never stopping early (a plain argmax loop over
+    the HF model with its KV cache: `generate` would suppress EOS under min_new_tokens)."""
+    m = hf_model(model_dir)
+    out: list[int] = []
+    with torch.no_grad():
+        res = m(torch.tensor([prompt_ids]), use_cache=True)
+        for _ in range(max_tokens):
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            res = m(torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True)
+    return out
+
+
+def hf_logprobs(model_dir: str, token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), V] log-softmax of HF logits at every position."""
+    m = hf_model(model_dir)
+    with torch.no_grad():
+        logits = m(torch.tensor([token_ids])).logits[0].float()
+    return logits.log_softmax(-1)
+
+
+def make_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab_size, (n,), generator=g).tolist() for n in lengths]

@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Start `vllm serve` as a real subprocess on a free loopback port (tests and benchmarks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RemoteServer:
+    """`python -m vllm.entrypoints.cli.main serve MODEL ...`, its output in a log file.
+
+    `stop()` sends SIGTERM and, if it does not exit in time, kills it and every process it
+    started (only those)."""
+
+    def __init__(
+        self,
+        model: str,
+        args: list[str] | tuple[str, ...] = (),
+        log_path: str | os.PathLike | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.port = free_port()
+        self.host = "127.0.0.1"
+        self.log_path = Path(log_path) if log_path else Path(f"/tmp/vllm-serve-{self.port}.log")
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+               "--host", self.host, "--port", str(self.port), *args]
+        full_env = {**os.environ, **(env or {})}
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        self._children: list[psutil.Process] = []
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        """Poll /health until 200; fail early if the process exits."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode} while starting:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(self.url("/health"), timeout=2.0).status_code == 200:
+                    self._children = self.children()
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def children(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM, wait up to timeout, then SIGKILL it and its children. Returns the exit code."""
+        known = {p.pid: p for p in self._children + self.children()}
+        rc = self.proc.poll()
+        if rc is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                rc = self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+                rc = None
+        for p in known.values():
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        self._log.close()
+        return rc

@@ -1,0 +1,138 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Scheduler and KV block accounting, without a model (pure Python)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.output import ModelRunnerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+
+def _config(max_num_seqs=8, budget=32, max_model_len=128, block_size=4, k=0):
+    return SimpleNamespace(
+        scheduler_config=SimpleNamespace(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            enable_chunked_prefill=True,
+            max_model_len=max_model_len,
+        ),
+        cache_config=SimpleNamespace(block_size=block_size),
+        num_speculative_tokens=k,
+    )
+
+
+def _req(rid, n, max_tokens=4):
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    sp.update_from_tokenizer(None)
+    return Request(rid, list(range(1, n + 1)), sp, seed=0)
+
+
+def _answer(so, token=7, drafts=None):
+    ids = so.req_ids
+    sampled = [[token] for _ in ids]
+    return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled, None, {}, drafts)
+
+
+def test_scheduler_does_not_import_torch():
+    code = (
+        "import sys; import vllm.v1.core.sched.scheduler, vllm.v1.core.kv_cache_manager; "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_chunked_prefill_respects_budget():
+    s = Scheduler(_config(budget=10), num_blocks=64)
+    s.add_request(_req("a", 25))
+    s.add_request(_req("b", 3))
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 10}
+    # Non-final chunk: no sampled token.
+    out = ModelRunnerOutput(["a"], {"a": 0}, [[]])
+    assert s.update_from_output(so, out).outputs == {}
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 10}
+    s.update_from_output(so, ModelRunnerOutput(["a"], {"a": 0}, [[]]))
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 5, "b": 3}
+    res = s.update_from_output(so, _answer(so))
+    assert res.outputs["a"].new_token_ids == [7]
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 1, "b": 1}
+
+
+def test_preemption_picks_the_newest_request():
+    # 6 blocks of 4 tokens; two 10-token prompts take 3 blocks each; growth forces preemption.
+    s = Scheduler(_config(budget=64, block_size=4), num_blocks=6)
+    a, b = _req("a", 10, max_tokens=8), _req("b", 10, max_tokens=8)
+    s.add_request(a)
+    s.add_request(b)
+    for _ in range(10):
+        so = s.schedule()
+        if s.num_preemptions:
+            break
+        s.update_from_output(so, _answer(so))
+    assert s.num_preemptions == 1
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert a.status == RequestStatus.RUNNING
+    assert "b" in so.finished_req_ids and "b" not in so.num_scheduled_tokens
+    assert s.waiting[0] is b
+
+
+def test_preempted_request_resumes_with_all_tokens():
+    s = Scheduler(_config(budget=64, block_size=4), num_blocks=5)
+    a, b = _req("a", 8, max_tokens=12), _req("b", 8, max_tokens=12)
+    s.add_request(a)
+    s.add_request(b)
+    resumed = None
+    for _ in range(40):
+        so = s.schedule()
+        for nr in so.scheduled_new_reqs:
+            if nr.req_id == "b" and b.num_preemptions:
+                resumed = nr
+        if so.total_num_scheduled_tokens == 0:
+            break
+        s.update_from_output(so, _answer(so))
+    assert b.num_preemptions >= 1
+    assert resumed is not None
+    assert resumed.prefill_token_ids[: b.num_prompt_tokens] == b.prompt_token_ids
+    assert len(resumed.prefill_token_ids) > b.num_prompt_tokens  # outputs so far recomputed
+    assert a.is_finished() and b.is_finished()
+    assert s.kv_cache_manager.pool.num_free_blocks == 5
+
+
+def test_spec_tokens_scheduled_and_rolled_back():
+    s = Scheduler(_config(budget=64, k=2), num_blocks=64)
+    r = _req("a", 5, max_tokens=10)
+    s.add_request(r)
+    so = s.schedule()
+    s.update_from_output(so, ModelRunnerOutput(["a"], {"a": 0}, [[9]], None, {}, [[1, 2]]))
+    assert r.spec_token_ids == [1, 2]
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {"a": 3}
+    assert so.scheduled_spec_decode_tokens == {"a": [1, 2]}
+    before = r.num_computed_tokens  # advanced by 3 at schedule time
+    # One draft accepted, one rejected: sampled = [accepted draft, bonus].
+    res = s.update_from_output(so, ModelRunnerOutput(["a"], {"a": 0}, [[1, 5]], None, {}, [[3, 4]]))
+    assert r.num_computed_tokens == before - 1
+    assert r.num_computed_tokens == r.num_tokens - 1
+    assert res.outputs["a"].num_accepted_tokens == 1
+    assert res.stats.spec_decoding_stats.num_accepted_tokens_per_pos == [1, 0]
+
+
+def test_kv_manager_allocates_and_frees_state_slots():
+    m = KVCacheManager(num_blocks=4, block_size=4, num_state_slots=1)
+    a, b = _req("a", 5), _req("b", 3)
+    assert m.allocate_slots(a, 5) == [0, 1]
+    assert m.allocate_slots(b, 3) is None  # no state slot left
+    m.free(a)
+    assert m.allocate_slots(b, 3) is not None
+    assert m.req_to_state_slot == {"b": 0}

@@ -1,0 +1,79 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""`vllm serve [MODEL] ...`: the OpenAI-compatible server, flags spelled as vLLM spells them."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+from vllm.engine.arg_utils import EngineArgs
+
+_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
+
+
+def _one_line(message: object) -> str:
+    return " ".join(str(message).split())
+
+
+def _make_error(prog: str):
+    def error(message: str) -> NoReturn:
+        # argparse would print the whole usage first; a bad flag deserves one line.
+        print(f"{prog}: error: {_one_line(message)}", file=sys.stderr)
+        sys.exit(2)
+
+    return error
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve",
+        help="Start the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API.",
+    )
+    parser.error = _make_error(parser.prog)  # type: ignore[method-assign]
+    parser.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL",
+        help="Local HF-format model folder (default: the bundled default model)",
+    )
+    parser.add_argument("--model", type=str, default=None, help="Same as MODEL")
+    parser.add_argument("--host", type=str, default="0.0.0.0", help="Address to bind")
+    parser.add_argument("--port", type=int, default=8000, help="Port to bind")
+    parser.add_argument(
+        "--served-model-name", type=str, nargs="+", default=None,
+        help="Name(s) clients use in `model`; the first is reported (default: the model path)",
+    )
+    parser.add_argument(
+        "--api-key", type=str, default=None,
+        help="Require `Authorization: Bearer KEY` on /v1/* (also read from VLLM_API_KEY)",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level", type=str, default="info", choices=_LOG_LEVELS,
+    )
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument(
+        "--timeout-graceful-shutdown", type=float, default=None,
+        help="Seconds in-flight requests get to finish after SIGINT/SIGTERM (default: no limit)",
+    )
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(dispatch=cmd_serve)
+    return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if args.model_tag and args.model and args.model_tag != args.model:
+        print(
+            f"vllm serve: error: MODEL {args.model_tag!r} and --model {args.model!r} differ",
+            file=sys.stderr,
+        )
+        return 2
+    args.model = args.model_tag or args.model
+    from vllm.entrypoints.openai.api_server import run_server
+
+    try:
+        return run_server(args)
+    except (ValueError, TypeError, OSError) as e:
+        # Bad configuration: one line, no traceback.
+        print(f"vllm serve: error: {_one_line(e)}", file=sys.stderr)
+        return 1

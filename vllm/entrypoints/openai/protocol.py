@@ -1,0 +1,310 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Pydantic models of the OpenAI-compatible API: requests, responses, stream chunks, errors."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+MAX_N = 16
+"""Most completions one request may ask for (`n`)."""
+MAX_LOGPROBS = 20
+"""Most alternatives per position in `logprobs` / `top_logprobs`."""
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIBaseModel(BaseModel):
+    # Clients send fields we do not model (user, metadata, ...); ignore them as vLLM does.
+    model_config = ConfigDict(extra="ignore")
+
+
+# ---- errors ---------------------------------------------------------------------------------
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(OpenAIBaseModel):
+    error: ErrorInfo
+
+
+# ---- models ---------------------------------------------------------------------------------
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "vllm"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+# ---- shared request pieces ------------------------------------------------------------------
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    user: str | None = None
+
+    def _check_unsupported(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise ValueError(f"{name} is not supported (got {getattr(self, name)!r})")
+        if self.repetition_penalty not in (None, 1, 1.0):
+            raise ValueError(
+                f"repetition_penalty is not supported (got {self.repetition_penalty!r})"
+            )
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of != n is not supported (best_of={self.best_of}, n={self.n})")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None
+    ) -> SamplingParams:
+        self._check_unsupported()
+        kwargs: dict[str, Any] = {}
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            v = getattr(self, name)
+            if v is not None:
+                kwargs[name] = v
+        return SamplingParams(
+            n=self.n,
+            seed=self.seed,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            **kwargs,
+        )
+
+
+# ---- completions ----------------------------------------------------------------------------
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class CompletionLogProbs(OpenAIBaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# ---- chat completions -----------------------------------------------------------------------
+class ChatMessage(OpenAIBaseModel):
+    # Extra keys (name, tool_calls, ...) are passed on to the chat template.
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise ValueError(
+                f"response_format {self.response_format.get('type')!r} is not supported"
+            )
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true")
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """Messages as plain dicts for the chat template; text parts are joined."""
+        out = []
+        for i, m in enumerate(self.messages):
+            d = m.model_dump(exclude_none=True)
+            content = m.content
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise ValueError(
+                            f"messages[{i}].content: only text parts are supported, "
+                            f"got {part.get('type')!r}"
+                        )
+                    texts.append(part["text"])
+                d["content"] = "\n".join(texts)
+            elif content is None:
+                d["content"] = ""
+            out.append(d)
+        return out
+
+
+class ChatMessageOut(OpenAIBaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class TopLogprob(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogProbs(OpenAIBaseModel):
+    content: list[ChatCompletionLogProb] | None = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None

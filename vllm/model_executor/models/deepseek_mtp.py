@@ -1,0 +1,201 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""DeepSeek multi-token-prediction (MTP) draft: the extra `model.layers.{N+i}` blocks of a
+DeepSeek-V3 checkpoint, run by the MTP speculator on the last pipeline stage."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm.config import ModelConfig, VllmConfig, num_mtp_layers
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.models.deepseek_v2 import (
+    DeepseekV2DecoderLayer,
+    ExpertWeightLoader,
+    get_spec_layer_idx_from_weight_name,
+)
+from vllm.model_executor.models.interfaces import SupportsEagleBase, SupportsPP
+from vllm.model_executor.models.utils import (
+    WeightLoadError,
+    check_all_loaded,
+    load_params_strict,
+    make_empty_intermediate_tensors_factory,
+    maybe_prefix,
+)
+from vllm.sequence import IntermediateTensors
+
+# Weights of an MTP layer that sit next to (not inside) its decoder block.
+_SPEC_LAYER_PARTS = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")
+
+
+class SharedHead(nn.Module):
+    """The MTP layer's own final norm and vocabulary projection."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6))
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.norm(hidden_states)
+
+
+class DeepSeekMultiTokenPredictorLayer(nn.Module):
+    """x = eh_proj([enorm(embed(next token)), hnorm(h_prev)]); h = block(x) incl. residual."""
+
+    def __init__(self, config: Any, prefix: str, layer_idx: int) -> None:
+        super().__init__()
+        eps = getattr(config, "rms_norm_eps", 1e-6)
+        h = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.enorm = RMSNorm(h, eps)
+        self.hnorm = RMSNorm(h, eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.shared_head = SharedHead(config)
+        self.mtp_block = DeepseekV2DecoderLayer(
+            config, prefix=f"{prefix}.mtp_block", layer_idx=layer_idx
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        previous_hidden_states: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        # Position 0 has no previous token whose hidden state could pair with this embedding.
+        inputs_embeds = inputs_embeds.masked_fill((positions == 0).unsqueeze(-1), 0)
+        x = self.eh_proj(
+            torch.cat([self.enorm(inputs_embeds), self.hnorm(previous_hidden_states)], dim=-1)
+        )
+        hidden, residual = self.mtp_block(positions, x, None)
+        return hidden + residual
+
+
+class DeepSeekMultiTokenPredictor(nn.Module):
+    """The MTP layers keyed by absolute layer index; draft step s uses layer start + s % n."""
+
+    def __init__(self, config: Any, prefix: str = "model") -> None:
+        super().__init__()
+        self.mtp_start_layer_idx = int(config.num_hidden_layers)
+        self.num_mtp_layers = num_mtp_layers(config)
+        if self.num_mtp_layers <= 0:
+            raise ValueError(
+                "DeepSeekMTP needs num_nextn_predict_layers > 0 in the checkpoint's config"
+            )
+        start = self.mtp_start_layer_idx
+        self.layers = nn.ModuleDict(
+            {
+                str(i): DeepSeekMultiTokenPredictorLayer(config, f"{prefix}.layers.{i}", i)
+                for i in range(start, start + self.num_mtp_layers)
+            }
+        )
+
+    def layer_for_step(self, spec_step_idx: int) -> DeepSeekMultiTokenPredictorLayer:
+        return self.layers[str(self.mtp_start_layer_idx + spec_step_idx % self.num_mtp_layers)]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        previous_hidden_states: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+        spec_step_idx: int = 0,
+    ) -> torch.Tensor:
+        layer = self.layer_for_step(spec_step_idx)
+        return layer(input_ids, positions, previous_hidden_states, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+        head = self.layer_for_step(spec_step_idx).shared_head
+        return head.head(head(hidden_states)).float()
+
+
+class DeepSeekMTP(nn.Module, SupportsPP, SupportsEagleBase):
+    """DeepSeek-V2/V3 MTP draft model. It never runs split over stages, but implements
+    SupportsPP so a pipeline-parallel engine can build it on its last stage."""
+
+    supports_pp = True
+    has_own_embed_tokens = True
+    has_own_lm_head = True
+
+    def __init__(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = model_config.hf_text_config
+        self.config = config
+        self.model = DeepSeekMultiTokenPredictor(config, prefix=maybe_prefix(prefix, "model"))
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual"], config.hidden_size
+        )
+
+    def embed_input_ids(self, input_ids: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+        return self.model.layer_for_step(spec_step_idx).embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        spec_step_idx: int = 0,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, hidden_states, inputs_embeds, spec_step_idx)
+
+    def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+        return self.model.compute_logits(hidden_states, spec_step_idx)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load `model.layers.{N+i}.*` from the target checkpoint; everything else is the
+        target's. A layer without its own embed_tokens gets the top-level
+        `model.embed_tokens.weight` (always from the checkpoint, so it exists on any stage)."""
+        config = self.config
+        top_embed: list[torch.Tensor] = []
+
+        def rename(name: str) -> str | None:
+            if name == "model.embed_tokens.weight":
+                return name
+            layer = get_spec_layer_idx_from_weight_name(config, name)
+            if layer is None or "rotary_emb.inv_freq" in name:
+                return None
+            prefix = f"model.layers.{layer}."
+            rest = name[len(prefix) :]
+            if rest.split(".", 1)[0] in _SPEC_LAYER_PARTS:
+                return name
+            return f"{prefix}mtp_block.{rest}"
+
+        experts = ExpertWeightLoader()
+
+        def custom(name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> bool:
+            if name == "model.embed_tokens.weight":
+                top_embed.append(tensor)
+                return True
+            return experts.load_layer_weight(name, tensor, params)
+
+        loaded = load_params_strict(self, weights, rename, custom=custom)
+        experts.finish(self, loaded)
+        params = dict(self.named_parameters())
+        for idx in self.model.layers:
+            name = f"model.layers.{idx}.embed_tokens.weight"
+            if name in loaded:
+                continue
+            if not top_embed:
+                raise WeightLoadError(
+                    f"checkpoint has neither {name!r} nor 'model.embed_tokens.weight' for the "
+                    "MTP draft's embedding"
+                )
+            if tuple(top_embed[0].shape) != tuple(params[name].shape):
+                raise WeightLoadError(
+                    f"weight 'model.embed_tokens.weight' has shape {tuple(top_embed[0].shape)} "
+                    f"but {name!r} expects {tuple(params[name].shape)}"
+                )
+            with torch.no_grad():
+                params[name].copy_(top_embed[0].to(params[name].dtype))
+            loaded.add(name)
+        check_all_loaded(self, loaded)
+        return {n for n in loaded if n in params}

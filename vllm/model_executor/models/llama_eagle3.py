@@ -1,0 +1,206 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""EAGLE3 draft head for Llama-family targets: fc over the target's aux hidden states, one decoder
+layer whose attention reads [embedding ; hidden], and an LM head over a reduced draft vocabulary."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm.config import ModelConfig, VllmConfig
+from vllm.logger import init_logger
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.models.interfaces import SupportsEagleBase, SupportsPP
+from vllm.model_executor.models.llama import LlamaAttention, LlamaMLP
+from vllm.model_executor.models.utils import (
+    WeightLoadError,
+    check_all_loaded,
+    load_params_strict,
+    make_empty_intermediate_tensors_factory,
+    maybe_prefix,
+)
+from vllm.sequence import IntermediateTensors
+
+logger = init_logger(__name__)
+
+
+def _eagle_config(config: Any) -> dict[str, Any]:
+    ec = getattr(config, "eagle_config", None) or {}
+    return ec if isinstance(ec, dict) else vars(ec)
+
+
+def get_eagle3_aux_layers_from_config(config: Any) -> tuple[int, ...] | None:
+    """Target layers the draft was trained on (tap L = the stream entering layer L)."""
+    ec = _eagle_config(config)
+    ids = ec.get("eagle_aux_hidden_state_layer_ids") or getattr(
+        config, "eagle_aux_hidden_state_layer_ids", None
+    )
+    return tuple(int(i) for i in ids) if ids else None
+
+
+def get_eagle3_use_aux_hidden_state_from_config(config: Any) -> bool:
+    return bool(_eagle_config(config).get("use_aux_hidden_state", True))
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """Decoder layer whose q/k/v read concat[input_layernorm(embeds), hidden_norm(hidden)]."""
+
+    def __init__(self, config: Any, prefix: str) -> None:
+        super().__init__()
+        h = config.hidden_size
+        eps = getattr(config, "rms_norm_eps", 1e-6)
+        self.self_attn = LlamaAttention(
+            config, bool(getattr(config, "attention_bias", False)), prefix=f"{prefix}.self_attn"
+        )
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(self.self_attn, name)
+            setattr(
+                self.self_attn,
+                name,
+                nn.Linear(2 * h, old.out_features, bias=old.bias is not None),
+            )
+        self.mlp = LlamaMLP(
+            h, config.intermediate_size, bool(getattr(config, "mlp_bias", False))
+        )
+        self.input_layernorm = RMSNorm(h, eps)
+        self.hidden_norm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
+
+    def forward(
+        self, positions: torch.Tensor, embeds: torch.Tensor, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.norm_before_residual:
+            hidden_states = self.hidden_norm(hidden_states)
+            residual = hidden_states
+        else:
+            residual = hidden_states
+            hidden_states = self.hidden_norm(hidden_states)
+        x = torch.cat([self.input_layernorm(embeds), hidden_states], dim=-1)
+        attn = self.self_attn(positions, x)
+        hidden_states, residual = self.post_attention_layernorm(attn, residual)
+        return self.mlp(hidden_states), residual
+
+
+class Eagle3LlamaModel(nn.Module):
+    def __init__(self, config: Any, prefix: str = "model") -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.midlayer = Eagle3DecoderLayer(config, prefix=f"{prefix}.midlayer")
+        if get_eagle3_use_aux_hidden_state_from_config(config):
+            target_h = int(getattr(config, "target_hidden_size", None) or h)
+            num_aux = len(get_eagle3_aux_layers_from_config(config) or (0, 0, 0))
+            self.fc = nn.Linear(num_aux * target_h, h, bias=False)
+        else:
+            self.fc = None
+        self.norm = RMSNorm(h, getattr(config, "rms_norm_eps", 1e-6))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed hidden for the LM head, pre-norm stream fed back to the next draft step)."""
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        hidden, residual = self.midlayer(positions, inputs_embeds, hidden_states)
+        return self.norm(hidden, residual)
+
+
+class LlamaForCausalLMEagle3(nn.Module, SupportsPP, SupportsEagleBase):
+    """EAGLE3 draft (config architectures ["LlamaForCausalLMEagle3"])."""
+
+    supports_pp = True
+
+    def __init__(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = model_config.hf_text_config
+        self.config = config
+        self.model = Eagle3LlamaModel(config, prefix=maybe_prefix(prefix, "model"))
+        self.vocab_size = int(config.vocab_size)
+        self.draft_vocab_size = int(getattr(config, "draft_vocab_size", None) or self.vocab_size)
+        self.lm_head = nn.Linear(config.hidden_size, self.draft_vocab_size, bias=False)
+        if self.draft_vocab_size != self.vocab_size:
+            # Target id of draft id i is i + d2t[i].
+            self.d2t = nn.Parameter(
+                torch.zeros(self.draft_vocab_size, dtype=torch.int64), requires_grad=False
+            )
+        else:
+            self.d2t = None
+        self.has_own_embed_tokens = True
+        self.has_own_lm_head = True
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual"], config.hidden_size
+        )
+
+    @property
+    def aux_hidden_state_layers(self) -> tuple[int, ...] | None:
+        return get_eagle3_aux_layers_from_config(self.config)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[T, num_aux * target_hidden] concatenated aux states -> [T, hidden]."""
+        if self.model.fc is None:
+            return hidden_states
+        return self.model.fc(hidden_states.to(self.model.fc.weight.dtype))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model(input_ids, positions, hidden_states, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits over the TARGET vocabulary (tokens outside the draft vocab get -inf)."""
+        logits = self.lm_head(hidden_states).float()
+        if self.d2t is None:
+            return logits
+        out = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        ids = torch.arange(self.draft_vocab_size, device=logits.device) + self.d2t
+        out[:, ids] = logits
+        return out
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        def rename(name: str) -> str | None:
+            if name == "t2d" or "rotary_emb.inv_freq" in name:
+                return None
+            if name.startswith("model."):
+                name = name[len("model.") :]
+            if name.startswith("layers.0."):
+                name = "midlayer." + name[len("layers.0.") :]
+            if name in ("d2t", "lm_head.weight"):
+                if name == "d2t" and self.d2t is None:
+                    return None  # identity map over a full vocabulary
+                return name
+            return "model." + name
+
+        loaded = load_params_strict(self, weights, rename)
+        if self.d2t is not None and "d2t" not in loaded:
+            raise WeightLoadError(
+                f"EAGLE3 draft has draft_vocab_size={self.draft_vocab_size} < "
+                f"vocab_size={self.vocab_size} but its checkpoint has no 'd2t' map"
+            )
+        self.has_own_embed_tokens = "model.embed_tokens.weight" in loaded
+        self.has_own_lm_head = "lm_head.weight" in loaded
+        if not self.has_own_lm_head and self.d2t is not None:
+            raise WeightLoadError("EAGLE3 draft with a reduced vocabulary must ship lm_head.weight")
+        # Missing embedding / head are shared from the target by load_eagle_model.
+        check_all_loaded(self, loaded, shared={"model.embed_tokens.weight", "lm_head.weight"})
+        if self.d2t is not None:
+            ids = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+            if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+                raise WeightLoadError("EAGLE3 d2t maps draft ids outside the target vocabulary")
+        return loaded

@@ -1,0 +1,255 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""MultiprocExecutor: one spawned process per pipeline stage; the engine process only schedules.
+
+Each stage process runs a Worker and reads (method, args) messages from its pipe. Every stage
+receives every SchedulerOutput in the same order; only the last stage answers execute_model
+(with the ModelRunnerOutput), the others speak only to report an error. A stage that raises or
+dies makes the engine raise a RuntimeError at once and every stage process is stopped.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import threading
+import traceback
+import weakref
+from collections import deque
+from multiprocessing import connection as mp_connection
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.v1.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from vllm.v1.executor.abstract import Executor
+
+logger = init_logger(__name__)
+
+# After the engine's end of the pipe closes, a stage gets this long to finish on its own
+# (e.g. an orderly shutdown racing the close) before it exits regardless, even when blocked
+# in a collective with a peer that is gone.
+_ORPHAN_GRACE_S = 2.0
+_JOIN_TIMEOUT_S = 5.0
+
+
+def get_open_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerFailure(RuntimeError):
+    """A pipeline stage raised or died."""
+
+
+def _stage_main(vllm_config: VllmConfig, rank: int, init_method: str, conn) -> None:
+    """Entry point of a stage process."""
+    from vllm.v1.worker.worker import Worker
+
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read() -> None:
+        try:
+            while True:
+                inbox.put(conn.recv_bytes())
+        except (EOFError, OSError):
+            inbox.put(None)
+            # The engine is gone: never outlive it (the main thread may be stuck in a collective).
+            threading.Timer(_ORPHAN_GRACE_S, os._exit, args=(0,)).start()
+
+    threading.Thread(target=read, name="stage-inbox", daemon=True).start()
+    worker = None
+    is_last = rank == vllm_config.parallel_config.pipeline_parallel_size - 1
+    try:
+        worker = Worker(vllm_config, rank, init_method)
+        worker.init_device()
+        worker.load_model()
+        conn.send(("ok", None))
+        while True:
+            msg = inbox.get()
+            if msg is None:
+                break
+            method, args = pickle.loads(msg)
+            if method == "shutdown":
+                break
+            result = getattr(worker, method)(*args)
+            if method != "execute_model" or is_last:
+                conn.send(("ok", result))
+    except BaseException as e:  # noqa: BLE001 - report anything, then stop this stage
+        try:
+            conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        except Exception:  # noqa: BLE001 - the engine may be gone already
+            pass
+        os._exit(1)
+    if worker is not None:
+        worker.shutdown()
+
+
+def _stop_processes(procs: list, conns: list) -> None:
+    """Ask every stage to exit, then terminate / kill whatever is still alive."""
+    bye = pickle.dumps(("shutdown", ()))
+    for c in conns:
+        try:
+            c.send_bytes(bye)
+        except Exception:  # noqa: BLE001 - the stage may be dead
+            pass
+    for p in procs:
+        p.join(timeout=_JOIN_TIMEOUT_S)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=_JOIN_TIMEOUT_S)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=_JOIN_TIMEOUT_S)
+    for c in conns:
+        try:
+            c.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        super().__init__(vllm_config)
+        self.world_size = vllm_config.parallel_config.pipeline_parallel_size
+        self._failed: str | None = None
+        self._inflight = 0
+        self._stash: list[deque] = [deque() for _ in range(self.world_size)]
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{get_open_port()}"
+        self._procs: list = []
+        self._conns: list = []
+        self._finalizer = weakref.finalize(self, _stop_processes, self._procs, self._conns)
+        try:
+            for rank in range(self.world_size):
+                parent, child = ctx.Pipe(duplex=True)
+                proc = ctx.Process(
+                    target=_stage_main,
+                    args=(vllm_config, rank, init_method, child),
+                    name=f"VllmWorker-PP{rank}",
+                    daemon=True,
+                )
+                proc.start()
+                child.close()
+                self._procs.append(proc)
+                self._conns.append(parent)
+            for rank in range(self.world_size):
+                self._wait_for(rank)  # ready: device, distributed groups, model loaded
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info(
+            "started %d pipeline stage processes (pids %s)",
+            self.world_size,
+            [p.pid for p in self._procs],
+        )
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.world_size
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # ---- transport ----------------------------------------------------------------------
+    def _fail(self, msg: str) -> None:
+        self._failed = msg
+        self.shutdown()
+        raise WorkerFailure(msg)
+
+    def _check_alive(self) -> None:
+        if self._failed is not None:
+            raise WorkerFailure(f"the pipeline stages are stopped after an error: {self._failed}")
+
+    def _take(self, rank: int) -> Any:
+        msg = self._conns[rank].recv()
+        if msg[0] == "error":
+            self._fail(f"pipeline stage {rank} failed: {msg[1]}")
+        return msg[1]
+
+    def _wait_for(self, rank: int) -> Any:
+        """The next reply of stage rank; raises as soon as any stage reports an error or dies."""
+        if self._stash[rank]:
+            return self._stash[rank].popleft()
+        target = self._conns[rank]
+        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        while True:
+            ready = mp_connection.wait([*self._conns, *sentinels], timeout=None)
+            for r, c in enumerate(self._conns):
+                if c in ready and c is not target:
+                    self._stash[r].append(self._take(r))
+            if target in ready:
+                return self._take(rank)
+            for s in ready:
+                r = sentinels.get(s)
+                if r is None:
+                    continue
+                if self._conns[r].poll():  # its last words first (an error report)
+                    self._stash[r].append(self._take(r))
+                    continue
+                self._procs[r].join(timeout=1.0)  # reap it, for its exit code
+                code = self._procs[r].exitcode
+                self._fail(
+                    f"pipeline stage {r} (pid {self._procs[r].pid}) died unexpectedly "
+                    f"(exit code {code})"
+                )
+
+    def _send_all(self, method: str, *args: Any) -> None:
+        self._check_alive()
+        data = pickle.dumps((method, args))
+        for r, c in enumerate(self._conns):
+            try:
+                c.send_bytes(data)
+            except (BrokenPipeError, OSError) as e:
+                self._fail(f"pipeline stage {r} is unreachable: {e}")
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        """Call Worker.method(*args) on every stage and return their results (rank order)."""
+        if self._inflight:
+            raise RuntimeError(f"collective_rpc({method!r}) while {self._inflight} steps in flight")
+        self._send_all(method, *args)
+        return [self._wait_for(r) for r in range(self.world_size)]
+
+    # ---- executor API -------------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        # Every stage holds the KV of its own layers for the same block ids.
+        return min(self.collective_rpc("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", num_blocks)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> None:
+        self._send_all("execute_model", scheduler_output)
+        self._inflight += 1
+
+    def get_output(self) -> ModelRunnerOutput:
+        self._check_alive()
+        if not self._inflight:
+            raise RuntimeError("get_output() with no step in flight")
+        out = self._wait_for(self.world_size - 1)
+        self._inflight -= 1
+        return out
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.execute_model_async(scheduler_output)
+        return self.get_output()
+
+    def comm_stats(self) -> list[dict[str, float]]:
+        return self.collective_rpc("comm_stats")
+
+    def check_health(self) -> None:
+        self._check_alive()
+        for r, p in enumerate(self._procs):
+            if not p.is_alive():
+                self._fail(f"pipeline stage {r} (pid {p.pid}) is not running")
+
+    def shutdown(self) -> None:
+        self._inflight = 0
+        self._finalizer()

@@ -1,0 +1,58 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""EAGLE3 aux hidden states: which target layers to tap for a draft, and the checks on them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from vllm.logger import init_logger
+from vllm.model_executor.models.interfaces import supports_eagle3
+from vllm.model_executor.models.llama_eagle3 import (
+    get_eagle3_aux_layers_from_config,
+    get_eagle3_use_aux_hidden_state_from_config,
+)
+
+logger = init_logger(__name__)
+
+
+def set_eagle3_aux_hidden_state_layers(
+    target_model: nn.Module, draft_hf_config: Any, draft_model: nn.Module | None = None
+) -> tuple[int, ...]:
+    """Point the target's taps at the layers the draft was trained on; returns them sorted."""
+    if not supports_eagle3(target_model):
+        raise RuntimeError(
+            f"Model does not support EAGLE3 interface ({type(target_model).__name__})"
+        )
+    ids = get_eagle3_aux_layers_from_config(draft_hf_config)
+    if ids is None:
+        ids = target_model.get_eagle3_default_aux_hidden_state_layers()
+        logger.warning(
+            "the EAGLE3 draft config names no eagle_aux_hidden_state_layer_ids; tapping the "
+            "default layers %s (acceptance will be low if the draft was trained on others)",
+            ids,
+        )
+    n = int(target_model.config.num_hidden_layers)
+    bad = [i for i in ids if not 0 <= int(i) <= n]
+    if bad:
+        raise ValueError(
+            f"eagle_aux_hidden_state_layer_ids {list(ids)} has layer(s) {bad} outside 0..{n} "
+            "of the target"
+        )
+    taps = tuple(sorted({int(i) for i in ids}))
+    fc = getattr(getattr(draft_model, "model", None), "fc", None)
+    if fc is not None:
+        need = len(taps) * int(target_model.config.hidden_size)
+        if fc.in_features != need:
+            raise ValueError(
+                f"eagle_aux_hidden_state_layer_ids {list(ids)} gives {len(taps)} distinct taps "
+                f"({need} features) but the draft's fc expects {fc.in_features}"
+            )
+    target_model.set_aux_hidden_state_layers(taps)
+    return taps
+
+
+def uses_aux_hidden_states(method: str, draft_hf_config: Any) -> bool:
+    return method == "eagle3" and get_eagle3_use_aux_hidden_state_from_config(draft_hf_config)

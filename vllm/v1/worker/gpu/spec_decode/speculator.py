@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Speculator base classes: the interface the model runner calls, and the part shared by every
+speculator that runs a draft model (its config, buffers, loading and draft-token sampling)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.attention import AttentionLayerBase
+from vllm.v1.worker.gpu.sample.sampler import exponential_noise
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+
+# Noise stream of draft sampling (0: target sampling, 1: acceptance draws, 2: resampling).
+DRAFT_NOISE_STREAM = 3
+
+
+class BaseSpeculator(ABC):
+    """What the model runner needs from a speculator (built on the last pipeline stage only)."""
+
+    model: nn.Module | None = None
+
+    @abstractmethod
+    def load_model(self, target_model: nn.Module) -> None:
+        """Build the drafter next to the (already loaded) target model."""
+
+    def init_cudagraph_manager(self, cudagraph_mode: Any = None) -> None:
+        """CUDA graphs are not captured yet: capture() warms up eagerly on every device."""
+
+    @abstractmethod
+    def capture(self) -> None:
+        """Warm-up (and, where graphs are used, capture) at max_num_reqs before serving."""
+
+    def warmup(self, runner: Any) -> None:
+        """Called by the runner once the KV caches exist."""
+        self.runner = runner
+        self.capture()
+
+    @abstractmethod
+    def propose(
+        self,
+        runner: Any,
+        input_batch: InputBatch,
+        last_hidden_states: torch.Tensor,
+        aux_hidden_states: list[torch.Tensor] | None,
+        sampled_token_ids: list[list[int]],
+        num_sampled: np.ndarray,
+        num_rejected: np.ndarray,
+    ) -> list[list[int]]:
+        """Draft tokens [num_reqs][K] for the rows of input_batch, also written to
+        runner.states.draft_tokens so the next step's inputs carry them."""
+
+
+class DraftModelSpeculator(BaseSpeculator):
+    """A speculator with a draft nn.Module of its own (MTP head, EAGLE head)."""
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
+        spec = vllm_config.speculative_config
+        if spec is None:
+            raise ValueError("a speculator needs speculative_config")
+        self.vllm_config = vllm_config
+        self.speculative_config = spec
+        self.device = torch.device(device)
+        self.method = spec.method
+        self.num_speculative_steps = spec.num_speculative_tokens
+        self.draft_model_config = spec.draft_model_config
+        sc = vllm_config.scheduler_config
+        self.max_num_reqs = sc.max_num_seqs
+        self.max_num_tokens = sc.max_num_batched_tokens
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self.block_size = vllm_config.cache_config.block_size
+        draft_text = self.draft_model_config.hf_text_config
+        self.hidden_size = int(draft_text.hidden_size) * int(getattr(draft_text, "hc_mult", 1) or 1)
+        self.vocab_size = vllm_config.model_config.vocab_size
+        self.dtype = vllm_config.model_config.torch_dtype(self.device.type)
+        self.draft_sample_method = spec.draft_sample_method
+        self.model = None
+        self.runner = None
+        self.target_hidden_size = 0
+        K = self.num_speculative_steps
+        # Draft tokens of the current batch, one row per batch row.
+        self.draft_tokens = np.zeros((self.max_num_reqs, K), dtype=np.int64)
+        # The draft distribution q of every proposed token, per request-state slot, which the
+        # rejection sampler needs for probabilistic verification (greedy drafts are one-hot).
+        self.draft_probs: torch.Tensor | None = None
+        if self.draft_sample_method == "probabilistic":
+            self.draft_probs = torch.zeros(
+                self.max_num_reqs, K, self.vocab_size, dtype=torch.float32, device=self.device
+            )
+        self.target_attn_layer_names: set[str] = set()
+        self.draft_attn_layer_names: set[str] = set()
+
+    @abstractmethod
+    def load_draft_model(
+        self, target_model: nn.Module, target_attn_layer_names: set[str]
+    ) -> nn.Module: ...
+
+    def load_model(self, target_model: nn.Module) -> None:
+        self.target_attn_layer_names = _attn_layer_names(target_model)
+        target_ids = {id(m) for m in target_model.modules()}
+        self.target_hidden_size = int(target_model.config.hidden_size)
+        self.model = self.load_draft_model(target_model, self.target_attn_layer_names)
+        self.draft_attn_layer_names = {
+            n
+            for n, m in self.model.named_modules()
+            if isinstance(m, AttentionLayerBase) and id(m) not in target_ids
+        }
+
+    def sample_draft(
+        self,
+        logits: torch.Tensor,
+        positions: np.ndarray,
+        temperature: np.ndarray,
+        seeds: np.ndarray,
+        slots: np.ndarray,
+        draft_step: int,
+    ) -> torch.Tensor:
+        """One draft token per row of logits [R, V] (R >= len(slots) rows are real).
+
+        Greedy unless draft_sample_method is "probabilistic" and the request samples
+        (temperature > 0): then only the temperature is applied (top-k/top-p are deliberately
+        not), the token is drawn with noise keyed by (seed, position), and q is kept for the
+        rejection sampler. positions = position of the token being drafted."""
+        tokens = logits.argmax(-1)
+        if self.draft_probs is None:
+            return tokens
+        n = len(slots)
+        rows = np.nonzero(temperature[:n] >= 1e-5)[0]
+        if len(rows) == 0:
+            return tokens
+        r = torch.from_numpy(rows).to(logits.device)
+        t = torch.from_numpy(temperature[rows].astype(np.float32)).to(logits.device)
+        q = (logits[r].float() / t[:, None]).softmax(-1)
+        noise = exponential_noise(
+            seeds[rows], positions[rows], q.shape[-1], logits.device, DRAFT_NOISE_STREAM
+        )
+        tokens[r] = (q / noise).argmax(-1)
+        self.draft_probs[torch.from_numpy(slots[rows]).to(self.device), draft_step] = q
+        return tokens
+
+
+def _attn_layer_names(model: nn.Module) -> set[str]:
+    return {n for n, m in model.named_modules() if isinstance(m, AttentionLayerBase)}
