@@ -183,6 +183,7 @@ class ModelRunner:
             rslots = slots[rows]
             # Position of the token each logits row predicts.
             positions = batch.positions_np[batch.logits_indices_np] + 1
+            self._apply_min_tokens(logits, rslots, positions)
             tokens = sample_tokens(
                 logits,
                 st.temperature[rslots],
@@ -234,6 +235,18 @@ class ModelRunner:
             prompt_logprobs=prompt_lp,
             draft_token_ids=drafts,
         )
+
+    def _apply_min_tokens(
+        self, logits: torch.Tensor, rslots: np.ndarray, positions: np.ndarray
+    ) -> None:
+        """Mask EOS / stop_token_ids on rows whose request has fewer than min_tokens outputs."""
+        st = self.states
+        num_out = positions - st.num_prompt[rslots]  # index of the output token each row samples
+        rows = np.nonzero(num_out < st.min_tokens[rslots])[0]
+        for r in rows.tolist():
+            stop_ids = st.params[rslots[r]].all_stop_token_ids
+            if stop_ids:
+                logits[r, list(stop_ids)] = float("-inf")
 
     def _after_sample(self, batch, sampled_lists, num_sampled, num_rejected) -> None:
         """Hook for pipeline parallelism: the last stage broadcasts what it sampled."""

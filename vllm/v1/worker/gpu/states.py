@@ -41,6 +41,7 @@ class RequestStates:
         self.seed = np.zeros(max_num_reqs, dtype=np.int64)
         self.num_logprobs = np.full(max_num_reqs, -2, dtype=np.int64)  # -2: none requested
         self.num_prompt_logprobs = np.full(max_num_reqs, -2, dtype=np.int64)
+        self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         # Bumped whenever a slot is freed, so results addressed to its old owner can be dropped.
         self.generation = np.zeros(max_num_reqs, dtype=np.int64)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
@@ -70,6 +71,7 @@ class RequestStates:
         self.seed[s] = data.seed
         self.num_logprobs[s] = -2 if p.logprobs is None else p.logprobs
         self.num_prompt_logprobs[s] = -2 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.min_tokens[s] = p.min_tokens
         return s
 
     def append_blocks(self, s: int, block_ids: list[int]) -> None:
