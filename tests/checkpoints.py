@@ -83,12 +83,15 @@ import re
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 __all__ = [
     "CHATML_TEMPLATE",
@@ -171,7 +174,7 @@ def _train_tokenizer_json(vocab_size: int) -> str:
     return tok.to_str()
 
 
-def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512):
+def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512) -> PreTrainedTokenizerFast:
     """Train (memoised per process) a byte-level BPE tokenizer, save it to ``out_dir``.
 
     Special tokens: ``<|endoftext|>`` (id 0, pad), ``<|im_start|>`` (1), ``<|im_end|>``

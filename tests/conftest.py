@@ -8,8 +8,14 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Tiny models gain nothing from intra-op threads, and tests start server / pipeline-stage
+# subprocesses on a 2-core machine: one thread each avoids OpenMP oversubscription stalls.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 from tests import checkpoints  # noqa: E402
 
