@@ -100,7 +100,9 @@ def make_eagle3_draft(
         w["embed_tokens.weight"] = torch.randn(vocab, h, generator=gen)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in w.items()}, out / "model.safetensors", {"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in w.items()}, out / "model.safetensors", {"format": "pt"}
+    )
     cfg = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",

@@ -231,6 +231,13 @@ SPEC_METHODS = ("mtp", "eagle", "eagle3")
 MTP_DRAFT_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "DeepSeekMTPModel",
     "DeepseekV3ForCausalLM": "DeepSeekMTPModel",
+    # model_type deepseek_v32 / glm_moe_dsa: MTP layers with their own DSA indexer.
+    "DeepseekV32ForCausalLM": "DeepseekV32MTP",
+    "GlmMoeDsaForCausalLM": "DeepseekV32MTP",
+    "Qwen3_5ForCausalLM": "Qwen3_5MTP",
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5MTP",
+    "Qwen3_5MoeForCausalLM": "Qwen3_5MoeMTP",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeMTP",
 }
 
 
@@ -408,12 +415,11 @@ class VllmConfig:
                 f"max_num_batched_tokens={sc.max_num_batched_tokens} is smaller than "
                 f"max_model_len={mc.max_model_len} with chunked prefill disabled"
             )
-        n_layers = mc.num_hidden_layers
-        p = self.parallel_config.pipeline_parallel_size
-        if p > n_layers:
-            raise ValueError(
-                f"pipeline_parallel_size={p} is larger than the model's {n_layers} layers"
-            )
+        if self.parallel_config.pipeline_parallel_size > 1:
+            from vllm.distributed.utils import get_pp_partition
+
+            # Fail here, in the engine, on P > layers or a bad VLLM_PP_LAYER_PARTITION.
+            get_pp_partition(mc.num_hidden_layers, self.parallel_config.pipeline_parallel_size)
         spec = self.speculative_config
         if spec is not None and spec.draft_model_config is None:
             draft_path = spec.model or mc.model

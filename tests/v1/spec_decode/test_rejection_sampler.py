@@ -28,43 +28,43 @@ def _chi2(samples: np.ndarray, p: torch.Tensor) -> float:
     return float(((counts - expected) ** 2 / expected).sum())
 
 
-def _run(num_drafts: int, probabilistic: bool, seed0: int = 0):
-    """N requests with num_drafts drafts each; target rows P0, P1 (, bonus row P0)."""
+def _run(num_drafts: int, probabilistic: bool, seed0: int = 0, n: int = N):
+    """n requests with num_drafts drafts each; target rows P0, P1 (, bonus row P0)."""
     rows_p = [P0, P1, P0][: num_drafts + 1]
     rows_q = [Q0, Q1][:num_drafts]
     per = num_drafts + 1
-    target = torch.stack(rows_p * N)  # [N * per, V]
+    target = torch.stack(rows_p * n)  # [n * per, V]
     rng = np.random.default_rng(seed0)
-    drafts = np.full(N * per, -1, dtype=np.int64)
+    drafts = np.full(n * per, -1, dtype=np.int64)
     for j, q in enumerate(rows_q):
         if probabilistic:
             qd = q.double().numpy()
-            drafts[j::per] = rng.choice(V, size=N, p=qd / qd.sum())
+            drafts[j::per] = rng.choice(V, size=n, p=qd / qd.sum())
         else:
             drafts[j::per] = int(q.argmax())
     q_rows = torch.zeros_like(target)
     for j, q in enumerate(rows_q):
         q_rows[j::per] = q
-    seeds = np.arange(N, dtype=np.int64) + 1000 * seed0
-    positions = np.tile(np.arange(per, dtype=np.int64) + 11, N)
+    seeds = np.arange(n, dtype=np.int64) + 1000 * seed0
+    positions = np.tile(np.arange(per, dtype=np.int64) + 11, n)
     row_seeds = np.repeat(seeds, per)
     # The target's own sample of every row (the bonus row's token), keyed like the engine's.
     target_tokens = sample_tokens(
         target.log(),
-        np.ones(N * per, np.float32),
-        np.zeros(N * per, np.int64),
-        np.ones(N * per, np.float32),
-        np.zeros(N * per, np.float32),
+        np.ones(n * per, np.float32),
+        np.zeros(n * per, np.int64),
+        np.ones(n * per, np.float32),
+        np.zeros(n * per, np.float32),
         row_seeds,
         positions,
     ).numpy()
     out = rejection_sample_tokens(
         target,
         target_tokens,
-        np.arange(N + 1, dtype=np.int64) * per,
+        np.arange(n + 1, dtype=np.int64) * per,
         drafts,
         q_rows if probabilistic else None,
-        np.zeros(N, dtype=bool),
+        np.zeros(n, dtype=bool),
         seeds,
         positions,
     )
@@ -103,8 +103,8 @@ def test_acceptance_rate_matches_theory():
 
 
 def test_seeded_draws_are_reproducible():
-    a, _ = _run(2, probabilistic=True, seed0=3)
-    b, _ = _run(2, probabilistic=True, seed0=3)
+    a, _ = _run(2, probabilistic=True, seed0=3, n=1000)
+    b, _ = _run(2, probabilistic=True, seed0=3, n=1000)
     assert a == b
 
 
@@ -114,13 +114,25 @@ def test_greedy_prefix_match_and_bonus():
     cu = np.array([0, 3, 5, 6])
     drafts = np.array([5, 6, -1, 2, -1, -1])
     out = rejection_sample_tokens(
-        None, target_tokens, cu, drafts, None, np.ones(3, bool), np.zeros(3, np.int64),
+        None,
+        target_tokens,
+        cu,
+        drafts,
+        None,
+        np.ones(3, bool),
+        np.zeros(3, np.int64),
         np.arange(6),
     )
     assert out == [[5, 6, 7], [1], [4]]
     # Mismatch in the middle: the target's token replaces the first wrong draft.
     out = rejection_sample_tokens(
-        None, np.array([3, 8, 2, 0]), np.array([0, 4]), np.array([3, 4, 2, -1]), None,
-        np.ones(1, bool), np.zeros(1, np.int64), np.arange(4),
+        None,
+        np.array([3, 8, 2, 0]),
+        np.array([0, 4]),
+        np.array([3, 4, 2, -1]),
+        None,
+        np.ones(1, bool),
+        np.zeros(1, np.int64),
+        np.arange(4),
     )
     assert out == [[3, 8]]

@@ -5,7 +5,7 @@ DeepSeek-V3 checkpoint, run by the MTP speculator on the last pipeline stage."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -47,7 +47,10 @@ class SharedHead(nn.Module):
 class DeepSeekMultiTokenPredictorLayer(nn.Module):
     """x = eh_proj([enorm(embed(next token)), hnorm(h_prev)]); h = block(x) incl. residual."""
 
-    def __init__(self, config: Any, prefix: str, layer_idx: int) -> None:
+    def __init__(
+        self, config: Any, prefix: str, layer_idx: int, mtp_block: nn.Module | None = None
+    ) -> None:
+        """mtp_block: a prebuilt decoder block (V3.2 passes its sparse one)."""
         super().__init__()
         eps = getattr(config, "rms_norm_eps", 1e-6)
         h = config.hidden_size
@@ -56,9 +59,11 @@ class DeepSeekMultiTokenPredictorLayer(nn.Module):
         self.hnorm = RMSNorm(h, eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.shared_head = SharedHead(config)
-        self.mtp_block = DeepseekV2DecoderLayer(
-            config, prefix=f"{prefix}.mtp_block", layer_idx=layer_idx
-        )
+        if mtp_block is None:
+            mtp_block = DeepseekV2DecoderLayer(
+                config, prefix=f"{prefix}.mtp_block", layer_idx=layer_idx
+            )
+        self.mtp_block = mtp_block
 
     def forward(
         self,
@@ -81,8 +86,16 @@ class DeepSeekMultiTokenPredictorLayer(nn.Module):
 class DeepSeekMultiTokenPredictor(nn.Module):
     """The MTP layers keyed by absolute layer index; draft step s uses layer start + s % n."""
 
-    def __init__(self, config: Any, prefix: str = "model") -> None:
+    def __init__(
+        self,
+        config: Any,
+        prefix: str = "model",
+        layer_fn: Callable[[str, int], nn.Module] | None = None,
+    ) -> None:
+        """layer_fn(prefix, layer_idx) builds one MTP layer (default: the V2/V3 one)."""
         super().__init__()
+        if layer_fn is None:
+            layer_fn = lambda p, i: DeepSeekMultiTokenPredictorLayer(config, p, i)
         self.mtp_start_layer_idx = int(config.num_hidden_layers)
         self.num_mtp_layers = num_mtp_layers(config)
         if self.num_mtp_layers <= 0:
@@ -92,7 +105,7 @@ class DeepSeekMultiTokenPredictor(nn.Module):
         start = self.mtp_start_layer_idx
         self.layers = nn.ModuleDict(
             {
-                str(i): DeepSeekMultiTokenPredictorLayer(config, f"{prefix}.layers.{i}", i)
+                str(i): layer_fn(f"{prefix}.layers.{i}", i)
                 for i in range(start, start + self.num_mtp_layers)
             }
         )
@@ -124,14 +137,20 @@ class DeepSeekMTP(nn.Module, SupportsPP, SupportsEagleBase):
     has_own_embed_tokens = True
     has_own_lm_head = True
 
-    def __init__(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
+    ) -> None:
         super().__init__()
         config = model_config.hf_text_config
         self.config = config
-        self.model = DeepSeekMultiTokenPredictor(config, prefix=maybe_prefix(prefix, "model"))
+        self.model = self._init_model(vllm_config, config, maybe_prefix(prefix, "model"))
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
             ["hidden_states", "residual"], config.hidden_size
         )
+
+    def _init_model(self, vllm_config: VllmConfig, config: Any, prefix: str) -> nn.Module:
+        """The predictor; subclasses with a different MTP block (V3.2) override this."""
+        return DeepSeekMultiTokenPredictor(config, prefix=prefix)
 
     def embed_input_ids(self, input_ids: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
         return self.model.layer_for_step(spec_step_idx).embed_tokens(input_ids)

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -54,6 +54,10 @@ def _is_v2(config: Any) -> bool:
 
 def is_moe_layer(config: Any, layer_idx: int) -> bool:
     """Routed experts in this layer (also for MTP layers, whose index is >= num_hidden_layers)."""
+    # V3.2 / GLM-DSA configs may spell the pattern out; MTP layers lie past its end.
+    types = getattr(config, "mlp_layer_types", None)
+    if types is not None and layer_idx < len(types):
+        return types[layer_idx] == "sparse"
     freq = int(getattr(config, "moe_layer_freq", 1) or 1)
     return (
         bool(getattr(config, "n_routed_experts", None))
@@ -233,10 +237,19 @@ class DeepseekV2MLAAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        q_nope, q_pe, kv_c, k_pe, _ = self.project(positions, hidden_states)
+        return self.o_proj(self.attn(q_nope, q_pe, kv_c, k_pe))
+
+    def project(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q_nope, rotated q_pe, normed kv_c, rotated k_pe, q latent or None without q LoRA)."""
+        q_c = None
         if self.q_lora_rank is None:
             q = self.q_proj(hidden_states)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+            q_c = self.q_a_layernorm(self.q_a_proj(hidden_states))
+            q = self.q_b_proj(q_c)
         q = q.view(q.shape[0], self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden_states).split(
@@ -244,19 +257,28 @@ class DeepseekV2MLAAttention(nn.Module):
         )
         kv_c = self.kv_a_layernorm(kv_c)
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
-        return self.o_proj(self.attn(q_nope, q_pe, kv_c, k_pe))
+        return q_nope, q_pe, kv_c, k_pe, q_c
 
 
 class DeepseekV2DecoderLayer(nn.Module):
     """One decoder block; layer_idx may be an MTP layer's (>= num_hidden_layers)."""
 
-    def __init__(self, config: Any, prefix: str, layer_idx: int | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        prefix: str,
+        layer_idx: int | None = None,
+        self_attn: nn.Module | None = None,
+    ) -> None:
+        """self_attn: a prebuilt attention block (V3.2 passes its sparse one), else plain MLA."""
         super().__init__()
         if layer_idx is None:
             layer_idx = int(prefix.rsplit(".", 1)[-1])
         self.layer_idx = layer_idx
         eps = getattr(config, "rms_norm_eps", 1e-6)
-        self.self_attn = DeepseekV2MLAAttention(config, prefix=f"{prefix}.self_attn")
+        if self_attn is None:
+            self_attn = DeepseekV2MLAAttention(config, prefix=f"{prefix}.self_attn")
+        self.self_attn = self_attn
         if is_moe_layer(config, layer_idx):
             self.mlp = DeepseekV2MoE(config, prefix=f"{prefix}.mlp")
         else:
@@ -392,7 +414,13 @@ class ExpertWeightLoader:
 
 
 class DeepseekV2Model(nn.Module):
-    def __init__(self, config: Any, prefix: str = "model") -> None:
+    def __init__(
+        self,
+        config: Any,
+        prefix: str = "model",
+        layer_fn: Callable[[str], nn.Module] | None = None,
+    ) -> None:
+        """layer_fn(prefix) builds one decoder layer (default: DeepseekV2DecoderLayer)."""
         super().__init__()
         self.config = config
         pp = get_pp_group()
@@ -403,7 +431,7 @@ class DeepseekV2Model(nn.Module):
             self.embed_tokens = PPMissingLayer()
         self.start_layer, self.end_layer, self.layers = make_layers(
             int(config.num_hidden_layers),
-            lambda p: DeepseekV2DecoderLayer(config, p),
+            layer_fn or (lambda p: DeepseekV2DecoderLayer(config, p)),
             prefix=f"{prefix}.layers",
         )
         if pp.is_last_rank:
@@ -448,7 +476,7 @@ class DeepseekV2ForCausalLM(nn.Module):
         super().__init__()
         config = model_config.hf_text_config
         self.config = config
-        self.model = DeepseekV2Model(config, prefix=maybe_prefix(prefix, "model"))
+        self.model = self._init_model(vllm_config, config, maybe_prefix(prefix, "model"))
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if get_pp_group().is_last_rank:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -457,6 +485,10 @@ class DeepseekV2ForCausalLM(nn.Module):
         else:
             self.lm_head = PPMissingLayer()
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+
+    def _init_model(self, vllm_config: VllmConfig, config: Any, prefix: str) -> nn.Module:
+        """The inner decoder; subclasses with a different decoder (V3.2) override this."""
+        return DeepseekV2Model(config, prefix=prefix)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)

@@ -126,7 +126,9 @@ class SupportsEagle3(SupportsEagleBase):
     supports_eagle3: ClassVar[bool] = True
 
     def set_aux_hidden_state_layers(self, layers) -> None:
-        inner = self.get_language_model().model if hasattr(self, "get_language_model") else self.model
+        inner = (
+            self.get_language_model().model if hasattr(self, "get_language_model") else self.model
+        )
         if not isinstance(inner, EagleModelMixin):
             raise RuntimeError(f"{type(inner).__name__} cannot tap aux hidden states")
         inner._set_aux_hidden_state_layers(layers)

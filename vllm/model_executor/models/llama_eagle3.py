@@ -63,9 +63,7 @@ class Eagle3DecoderLayer(nn.Module):
                 name,
                 nn.Linear(2 * h, old.out_features, bias=old.bias is not None),
             )
-        self.mlp = LlamaMLP(
-            h, config.intermediate_size, bool(getattr(config, "mlp_bias", False))
-        )
+        self.mlp = LlamaMLP(h, config.intermediate_size, bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(h, eps)
         self.hidden_norm = RMSNorm(h, eps)
         self.post_attention_layernorm = RMSNorm(h, eps)
@@ -119,7 +117,9 @@ class LlamaForCausalLMEagle3(nn.Module, SupportsPP, SupportsEagleBase):
 
     supports_pp = True
 
-    def __init__(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
+    ) -> None:
         super().__init__()
         config = model_config.hf_text_config
         self.config = config

@@ -11,8 +11,21 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("vllm.model_executor.models.qwen2", "Qwen2ForCausalLM"),
     "DeepseekV2ForCausalLM": ("vllm.model_executor.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("vllm.model_executor.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+    # Qwen3.5 hybrids; the multimodal checkpoints run their text path.
+    "Qwen3_5ForCausalLM": ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("vllm.model_executor.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": (
+        "vllm.model_executor.models.qwen3_5",
+        "Qwen3_5MoeForCausalLM",
+    ),
+    "DeepseekV32ForCausalLM": ("vllm.models.deepseek_v32.model", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("vllm.models.deepseek_v32.model", "GlmMoeDsaForCausalLM"),
     # Speculative-decoding drafts.
     "DeepSeekMTPModel": ("vllm.model_executor.models.deepseek_mtp", "DeepSeekMTP"),
+    "DeepseekV32MTP": ("vllm.models.deepseek_v32.mtp", "DeepseekV32MTP"),
+    "Qwen3_5MTP": ("vllm.model_executor.models.qwen3_5_mtp", "Qwen3_5MTP"),
+    "Qwen3_5MoeMTP": ("vllm.model_executor.models.qwen3_5_mtp", "Qwen3_5MoeMTP"),
     "LlamaForCausalLMEagle3": ("vllm.model_executor.models.llama_eagle3", "LlamaForCausalLMEagle3"),
     "Eagle3LlamaForCausalLM": ("vllm.model_executor.models.llama_eagle3", "LlamaForCausalLMEagle3"),
 }

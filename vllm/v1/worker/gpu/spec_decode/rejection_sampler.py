@@ -48,51 +48,59 @@ def rejection_sample_tokens(
     draft_probs [N, V] or None (drafts were argmax: q one-hot). greedy / seeds [R].
     positions [N]: position of the token each row predicts.
     """
-    out: list[list[int]] = []
-    tokens = np.asarray(target_tokens).tolist()
-    drafts = np.asarray(draft_token_ids).tolist()
-    for r in range(len(cu_num_logits) - 1):
-        b, e = int(cu_num_logits[r]), int(cu_num_logits[r + 1])
-        d = e - b - 1
-        if d <= 0:
-            out.append(tokens[b:e])
-            continue
-        if greedy[r]:
-            a = 0
-            while a < d and drafts[b + a] == tokens[b + a]:
-                a += 1
-            out.append(tokens[b : b + a + 1])
-            continue
-        rows = np.arange(b, b + d)
-        ids = torch.tensor(drafts[b : b + d], dtype=torch.long, device=target_probs.device)
-        r_t = torch.from_numpy(rows).to(target_probs.device)
-        p_x = target_probs[r_t, ids]
-        q_x = draft_probs[r_t, ids] if draft_probs is not None else torch.ones_like(p_x)
-        u = uniform_noise(
-            np.full(d, seeds[r]), positions[rows], target_probs.device, ACCEPT_NOISE_STREAM
-        )
-        accepted = (u * q_x < p_x).tolist()
-        a = accepted.index(False) if False in accepted else d
-        toks = drafts[b : b + a]
-        if a < d:
-            row = b + a
-            p = target_probs[row]
-            if draft_probs is not None:
-                residual = (p - draft_probs[row]).clamp_min(0)
-            else:
-                residual = p.clone()
-                residual[drafts[row]] = 0
-            if float(residual.sum()) <= 0:  # p == q up to rounding: any draw from p is exact
-                residual = p
-            noise = exponential_noise(
-                np.array([seeds[r]]), positions[row : row + 1], p.shape[-1], p.device,
-                RESAMPLE_NOISE_STREAM,
-            )
-            toks.append(int((residual / noise[0]).argmax()))
+    tokens = np.asarray(target_tokens, dtype=np.int64)
+    drafts = np.asarray(draft_token_ids, dtype=np.int64)
+    cu = np.asarray(cu_num_logits, dtype=np.int64)
+    greedy = np.asarray(greedy, dtype=bool)
+    R = len(cu) - 1
+    n_rows = np.diff(cu)
+    d = np.maximum(n_rows - 1, 0)
+    row_req = np.repeat(np.arange(R), n_rows)
+    j = np.arange(len(tokens)) - cu[:-1][row_req]  # index of each row within its request
+    is_draft = j < d[row_req]
+    ok = np.zeros(len(tokens), dtype=bool)
+    g = is_draft & greedy[row_req]
+    ok[g] = drafts[g] == tokens[g]
+    s_rows = np.nonzero(is_draft & ~greedy[row_req])[0]
+    if len(s_rows):
+        dev = target_probs.device
+        rt = torch.from_numpy(s_rows).to(dev)
+        ids = torch.from_numpy(drafts[s_rows]).to(dev)
+        p_x = target_probs[rt, ids]
+        q_x = draft_probs[rt, ids] if draft_probs is not None else torch.ones_like(p_x)
+        u = uniform_noise(seeds[row_req[s_rows]], positions[s_rows], dev, ACCEPT_NOISE_STREAM)
+        ok[s_rows] = (u * q_x < p_x).cpu().numpy()
+    # Accepted drafts = leading run of ok rows.
+    first_bad = np.where(is_draft & ~ok, j, np.iinfo(np.int64).max)
+    a = np.zeros(R, dtype=np.int64)
+    nonempty = n_rows > 0
+    if nonempty.any():
+        a[nonempty] = np.minimum.reduceat(first_bad, cu[:-1][nonempty])
+    a = np.minimum(a, d)
+    final_row = cu[:-1] + a
+    final = np.zeros(R, dtype=np.int64)
+    final[nonempty] = tokens[final_row[nonempty]]
+    rej = np.nonzero(nonempty & ~greedy & (a < d))[0]
+    if len(rej):
+        rows = final_row[rej]
+        rt = torch.from_numpy(rows).to(target_probs.device)
+        p = target_probs[rt]
+        if draft_probs is not None:
+            residual = (p - draft_probs[rt]).clamp_min(0)
         else:
-            toks.append(tokens[e - 1])
-        out.append(toks)
-    return out
+            residual = p.clone()
+            residual[torch.arange(len(rows)), torch.from_numpy(drafts[rows]).to(p.device)] = 0
+        # p == q up to rounding: then any draw from p is exact.
+        empty = residual.sum(-1) <= 0
+        residual[empty] = p[empty]
+        noise = exponential_noise(
+            seeds[rej], positions[rows], p.shape[-1], p.device, RESAMPLE_NOISE_STREAM
+        )
+        final[rej] = (residual / noise).argmax(-1).cpu().numpy()
+    drafts_l, final_l, a_l, cu_l = drafts.tolist(), final.tolist(), a.tolist(), cu.tolist()
+    return [
+        drafts_l[cu_l[r] : cu_l[r] + a_l[r]] + [final_l[r]] if n_rows[r] else [] for r in range(R)
+    ]
 
 
 class RejectionSampler:

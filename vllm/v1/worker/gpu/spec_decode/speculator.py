@@ -32,7 +32,7 @@ class BaseSpeculator(ABC):
     def load_model(self, target_model: nn.Module) -> None:
         """Build the drafter next to the (already loaded) target model."""
 
-    def init_cudagraph_manager(self, cudagraph_mode: Any = None) -> None:
+    def init_cudagraph_manager(self, cudagraph_mode: Any = None) -> None:  # noqa: B027
         """CUDA graphs are not captured yet: capture() warms up eagerly on every device."""
 
     @abstractmethod

@@ -149,14 +149,17 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         if K == 1:
             return drafts.copy()
         qsl = np.arange(num_reqs + 1, dtype=np.int64)
-        with self._hooked(
-            self.on_multi_step_decode_begin, self.on_multi_step_decode_end, num_reqs
-        ):
+        with self._hooked(self.on_multi_step_decode_begin, self.on_multi_step_decode_end, num_reqs):
             for step in range(1, K):
                 if self.advance_draft_positions:
                     pos = np.minimum(pos + 1, self.max_model_len - 1)
                 meta = build_attn_metadata(
-                    qsl, pos + 1, block_table, self.block_size, dev, positions=pos,
+                    qsl,
+                    pos + 1,
+                    block_table,
+                    self.block_size,
+                    dev,
+                    positions=pos,
                     short_query_len=1,
                 )
                 logits_h, hidden = self._run_model(
@@ -175,11 +178,17 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         T = R * q
         qsl = np.arange(R + 1, dtype=np.int64) * q
         positions = np.tile(np.arange(q, dtype=np.int64), R)
-        block_table = np.zeros((R, 1 + (q + self.num_speculative_steps) // self.block_size),
-                               dtype=np.int64)
+        block_table = np.zeros(
+            (R, 1 + (q + self.num_speculative_steps) // self.block_size), dtype=np.int64
+        )
         meta = build_attn_metadata(
-            qsl, np.full(R, q), block_table, self.block_size, self.device,
-            positions=positions, short_query_len=q,
+            qsl,
+            np.full(R, q),
+            block_table,
+            self.block_size,
+            self.device,
+            positions=positions,
+            short_query_len=q,
         )
         h = torch.zeros(T, self.target_hidden_size, dtype=self.dtype, device=self.device)
         n_aux = self._num_aux_hidden_states()

@@ -119,9 +119,11 @@ def load_eagle_model(
     LM head where allowed, and its DSA top-k buffer where the draft has one."""
     spec = vllm_config.speculative_config
     draft = get_model(vllm_config, model_config=spec.draft_model_config, device=device)
-    target_lm = target_model.get_language_model() if hasattr(
-        target_model, "get_language_model"
-    ) else target_model
+    target_lm = (
+        target_model.get_language_model()
+        if hasattr(target_model, "get_language_model")
+        else target_model
+    )
     target_inner = target_lm.model
     draft_inner = getattr(draft, "model", draft)
     target_embed = _real(getattr(target_inner, "embed_tokens", None))

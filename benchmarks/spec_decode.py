@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Speculative decoding vs none, same prompts, same target, one run: MTP (K = 1, 2, 3) on a tiny
+DeepSeek-V3 and EAGLE3 (K = 2, 4) on a tiny Llama. Prints tokens/s, mean acceptance length and
+per-position acceptance of every configuration, checks greedy outputs are identical, and prints
+the speedup ratios last.
+
+    python benchmarks/spec_decode.py --num-prompts 8 --input-len 64 --output-len 64
+    python benchmarks/spec_decode.py --mtp-heads self     # MTP heads that reproduce the target
+
+--mtp-heads: random (the checkpoint's random MTP layer: acceptance near 0, shows the overhead),
+near (the target mostly a bigram model that the MTP head reproduces: partial acceptance),
+self (a bigram target: every draft accepted, the upper bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks.common import CACHE, timer
+
+
+def _models(mtp_heads: str) -> tuple[str, str, str]:
+    from tests.checkpoints import make_deepseek_v3, make_llama
+    from tests.spec_checkpoints import make_eagle3_draft, make_mtp_self_draft
+
+    ds = CACHE / "tiny-deepseek-v3-mtp1"
+    if not (ds / "config.json").exists():
+        make_deepseek_v3(str(ds), num_nextn_predict_layers=1, max_position_embeddings=1024)
+    mtp = str(ds)
+    if mtp_heads != "random":
+        scale = 0.0 if mtp_heads == "self" else 0.2
+        out = CACHE / f"tiny-deepseek-v3-mtp1-{mtp_heads}"
+        if not (out / "config.json").exists():
+            make_mtp_self_draft(str(out), str(ds), target_scale=scale)
+        mtp = str(out)
+    llama = CACHE / "tiny-llama-eagle3-target"
+    if not (llama / "config.json").exists():
+        make_llama(str(llama), max_position_embeddings=1024)
+    draft = CACHE / "tiny-llama-eagle3-draft"
+    if not (draft / "config.json").exists():
+        make_eagle3_draft(str(draft), str(llama), aux_layers=(1, 2, 3), draft_vocab_size=256)
+    return mtp, str(llama), str(draft)
+
+
+def _spec_counts(llm) -> tuple[int, int, list[int]]:
+    m = {x.name: x for x in llm.get_metrics()}
+    if "vllm:spec_decode_num_drafts" not in m:  # no speculation: the counters never moved
+        return 0, 0, []
+    return (
+        m["vllm:spec_decode_num_drafts"].value,
+        m["vllm:spec_decode_num_accepted_tokens"].value,
+        list(m["vllm:spec_decode_num_accepted_tokens_per_pos"].values),
+    )
+
+
+def run(model: str, prompts, output_len: int, pp: int, spec: dict | None, max_num_seqs: int):
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=model,
+        dtype="float32",
+        max_model_len=1024,
+        max_num_seqs=max_num_seqs,
+        pipeline_parallel_size=pp,
+        speculative_config=spec,
+        disable_log_stats=False,
+    )
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+        warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": prompts[0]}], warm, use_tqdm=False)
+        d0, a0, p0 = _spec_counts(llm)
+        with timer() as t:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        d1, a1, p1 = _spec_counts(llm)
+    finally:
+        llm.shutdown()
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    k = spec["num_speculative_tokens"] if spec else 0
+    drafts, accepted = d1 - d0, a1 - a0
+    per_pos = [b - (p0[i] if i < len(p0) else 0) for i, b in enumerate(p1)] + [0] * k
+    return {
+        "tok_s": sum(len(x) for x in tokens) / t["s"],
+        "tokens": tokens,
+        "mean_len": 1 + accepted / drafts if drafts else 1.0,
+        "per_pos": [v / drafts if drafts else 0.0 for v in per_pos[:k]],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--mtp-heads", choices=["random", "near", "self"], default="random")
+    ap.add_argument("--mtp-k", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--eagle3-k", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--pp", type=int, nargs="+", default=[1], help="pipeline sizes to run")
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)  # tiny models: intra-op threads only add overhead
+    from tests.engine_utils import make_prompts
+
+    mtp, llama, draft = _models(args.mtp_heads)
+    prompts = make_prompts(512, [args.input_len] * args.num_prompts, seed=0)
+    cases = [("mtp", mtp, None, k) for k in args.mtp_k]
+    cases += [("eagle3", llama, draft, k) for k in args.eagle3_k]
+    print(
+        f"{args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} tokens, "
+        f"greedy, max_num_seqs={args.max_num_seqs}, MTP heads: {args.mtp_heads}"
+    )
+    header = f"{'pp':>2} {'method':<7} {'K':>2} {'tok/s':>8} {'mean len':>8}  per-position"
+    ratios = []
+    for pp in args.pp:
+        base = {
+            m: run(m, prompts, args.output_len, pp, None, args.max_num_seqs) for m in {mtp, llama}
+        }
+        print(header)
+        for m, name in ((mtp, "mtp"), (llama, "eagle3")):
+            print(
+                f"{pp:>2} {'none':<7} {0:>2} {base[m]['tok_s']:>8.1f} {1.0:>8.2f}  ({name} target)"
+            )
+        for method, target, draft_dir, k in cases:
+            spec = {"method": method, "num_speculative_tokens": k}
+            if draft_dir:
+                spec["model"] = draft_dir
+            r = run(target, prompts, args.output_len, pp, spec, args.max_num_seqs)
+            same = r["tokens"] == base[target]["tokens"]
+            rates = " ".join(f"{x:.2f}" for x in r["per_pos"])
+            print(
+                f"{pp:>2} {method:<7} {k:>2} {r['tok_s']:>8.1f} {r['mean_len']:>8.2f}  [{rates}]"
+                + ("" if same else "  OUTPUT DIFFERS FROM NO-SPEC RUN")
+            )
+            ratios.append(f"pp{pp} {method} K={k}: {r['tok_s'] / base[target]['tok_s']:.2f}x")
+    print("speedup vs no speculation (tok/s ratio): " + ", ".join(ratios))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Draft models against independent references, and how they load next to their target.
+
+The references recompute, for the exact contexts the engine drafted from, what the draft should
+propose: HF transformers runs the target (final hidden states / aux hidden states) and the MTP
+block (HF's DeepseekV3DecoderLayer); the EAGLE3 layer is written out in plain torch. Draft step s
+queries position last + s over the draft's KV of every earlier position, so a match also checks
+the draft's KV cache bookkeeping across steps, rejections and requests.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tests.checkpoints import _fuse_experts
+from tests.engine_utils import hf_model, make_prompts
+from tests.spec_checkpoints import make_eagle3_draft
+from vllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+COMMON = dict(dtype="float32", max_model_len=256, max_num_seqs=4)
+
+
+def _weights(folder: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as fh:
+            out.update({k: fh.get_tensor(k) for k in fh.keys()})
+    return out
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _causal(n: int) -> torch.Tensor:
+    return torch.full((n, n), float("-inf")).triu(1)[None, None]
+
+
+def _runner(llm: LLM):
+    return llm.llm_engine.executor.worker.model_runner
+
+
+def _record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
+    """(context, drafts) of every proposal for a request that sampled this step."""
+    spec = _runner(llm).speculator
+    orig = spec.propose
+    records: list[tuple[list[int], list[int]]] = []
+
+    def propose(runner, batch, hidden, aux, sampled, num_sampled, num_rejected):
+        drafts = orig(runner, batch, hidden, aux, sampled, num_sampled, num_rejected)
+        st = runner.states
+        for i, s in enumerate(batch.idx_mapping_np.tolist()):
+            if num_sampled[i]:
+                records.append((st.token_ids[s, : st.num_tokens[s]].tolist(), list(drafts[i])))
+        return drafts
+
+    spec.propose = propose
+    return records
+
+
+def _drafted(model: str, prompts, spec: dict, **kw) -> list[tuple[list[int], list[int]]]:
+    llm = LLM(model=model, **{**COMMON, **kw}, speculative_config=spec)
+    try:
+        records = _record_drafts(llm)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return records
+
+
+def _sample(records, n: int = 6):
+    step = max(1, len(records) // n)
+    return records[::step][:n]
+
+
+# ---- MTP -----------------------------------------------------------------------------------
+
+
+class _MTPReference:
+    """Draft chain of one DeepSeek MTP layer (SPEC section 2), from HF's target and block."""
+
+    def __init__(self, model_dir: str) -> None:
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+        self.hf = hf_model(model_dir)
+        cfg = self.hf.config
+        self.layer = n = cfg.num_hidden_layers
+        w = _weights(model_dir)
+        prefix = f"model.layers.{n}."
+        mine = {k[len(prefix) :]: v for k, v in w.items() if k.startswith(prefix)}
+        parts = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
+        self.w = {k: v for k, v in mine.items() if k.startswith(parts)}
+        block_cfg = copy.deepcopy(cfg)
+        block_cfg.first_k_dense_replace = 0  # MTP blocks are MoE
+        self.block = DeepseekV3DecoderLayer(block_cfg, layer_idx=n).eval()
+        block_w = _fuse_experts({"b." + k: v for k, v in mine.items() if not k.startswith(parts)})
+        self.block.load_state_dict({k[2:]: v for k, v in block_w.items()}, strict=True)
+        self.embed = self.w.get("embed_tokens.weight", w["model.embed_tokens.weight"])
+
+    @torch.no_grad()
+    def drafts(self, context: list[int], k: int) -> list[int]:
+        """K greedy drafts after context (its last token is the one just sampled)."""
+        ids = torch.tensor(context)
+        last = len(context) - 2
+        h_target = self.hf.model(input_ids=ids[None, : last + 1]).last_hidden_state[0]
+        e = self.embed[ids[1:]].clone()
+        e[0] = 0  # position 0
+        w = self.w
+
+        def x_of(e_rows: torch.Tensor, h_rows: torch.Tensor) -> torch.Tensor:
+            cat = torch.cat([_rms(e_rows, w["enorm.weight"]), _rms(h_rows, w["hnorm.weight"])], -1)
+            return cat @ w["eh_proj.weight"].T
+
+        xs = x_of(e, h_target)
+        out = []
+        for _ in range(k):
+            n = xs.shape[0]
+            pos = torch.arange(n)[None]
+            cos_sin = self.hf.model.rotary_emb(xs[None], pos)
+            h = self.block(
+                xs[None], attention_mask=_causal(n), position_ids=pos, position_embeddings=cos_sin
+            )[0]
+            logits = _rms(h[-1], w["shared_head.norm.weight"]) @ w["shared_head.head.weight"].T
+            tok = int(logits.argmax())
+            out.append(tok)
+            xs = torch.cat([xs, x_of(self.embed[tok][None], h[-1][None])])
+        return out
+
+
+def test_mtp_drafts_match_reference(deepseek_v3_mtp1_dir):
+    prompts = make_prompts(512, [13, 5, 22], seed=11)
+    k = 3
+    # An 8-token budget: prompts arrive in chunks (the draft's KV of a chunk's last position
+    # pairs with the next prompt token) while other requests verify drafts.
+    records = _drafted(
+        deepseek_v3_mtp1_dir,
+        prompts,
+        {"method": "mtp", "num_speculative_tokens": k},
+        max_num_batched_tokens=8,
+    )
+    ref = _MTPReference(deepseek_v3_mtp1_dir)
+    checked = _sample(records)
+    assert len(checked) >= 4
+    for context, drafts in checked:
+        assert drafts == ref.drafts(context, k), f"context of {len(context)} tokens"
+
+
+def _without_mtp_embed(src: str, dst: Path) -> str:
+    """Copy of an MTP checkpoint whose MTP layers ship no embed_tokens."""
+    shutil.copytree(src, dst)
+    index = json.loads((dst / "model.safetensors.index.json").read_text())
+    for shard in set(index["weight_map"].values()):
+        w = _weights_file(dst / shard)
+        drop = [k for k in w if k.endswith("embed_tokens.weight") and ".layers." in k]
+        for k in drop:
+            del w[k]
+            del index["weight_map"][k]
+        save_file(w, dst / shard, {"format": "pt"})
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return str(dst)
+
+
+def _weights_file(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as fh:
+        return {k: fh.get_tensor(k) for k in fh.keys()}
+
+
+def test_mtp_loading_shares_identical_tables(deepseek_v3_mtp2_dir, tmp_path):
+    no_embed = _without_mtp_embed(deepseek_v3_mtp2_dir, tmp_path / "noembed")
+    for model in (deepseek_v3_mtp2_dir, no_embed):
+        llm = LLM(
+            model=model, **COMMON, speculative_config={"method": "mtp", "num_speculative_tokens": 2}
+        )
+        try:
+            runner = _runner(llm)
+            target, draft = runner.model, runner.speculator.model
+            assert sorted(draft.model.layers) == ["3", "4"]
+            for layer in draft.model.layers.values():
+                # The checkpoint's MTP embedding / head are copies of the target's: one copy kept.
+                assert layer.embed_tokens is target.model.embed_tokens
+                assert layer.shared_head.head is target.lm_head
+            # Each MTP layer has its own KV cache, allocated like the target's.
+            names = [n for n in runner.kv_caches if n.startswith("drafter.")]
+            assert len(names) == 2
+        finally:
+            llm.shutdown()
+
+
+# ---- EAGLE3 ----------------------------------------------------------------------------------
+
+
+class _Eagle3Reference:
+    """EAGLE3 draft (SPEC section 2) in plain torch over HF's target hidden states."""
+
+    def __init__(self, target_dir: str, draft_dir: str) -> None:
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        self.rope = apply_rotary_pos_emb
+        self.hf = hf_model(target_dir)
+        self.cfg = json.loads((Path(draft_dir) / "config.json").read_text())
+        self.w = _weights(draft_dir)
+        self.embed = self.w.get("embed_tokens.weight", self.hf.model.embed_tokens.weight)
+        self.taps = sorted(set(self.cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]))
+        v, dv = self.cfg["vocab_size"], self.cfg["draft_vocab_size"]
+        d2t = self.w.get("d2t", torch.zeros(dv, dtype=torch.long))
+        self.target_ids = torch.arange(dv) + d2t
+        assert v >= dv
+
+    def _layer(self, x_embed: torch.Tensor, x_hidden: torch.Tensor):
+        w, c = self.w, self.cfg
+        p = "midlayer."
+        if c["norm_before_residual"]:
+            hn = _rms(x_hidden, w[p + "hidden_norm.weight"])
+            residual = hn
+        else:
+            residual = x_hidden
+            hn = _rms(x_hidden, w[p + "hidden_norm.weight"])
+        x = torch.cat([_rms(x_embed, w[p + "input_layernorm.weight"]), hn], -1)
+        n, hd = x.shape[0], c["head_dim"]
+        nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
+        q = (x @ w[p + "self_attn.q_proj.weight"].T).view(n, nh, hd).transpose(0, 1)[None]
+        k = (x @ w[p + "self_attn.k_proj.weight"].T).view(n, nkv, hd).transpose(0, 1)[None]
+        v = (x @ w[p + "self_attn.v_proj.weight"].T).view(n, nkv, hd).transpose(0, 1)[None]
+        cos, sin = self.hf.model.rotary_emb(x[None], torch.arange(n)[None])
+        q, k = self.rope(q, k, cos, sin)
+        k = k.repeat_interleave(nh // nkv, 1)
+        v = v.repeat_interleave(nh // nkv, 1)
+        att = ((q @ k.transpose(-1, -2)) * hd**-0.5 + _causal(n)).softmax(-1) @ v
+        att = att[0].transpose(0, 1).reshape(n, nh * hd) @ w[p + "self_attn.o_proj.weight"].T
+        residual = att + residual
+        y = _rms(residual, w[p + "post_attention_layernorm.weight"])
+        mlp = (
+            torch.nn.functional.silu(y @ w[p + "mlp.gate_proj.weight"].T)
+            * (y @ w[p + "mlp.up_proj.weight"].T)
+        ) @ w[p + "mlp.down_proj.weight"].T
+        prenorm = mlp + residual
+        return _rms(prenorm, w["norm.weight"]), prenorm
+
+    @torch.no_grad()
+    def drafts(self, context: list[int], k: int) -> list[int]:
+        ids = torch.tensor(context)
+        last = len(context) - 2
+        hs = self.hf.model(input_ids=ids[None, : last + 1], output_hidden_states=True)
+        aux = torch.cat([hs.hidden_states[t][0] for t in self.taps], -1)
+        hidden = aux @ self.w["fc.weight"].T
+        embeds = self.embed[ids[1:]]
+        out = []
+        for _ in range(k):
+            normed, prenorm = self._layer(embeds, hidden)
+            logits = normed[-1] @ self.w["lm_head.weight"].T
+            tok = int(self.target_ids[int(logits.argmax())])
+            out.append(tok)
+            embeds = torch.cat([embeds, self.embed[tok][None]])
+            hidden = torch.cat([hidden, prenorm[-1][None]])
+        return out
+
+
+@pytest.mark.parametrize("target", ["llama_dir", "qwen2_dir"])
+def test_eagle3_drafts_match_reference(request, target, tmp_path):
+    target_dir = request.getfixturevalue(target)
+    if target == "llama_dir":
+        draft = make_eagle3_draft(
+            tmp_path / "d", target_dir, aux_layers=(1, 2, 3), norm_before_residual=True, seed=3
+        )
+    else:
+        # No own embedding, reduced vocabulary, unsorted taps.
+        draft = make_eagle3_draft(
+            tmp_path / "d",
+            target_dir,
+            aux_layers=(3, 1, 2),
+            own_embed=False,
+            draft_vocab_size=256,
+            seed=4,
+        )
+    k = 2
+    prompts = make_prompts(512, [11, 4, 19], seed=12)
+    budget = 8 if target == "llama_dir" else 2048  # chunked prefill in one of the two
+    records = _drafted(
+        target_dir,
+        prompts,
+        {"method": "eagle3", "model": draft, "num_speculative_tokens": k},
+        max_num_batched_tokens=budget,
+    )
+    ref = _Eagle3Reference(target_dir, draft)
+    checked = _sample(records)
+    assert len(checked) >= 4
+    for context, drafts in checked:
+        assert drafts == ref.drafts(context, k), f"context of {len(context)} tokens"
+
+
+def test_eagle3_loading_shares_target_embedding(llama_dir, tmp_path):
+    for own in (True, False):
+        draft = make_eagle3_draft(tmp_path / f"d{own}", llama_dir, own_embed=own)
+        llm = LLM(
+            model=llama_dir,
+            **COMMON,
+            speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": 1},
+        )
+        try:
+            runner = _runner(llm)
+            target, d = runner.model, runner.speculator.model
+            shared = d.model.embed_tokens is target.model.embed_tokens
+            assert shared is (not own)
+            assert d.lm_head is not target.lm_head  # the draft's own (random) head is kept
+            assert target.model.aux_hidden_state_layers == (1, 2, 3)
+        finally:
+            llm.shutdown()
