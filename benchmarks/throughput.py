@@ -10,10 +10,13 @@ same model, same dtype, in one run. Prints tokens/s of each and the ratio last.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-from benchmarks.common import resolve_model, timer
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import resolve_model, timer  # noqa: E402
 
 
 def run_ours(model: str, prompts: list[list[int]], output_len: int, batch: int, dtype: str):

@@ -16,20 +16,13 @@ from vllm.v1.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture(scope="module")
-def model_dir(request, tmp_path_factory) -> str:
-    try:
-        return str(request.getfixturevalue("llama_dir"))
-    except pytest.FixtureLookupError:  # TEMP until tests/conftest.py provides llama_dir
-        from tests.checkpoints import make_llama
-
-        return make_llama(tmp_path_factory.mktemp("llama"))
+def model_dir(llama_dir) -> str:
+    return str(llama_dir)
 
 
 @pytest.fixture
 def async_llm(model_dir):
-    llm = AsyncLLM.from_engine_args(
-        EngineArgs(model=model_dir, dtype="float32", max_model_len=128)
-    )
+    llm = AsyncLLM.from_engine_args(EngineArgs(model=model_dir, dtype="float32", max_model_len=128))
     yield llm
     llm.shutdown()
 
@@ -54,8 +47,11 @@ def test_generate_concurrent_delta_equals_final(async_llm):
 
     async def main():
         return await asyncio.gather(
-            *(collect(i, k) for k in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY)
-              for i in range(3))
+            *(
+                collect(i, k)
+                for k in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY)
+                for i in range(3)
+            )
         )
 
     res = asyncio.run(main())

@@ -38,8 +38,18 @@ class RemoteServer:
         self.port = free_port()
         self.host = "127.0.0.1"
         self.log_path = Path(log_path) if log_path else Path(f"/tmp/vllm-serve-{self.port}.log")
-        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
-               "--host", self.host, "--port", str(self.port), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.cli.main",
+            "serve",
+            model,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            *args,
+        ]
         full_env = {**os.environ, **(env or {})}
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)

@@ -34,26 +34,39 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     parser.error = _make_error(parser.prog)  # type: ignore[method-assign]
     parser.add_argument(
-        "model_tag", nargs="?", default=None, metavar="MODEL",
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
         help="Local HF-format model folder (default: the bundled default model)",
     )
     parser.add_argument("--model", type=str, default=None, help="Same as MODEL")
     parser.add_argument("--host", type=str, default="0.0.0.0", help="Address to bind")
     parser.add_argument("--port", type=int, default=8000, help="Port to bind")
     parser.add_argument(
-        "--served-model-name", type=str, nargs="+", default=None,
+        "--served-model-name",
+        type=str,
+        nargs="+",
+        default=None,
         help="Name(s) clients use in `model`; the first is reported (default: the model path)",
     )
     parser.add_argument(
-        "--api-key", type=str, default=None,
+        "--api-key",
+        type=str,
+        default=None,
         help="Require `Authorization: Bearer KEY` on /v1/* (also read from VLLM_API_KEY)",
     )
     parser.add_argument(
-        "--uvicorn-log-level", type=str, default="info", choices=_LOG_LEVELS,
+        "--uvicorn-log-level",
+        type=str,
+        default="info",
+        choices=_LOG_LEVELS,
     )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
     parser.add_argument(
-        "--timeout-graceful-shutdown", type=float, default=None,
+        "--timeout-graceful-shutdown",
+        type=float,
+        default=None,
         help="Seconds in-flight requests get to finish after SIGINT/SIGTERM (default: no limit)",
     )
     EngineArgs.add_cli_args(parser)

@@ -10,7 +10,9 @@ import json
 import os
 import secrets
 import signal
+import socket
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
@@ -187,6 +189,11 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     )
 
 
+def _finite(logprob: float) -> float:
+    # JSON has no -inf/NaN; a token the sampler ruled out gets a very low finite value instead.
+    return logprob if logprob > -9999.0 else -9999.0
+
+
 def _token_text(lp: Logprob | None, tid: int, tokenizer) -> str:
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
@@ -203,18 +210,18 @@ def _completion_logprobs(
         lp = pos.get(tid)
         text = _token_text(lp, tid, tokenizer)
         res.tokens.append(text)
-        res.token_logprobs.append(lp.logprob if lp is not None else None)
+        res.token_logprobs.append(_finite(lp.logprob) if lp is not None else None)
         res.top_logprobs.append(
-            {_token_text(v, k, tokenizer): v.logprob for k, v in pos.items()} if pos else None
+            {_token_text(v, k, tokenizer): _finite(v.logprob) for k, v in pos.items()}
+            if pos
+            else None
         )
         res.text_offset.append(offset)
         offset += len(text)
     return res
 
 
-def _chat_logprobs(
-    out: CompletionOutput, tokenizer, top_n: int
-) -> ChatChoiceLogProbs | None:
+def _chat_logprobs(out: CompletionOutput, tokenizer, top_n: int) -> ChatChoiceLogProbs | None:
     if out.logprobs is None:
         return None
     content = []
@@ -228,12 +235,12 @@ def _chat_logprobs(
         content.append(
             ChatCompletionLogProb(
                 token=text,
-                logprob=lp.logprob if lp is not None else float("-inf"),
+                logprob=_finite(lp.logprob) if lp is not None else -9999.0,
                 bytes=list(text.encode("utf-8", "replace")),
                 top_logprobs=[
                     TopLogprob(
                         token=(t := _token_text(v, k, tokenizer)),
-                        logprob=v.logprob,
+                        logprob=_finite(v.logprob),
                         bytes=list(t.encode("utf-8", "replace")),
                     )
                     for k, v in top
@@ -292,7 +299,7 @@ class OpenAIServing:
         created = int(time.time())
         if req.stream:
             gen = self._completion_stream(req, streams, rid, created)
-            return StreamingResponse(gen, media_type="text/event-stream")
+            return _sse_response(gen, streams)
         return await _unless_disconnected(raw, self._completion_full(req, streams, rid, created))
 
     async def _completion_full(
@@ -318,7 +325,10 @@ class OpenAIServing:
                     )
                 )
         return CompletionResponse(
-            id=rid, created=created, model=self.model_name, choices=choices,
+            id=rid,
+            created=created,
+            model=self.model_name,
+            choices=choices,
             usage=_usage(prompt_tokens, completion_tokens),
         )
 
@@ -330,21 +340,27 @@ class OpenAIServing:
         prompt_lens = [0] * len(streams)
         num_tokens: dict[int, int] = {}
         offsets: dict[int, int] = {}
+        done: set[int] = set()  # choices already sent with their finish_reason (n > 1)
         try:
             async for i, ro in _merge_streams(streams):
                 prompt_lens[i] = len(ro.prompt_token_ids)
                 choices = []
                 for c in ro.outputs:
                     idx = i * req.n + c.index
-                    if not c.text and not c.token_ids and c.finish_reason is None:
+                    if idx in done or (not c.text and not c.token_ids and not c.finish_reason):
                         continue
+                    if c.finish_reason is not None:
+                        done.add(idx)
                     num_tokens[idx] = num_tokens.get(idx, 0) + len(c.token_ids)
                     lps = _completion_logprobs(c, self.tokenizer, offsets.get(idx, 0))
                     offsets[idx] = offsets.get(idx, 0) + len(c.text)
                     choices.append(
                         CompletionResponseStreamChoice(
-                            index=idx, text=c.text, logprobs=lps,
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                            index=idx,
+                            text=c.text,
+                            logprobs=lps,
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
                         )
                     )
                 if not choices:
@@ -358,7 +374,10 @@ class OpenAIServing:
             if include_usage:
                 yield _sse(
                     CompletionStreamResponse(
-                        id=rid, created=created, model=self.model_name, choices=[],
+                        id=rid,
+                        created=created,
+                        model=self.model_name,
+                        choices=[],
                         usage=_usage(sum(prompt_lens), sum(num_tokens.values())),
                     )
                 )
@@ -376,7 +395,7 @@ class OpenAIServing:
         created = int(time.time())
         if req.stream:
             gen = self._chat_stream(req, streams[0], rid, created)
-            return StreamingResponse(gen, media_type="text/event-stream")
+            return _sse_response(gen, streams)
         return await _unless_disconnected(raw, self._chat_full(req, streams[0], rid, created))
 
     def _apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
@@ -421,7 +440,10 @@ class OpenAIServing:
         ]
         completion_tokens = sum(len(c.token_ids) for c in ro.outputs)
         return ChatCompletionResponse(
-            id=rid, created=created, model=self.model_name, choices=choices,
+            id=rid,
+            created=created,
+            model=self.model_name,
+            choices=choices,
             usage=_usage(len(ro.prompt_token_ids), completion_tokens),
         )
 
@@ -433,6 +455,7 @@ class OpenAIServing:
         top_n = req.top_logprobs or 0
         prompt_tokens = 0
         num_tokens = 0
+        done: set[int] = set()  # choices already sent with their finish_reason (n > 1)
 
         def chunk(choices, usage=None) -> str:
             return _sse(
@@ -455,8 +478,10 @@ class OpenAIServing:
                 prompt_tokens = len(ro.prompt_token_ids)
                 choices = []
                 for c in ro.outputs:
-                    if not c.text and not c.token_ids and c.finish_reason is None:
+                    if c.index in done or (not c.text and not c.token_ids and not c.finish_reason):
                         continue
+                    if c.finish_reason is not None:
+                        done.add(c.index)
                     num_tokens += len(c.token_ids)
                     choices.append(
                         ChatCompletionResponseStreamChoice(
@@ -477,6 +502,18 @@ class OpenAIServing:
         finally:
             stream.close()
         yield "data: [DONE]\n\n"
+
+
+def _close_all(streams: list[RequestStream]) -> None:
+    for s in streams:
+        s.close()
+
+
+def _sse_response(gen: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
+    # A generator that never starts (the client left before the headers went out) never runs
+    # its finally; aborting when it is collected keeps its requests from running on.
+    weakref.finalize(gen, _close_all, list(streams))
+    return StreamingResponse(gen, media_type="text/event-stream")
 
 
 def _stream_error(e: Exception) -> dict[str, Any]:
@@ -538,6 +575,10 @@ def build_app(
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return error_response(str(exc), 503)
 
+    @app.exception_handler(Exception)
+    async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(f"{type(exc).__name__}: {exc}", 500)
+
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if async_llm.is_running else 503)
@@ -596,6 +637,22 @@ class _Signals:
             signal.signal(sig, self)
 
 
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening address before the model loads: a taken port fails at once."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    sock.set_inheritable(True)
+    return sock
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Build the engine from CLI args, serve until SIGINT/SIGTERM or an engine failure."""
     import uvicorn
@@ -607,6 +664,8 @@ def run_server(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(args)
     api_key = getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY") or None
     server: uvicorn.Server | None = None
+    vllm_config = engine_args.create_engine_config()  # bad flags fail before anything else
+    sock = bind_socket(args.host, args.port)
 
     def on_dead(error: BaseException) -> None:
         logger.error("engine died (%s); shutting the server down", error)
@@ -614,10 +673,14 @@ def run_server(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     try:
-        async_llm = AsyncLLM.from_engine_args(engine_args, on_dead=on_dead)
+        async_llm = AsyncLLM.from_vllm_config(vllm_config, on_dead=on_dead)
     except KeyboardInterrupt:
         logger.info("interrupted while loading the model; exiting")
+        sock.close()
         return 0
+    except BaseException:
+        sock.close()
+        raise
     try:
         names = getattr(args, "served_model_name", None) or [async_llm.model_config.model]
         app = build_app(async_llm, names, api_key)
@@ -635,11 +698,12 @@ def run_server(args: argparse.Namespace) -> int:
         signals.loading = False
         if signals.received is None and async_llm.is_running:
             logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)
-            server.run()
+            server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     finally:
         signals.loading = False
+        sock.close()
         async_llm.shutdown()
         logger.info("engine shut down")
     if async_llm.errored:

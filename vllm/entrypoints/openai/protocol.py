@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -67,8 +67,30 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+# Clients send `null` for options they leave at the default; for these that means the default.
+_NULL_MEANS_DEFAULT = (
+    "n",
+    "stream",
+    "ignore_eos",
+    "echo",
+    "logprobs",
+    "min_tokens",
+    "skip_special_tokens",
+    "include_stop_str_in_output",
+    "add_generation_prompt",
+    "continue_final_message",
+)
+
+
 class _SamplingRequest(OpenAIBaseModel):
     """Fields shared by completions and chat completions."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k not in _NULL_MEANS_DEFAULT}
+        return data
 
     model: str | None = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -107,9 +129,7 @@ class _SamplingRequest(OpenAIBaseModel):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
 
-    def _sampling_params(
-        self, max_tokens: int | None, logprobs: int | None
-    ) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._check_unsupported()
         kwargs: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p"):

@@ -131,6 +131,8 @@ def _merge(a: RequestOutput, b: RequestOutput, kind: RequestOutputKind) -> Reque
 
 
 _STOP = object()
+HEALTH_CHECK_INTERVAL_S = 1.0
+"""How often an idle engine loop checks that its executor (worker processes) is alive."""
 
 
 class AsyncLLM:
@@ -243,11 +245,17 @@ class AsyncLLM:
                 busy = engine.has_unfinished_requests() or self._flush
                 cmds = []
                 try:
-                    cmds.append(self._commands.get(block=not busy))
+                    if busy:
+                        cmds.append(self._commands.get_nowait())
+                    else:
+                        cmds.append(self._commands.get(timeout=HEALTH_CHECK_INTERVAL_S))
                     while True:
                         cmds.append(self._commands.get_nowait())
                 except queue.Empty:
                     pass
+                if not busy and not cmds:
+                    # Idle: notice a dead worker process now, not at the next request.
+                    engine.executor.check_health()
                 for cmd in cmds:
                     if cmd is _STOP:
                         self._stop(EngineDeadError("the engine was shut down"))
@@ -261,7 +269,7 @@ class AsyncLLM:
         except BaseException as e:  # noqa: BLE001 - any failure of the engine kills the loop
             logger.exception("engine loop failed; failing all requests")
             self._errored = True
-            self._stop(EngineDeadError(f"engine step failed: {type(e).__name__}: {e}"), e)
+            self._stop(EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"), e)
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":

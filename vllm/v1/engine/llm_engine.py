@@ -26,6 +26,14 @@ logger = init_logger(__name__)
 PromptType = str | dict[str, Any] | list[int]
 
 
+def num_state_slots(vllm_config: VllmConfig) -> int:
+    """Hybrid models (linear-attention layers) keep one state slot per running request."""
+    from vllm.model_executor.models.registry import resolve_model_cls
+
+    cls = resolve_model_cls(vllm_config.model_config.architecture)
+    return vllm_config.scheduler_config.max_num_seqs if getattr(cls, "is_hybrid", False) else 0
+
+
 def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
@@ -59,7 +67,7 @@ class LLMEngine:
             mc.max_model_len,
             num_blocks * bs / mc.max_model_len,
         )
-        self.scheduler = Scheduler(vllm_config, num_blocks)
+        self.scheduler = Scheduler(vllm_config, num_blocks, num_state_slots(vllm_config))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._rng = random.Random(mc.seed)
@@ -213,21 +221,25 @@ class LLMEngine:
         return outputs
 
     def _record_stats(self, so, result, outputs: list[RequestOutput], now: float) -> None:
-        num_prompt = 0
+        num_prompt = so.num_prompt_tokens
         num_gen = 0
-        for rid, n in so.num_scheduled_tokens.items():
-            if n != 1 + len(so.scheduled_spec_decode_tokens.get(rid, [])):
-                num_prompt += n
+        for itl in self.output_processor.take_inter_token_latencies():
+            self.prom.record_itl(itl)
         for out in result.outputs.values():
             num_gen += len(out.new_token_ids)
         stats = result.stats
         self.prom.record(stats, num_prompt, num_gen)
+        # TTFT from every request that got tokens, not only those emitting an output now
+        # (FINAL_ONLY requests emit nothing until they finish).
+        op = self.output_processor
+        for rid in {op.child_to_parent.get(cid) for cid in result.outputs}:
+            st = op.requests.get(rid)
+            if st is not None and st.first_token_time == now and st.num_generation_tokens:
+                self.prom.record_ttft(now - st.arrival_time)
         for ro in outputs:
             st = self.output_processor.requests.get(ro.request_id)
             if st is None:
                 continue
-            if st.first_token_time == now and st.num_generation_tokens:
-                self.prom.record_ttft(now - st.arrival_time)
             if ro.finished:
                 reason = ro.outputs[0].finish_reason or "abort"
                 self.prom.record_finished(reason, now - st.arrival_time)

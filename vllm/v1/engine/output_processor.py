@@ -27,6 +27,7 @@ class ChildState:
     sent_tokens: int = 0  # tokens already emitted (delta mode)
     sent_text: int = 0  # characters already emitted (delta mode)
     sent_logprobs: int = 0
+    final_sent: bool = False  # delta mode: the finished chunk went out
 
 
 @dataclass
@@ -53,6 +54,12 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         self.child_to_parent: dict[str, str] = {}
+        self._itl: list[float] = []
+
+    def take_inter_token_latencies(self) -> list[float]:
+        """Inter-token latencies observed since the last call."""
+        out, self._itl = self._itl, []
+        return out
 
     def add(self, state: RequestState) -> None:
         self.requests[state.request_id] = state
@@ -108,6 +115,10 @@ class OutputProcessor:
             if out.new_token_ids:
                 if st.first_token_time is None:
                     st.first_token_time = now
+                elif st.last_token_time is not None:
+                    # Tokens of one step (accepted drafts) share the step's latency.
+                    gap = (now - st.last_token_time) / len(out.new_token_ids)
+                    self._itl.extend([gap] * len(out.new_token_ids))
                 st.last_token_time = now
                 st.num_generation_tokens += len(out.new_token_ids)
             child.token_ids.extend(out.new_token_ids)
@@ -161,6 +172,9 @@ class OutputProcessor:
         completions = []
         for child in sorted(st.children.values(), key=lambda c: c.index):
             if kind == RequestOutputKind.DELTA:
+                if child.final_sent:
+                    continue  # its finish was already reported
+                child.final_sent = child.finish_reason is not None
                 text = child.text
                 # Hold back what could still become a stop string or an incomplete character.
                 hold = (

@@ -20,6 +20,8 @@ class NewRequestData:
     seed: int
     block_ids: list[int]
     num_computed_tokens: int
+    state_slot: int = -1
+    """Hybrid models: the KV cache manager's state slot for the linear-attention states."""
 
 
 @dataclass
@@ -40,6 +42,7 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]]
     finished_req_ids: set[str]  # finished or preempted since the last step: free their slots
     step_id: int = 0
+    num_prompt_tokens: int = 0  # prompt (or recomputed) tokens among the scheduled ones
 
     @property
     def req_ids(self) -> list[str]:

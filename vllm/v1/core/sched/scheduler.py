@@ -193,13 +193,17 @@ class Scheduler:
                     seed=req.seed,
                     block_ids=list(self.kv_cache_manager.get_block_ids(req.request_id)),
                     num_computed_tokens=req.num_computed_tokens,
+                    state_slot=self.kv_cache_manager.req_to_state_slot.get(req.request_id, -1),
                 )
             )
             num_scheduled[req.request_id] = n
             budget -= n
 
+        num_prompt = 0
         for rid, n in num_scheduled.items():
             req = self.requests[rid]
+            c = req.num_computed_tokens
+            num_prompt += max(0, min(c + n, req.num_prompt_tokens) - c)
             req.num_computed_tokens += n
             req.in_flight += 1
         finished, self.finished_req_ids = self.finished_req_ids, set()
@@ -212,6 +216,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
             finished_req_ids=finished,
             step_id=self._step_id,
+            num_prompt_tokens=num_prompt,
         )
 
     def _take_new_blocks(self, req: Request) -> list[int]:
