@@ -474,8 +474,11 @@ def _mtp_state(
     own_embed: bool,
     copy_main_head: bool,
     dtype: torch.dtype,
+    block_fn: Any = None,
 ) -> dict[str, torch.Tensor]:
-    """DeepSeek-V3 MTP tensors ``model.layers.{N+i}.*`` (per-expert / fused like HF's)."""
+    """DeepSeek-V3 MTP tensors ``model.layers.{N+i}.*`` (per-expert / fused like HF's).
+
+    ``block_fn(config, layer_idx)`` builds the HF decoder block (default DeepSeek-V3's)."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
     num_layers = config.num_hidden_layers
@@ -491,7 +494,7 @@ def _mtp_state(
         idx = num_layers + i
         layer_seed = seed + 1000 * (i + 1)
         torch.manual_seed(layer_seed)
-        block = DeepseekV3DecoderLayer(block_config, layer_idx=idx)
+        block = (block_fn or DeepseekV3DecoderLayer)(block_config, layer_idx=idx)
         _peaky_reinit_(block, layer_seed)
         block.to(dtype)
         _keep_router_bias_fp32_(block)

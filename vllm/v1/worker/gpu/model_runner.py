@@ -19,6 +19,7 @@ from vllm.sequence import IntermediateTensors
 from vllm.v1.core.kv_cache_manager import cdiv
 from vllm.v1.core.sched.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from vllm.v1.worker.gpu.input_batch import InputBatch, prepare_inputs
+from vllm.v1.worker.gpu.linear_attn_states import LinearAttnStates
 from vllm.v1.worker.gpu.sample.sampler import compute_logprobs, sample_tokens
 from vllm.v1.worker.gpu.states import RequestStates
 
@@ -44,6 +45,8 @@ class ModelRunner:
         self.attn_layers: dict[str, AttentionLayerBase] = {}
         self.speculator = None
         self.kv_caches: dict[str, torch.Tensor] = {}
+        # Hybrid models: per-request linear-attention states in the KV manager's state slots.
+        self.linear_attn_states: LinearAttnStates | None = None
         # P > 1: the last stage broadcasts what it sampled; the others apply it (pp_utils).
         self.pp_handler = None
         if self.pp.world_size > 1:
@@ -73,6 +76,9 @@ class ModelRunner:
             for name, m in self._all_modules()
             if isinstance(m, AttentionLayerBase)
         }
+        self.linear_attn_states = LinearAttnStates.from_modules(
+            self._all_modules(), self.max_num_reqs, self.num_spec, self.dtype, self.device
+        )
 
     def _all_modules(self):
         yield from self.model.named_modules()
@@ -85,6 +91,10 @@ class ModelRunner:
             layer.kv_cache_bytes_per_token(self.dtype) * self.block_size
             for layer in self.attn_layers.values()
         )
+
+    def state_cache_bytes(self) -> int:
+        """Memory of this stage's linear-attention states (taken from the KV budget)."""
+        return self.linear_attn_states.bytes() if self.linear_attn_states is not None else 0
 
     def max_useful_blocks(self) -> int:
         return self.max_num_reqs * self.max_blocks_per_req
@@ -99,6 +109,8 @@ class ModelRunner:
             layer.kv_cache = cache
             self.kv_caches[name] = cache
         self.num_blocks = num_blocks
+        if self.linear_attn_states is not None:
+            self.linear_attn_states.allocate()
         if self.speculator is not None:
             self.speculator.warmup(self)
 
@@ -141,7 +153,7 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {}, []) if self.pp.is_last_rank else None
         batch = self.prepare(so)
-        with set_forward_context(batch.attn_metadata):
+        with set_forward_context(batch.attn_metadata, self._linear_attn_metadata(batch)):
             out = self.model(
                 batch.input_ids if self.pp.is_first_rank else None,
                 batch.positions,
@@ -154,6 +166,17 @@ class ModelRunner:
                 self.pp_handler.receive(batch)
             return out
         return self._sample_and_propose(so, batch, out)
+
+    def _linear_attn_metadata(self, batch: InputBatch):
+        if self.linear_attn_states is None:
+            return None
+        return self.linear_attn_states.prepare(
+            batch.query_start_loc_np,
+            batch.num_computed_tokens_np,
+            batch.num_draft_tokens_np,
+            self.states.state_slot[batch.idx_mapping_np],
+            short_query_len=self.num_spec + 1,
+        )
 
     def _pp_apply_prev_results(self, so: SchedulerOutput) -> None:
         """Non-last stages: apply the last stage's results that this step's requests need."""
@@ -227,6 +250,8 @@ class ModelRunner:
             drafts = self.speculator.propose(
                 self, batch, hidden, aux, sampled_lists, num_sampled, num_rejected
             )
+            if self.pp_handler is not None:
+                self._broadcast_drafts(batch, drafts)
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
@@ -257,6 +282,15 @@ class ModelRunner:
         for i, toks in enumerate(sampled_lists):
             sampled[i, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
         self.pp_handler.broadcast(sampled, num_sampled, num_rejected, batch)
+
+    def _broadcast_drafts(self, batch: InputBatch, drafts: list[list[int]] | None) -> None:
+        """Send the new drafts to the other stages: the first embeds them next step. Always
+        [R, K] (rows without drafts are zero-filled; the receivers drop them by mask)."""
+        out = torch.zeros(batch.num_reqs, self.num_spec, dtype=torch.int64)
+        for i, d in enumerate(drafts or []):
+            if d:
+                out[i, : len(d)] = torch.tensor(d[: self.num_spec], dtype=torch.int64)
+        self.pp_handler.broadcast_drafts(out, batch)
 
     def _prompt_logprobs(
         self, batch: InputBatch, hidden: torch.Tensor

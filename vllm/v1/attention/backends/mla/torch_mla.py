@@ -65,8 +65,15 @@ class TorchMLAImpl:
         q_lat = torch.einsum("thn,hnr->thr", q_nope[:T], w_uk.to(q_nope.dtype))
         q = torch.cat([q_lat, q_pe[:T]], dim=-1)
         latent = kv_cache.to(q.dtype) if kv_cache.dtype != q.dtype else kv_cache
-        out_lat = padded_attention(
-            q, latent, latent[..., : self.kv_lora_rank], meta, self.scale, mask_fn
-        )  # [T, H, rank]
+        out_lat = self.attend_latent(q, latent, meta, mask_fn)  # [T, H, rank]
         out = torch.einsum("thr,hvr->thv", out_lat, w_uv.to(out_lat.dtype))
         return out.reshape(T, self.num_heads * self.v_head_dim)
+
+    def attend_latent(
+        self, q: torch.Tensor, latent: torch.Tensor, meta: AttentionMetadata, mask_fn=None
+    ) -> torch.Tensor:
+        """Single-KV-head attention of absorbed queries [T, H, rank + rope] over the latent
+        cache [slots, 1, rank + rope]; returns [T, H, rank]. Sparse backends override it."""
+        return padded_attention(
+            q, latent, latent[..., : self.kv_lora_rank], meta, self.scale, mask_fn
+        )

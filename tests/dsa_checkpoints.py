@@ -1,0 +1,222 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Tiny DeepSeek-V3.2 / GLM-MoE-DSA checkpoints built with HF transformers (peaky random init).
+
+Besides the DeepSeek-V3 tensors (see tests/checkpoints.py), every attention layer with an
+indexer holds, under ``model.layers.{k}.self_attn.indexer.``::
+
+    wq_b.weight          [index_n_heads * index_head_dim, q_lora_rank]
+    wk.weight            [index_head_dim, H]
+    k_norm.weight/bias   [index_head_dim]          (LayerNorm, eps 1e-6)
+    weights_proj.weight  [index_n_heads, H]        (HF keeps it in float32)
+
+GLM-MoE-DSA layers whose ``indexer_types`` entry is ``"shared"`` have no indexer. Optional MTP
+layers ``model.layers.{N+i}.*`` (second shard) carry a full V3.2 block, indexer included, plus
+the usual ``enorm``/``hnorm``/``eh_proj``/``shared_head``/``embed_tokens``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.checkpoints import (
+    _mtp_state,
+    _peaky_reinit_,
+    _read_safetensors,
+    _rope_parameters,
+    _save_model,
+    _token_ids,
+    _write_shards,
+    build_tokenizer,
+)
+
+__all__ = ["make_deepseek_v32", "make_glm_moe_dsa"]
+
+_K_NORM_BIAS_STD = 0.2
+
+
+@torch.no_grad()
+def _reinit(module: torch.nn.Module, seed: int, output_head: torch.Tensor | None = None) -> None:
+    """tests/checkpoints.py's peaky init, with small centred LayerNorm biases on the indexer
+    keys (the generic rule would give them U[0.5, 1.5], shifting every key alike)."""
+    _peaky_reinit_(module, seed, output_head=output_head)
+    gen = torch.Generator().manual_seed(seed + 7)
+    for name, p in module.named_parameters():
+        if name.endswith("indexer.k_norm.bias"):
+            p.copy_(torch.randn(p.shape, generator=gen) * _K_NORM_BIAS_STD)
+
+
+def _block_fn(glm: bool):
+    """HF decoder-block factory for MTP layers (index >= num_hidden_layers): MoE, own indexer."""
+    if glm:
+        from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
+            GlmMoeDsaDecoderLayer as Layer,
+        )
+    else:
+        from transformers.models.deepseek_v32.modeling_deepseek_v32 import (
+            DeepseekV32DecoderLayer as Layer,
+        )
+
+    def make(config: Any, layer_idx: int) -> torch.nn.Module:
+        cfg = copy.deepcopy(config)
+        extra = layer_idx + 1 - len(cfg.mlp_layer_types)
+        cfg.mlp_layer_types = list(cfg.mlp_layer_types) + ["sparse"] * extra
+        if glm:
+            cfg.indexer_types = list(cfg.indexer_types) + ["full"] * extra
+        return Layer(cfg, layer_idx=layer_idx)  # _mtp_state re-initialises it
+
+    return make
+
+
+def _make_dsa(
+    glm: bool,
+    out_dir: str | os.PathLike,
+    *,
+    config_kwargs: dict[str, Any],
+    num_nextn_predict_layers: int,
+    index_share_for_mtp_iteration: bool | None,
+    seed: int,
+    dtype: torch.dtype,
+) -> str:
+    import transformers
+
+    out = Path(out_dir)
+    tokenizer = build_tokenizer(out)
+    config_cls = transformers.GlmMoeDsaConfig if glm else transformers.DeepseekV32Config
+    model_cls = transformers.GlmMoeDsaForCausalLM if glm else transformers.DeepseekV32ForCausalLM
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        num_key_value_heads=config_kwargs["num_attention_heads"],
+        rms_norm_eps=1e-6,
+        **_token_ids(tokenizer),
+        **config_kwargs,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    _reinit(model, seed, output_head=model.get_output_embeddings().weight)
+    _save_model(model, out, dtype)
+    if num_nextn_predict_layers > 0:
+        shards = [_read_safetensors(out / "model.safetensors")]
+        mtp = _mtp_state(
+            model,
+            config,
+            num_nextn_predict_layers,
+            seed,
+            own_embed=True,
+            copy_main_head=True,
+            dtype=dtype,
+            block_fn=_block_fn(glm),
+        )
+        gen = torch.Generator().manual_seed(seed + 99)
+        for name, t in mtp.items():
+            if name.endswith("indexer.k_norm.bias"):
+                mtp[name] = (torch.randn(t.shape, generator=gen) * _K_NORM_BIAS_STD).to(t.dtype)
+        shards.append(mtp)
+        _write_shards(out, shards)
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["num_nextn_predict_layers"] = num_nextn_predict_layers
+    if index_share_for_mtp_iteration is not None:
+        cfg["index_share_for_mtp_iteration"] = index_share_for_mtp_iteration
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return str(out)
+
+
+# HF config fields of the tiny models (plus rope_scaling / rope_theta, folded into
+# rope_parameters). 8 indexer heads make an exactly-zero index score (every head clipped by the
+# ReLU) rare, so the top-k selection has no ties for HF and us to break differently.
+V32_DEFAULTS: dict[str, Any] = {
+    "num_hidden_layers": 3,
+    "hidden_size": 64,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "num_attention_heads": 4,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 32,
+    "intermediate_size": 128,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+    "index_topk": 8,
+    "index_n_heads": 8,
+    "index_head_dim": 16,
+    "rope_scaling": None,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+}
+# GLM-5 layout: no expert groups, and layer 2 "shared" (reuses layer 1's top-k).
+GLM_DEFAULTS: dict[str, Any] = {
+    **V32_DEFAULTS,
+    "num_hidden_layers": 4,
+    "n_group": 1,
+    "indexer_types": ["full", "full", "shared", "full"],
+}
+
+
+def _config_kwargs(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    unknown = set(overrides) - set(defaults)
+    if unknown:
+        raise ValueError(f"unknown tiny-DSA config field(s) {sorted(unknown)}")
+    kw = {**defaults, **overrides}
+    rope = _rope_parameters(kw.pop("rope_scaling"), kw.pop("rope_theta"))
+    return {**kw, "rope_parameters": rope}
+
+
+def make_deepseek_v32(
+    out_dir: str | os.PathLike,
+    *,
+    num_nextn_predict_layers: int = 0,
+    index_share_for_mtp_iteration: bool | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **config: Any,
+) -> str:
+    """Write a tiny random ``DeepseekV32ForCausalLM`` checkpoint (+ tokenizer) to ``out_dir``.
+
+    ``config`` overrides V32_DEFAULTS. With ``num_nextn_predict_layers = n > 0`` the second
+    shard holds MTP layers ``model.layers.{N+i}.*`` (each with its own indexer);
+    ``index_share_for_mtp_iteration`` is written to config.json when given.
+    """
+    return _make_dsa(
+        False,
+        out_dir,
+        config_kwargs=_config_kwargs(V32_DEFAULTS, config),
+        num_nextn_predict_layers=num_nextn_predict_layers,
+        index_share_for_mtp_iteration=index_share_for_mtp_iteration,
+        seed=seed,
+        dtype=dtype,
+    )
+
+
+def make_glm_moe_dsa(
+    out_dir: str | os.PathLike,
+    *,
+    num_nextn_predict_layers: int = 0,
+    index_share_for_mtp_iteration: bool | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **config: Any,
+) -> str:
+    """Write a tiny random ``GlmMoeDsaForCausalLM`` (interleaved indexer RoPE, a ``"shared"``
+    layer); ``config`` overrides GLM_DEFAULTS; the rest as :func:`make_deepseek_v32`."""
+    return _make_dsa(
+        True,
+        out_dir,
+        config_kwargs=_config_kwargs(GLM_DEFAULTS, config),
+        num_nextn_predict_layers=num_nextn_predict_layers,
+        index_share_for_mtp_iteration=index_share_for_mtp_iteration,
+        seed=seed,
+        dtype=dtype,
+    )

@@ -1,0 +1,78 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""DeepSeek-V3.2 / GLM-MoE-DSA MTP draft: the DeepSeek MTP layers with a V3.2 block (sparse MLA,
+its own indexer), plus the switches that let draft steps 1.. reuse step 0's top-k indices."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm.config import VllmConfig
+from vllm.model_executor.models.deepseek_mtp import (
+    DeepSeekMTP,
+    DeepSeekMultiTokenPredictor,
+    DeepSeekMultiTokenPredictorLayer,
+)
+from vllm.models.deepseek_v32.model import (
+    DeepseekV32DecoderLayer,
+    check_dsa_config,
+    new_topk_indices_buffer,
+)
+
+
+class DeepseekV32MultiTokenPredictorLayer(DeepSeekMultiTokenPredictorLayer):
+    def __init__(
+        self, config: Any, prefix: str, layer_idx: int, topk_indices_buffer: torch.Tensor
+    ) -> None:
+        block = DeepseekV32DecoderLayer(
+            config, f"{prefix}.mtp_block", topk_indices_buffer, layer_idx=layer_idx
+        )
+        super().__init__(config, prefix, layer_idx, mtp_block=block)
+
+
+class DeepseekV32MultiTokenPredictor(DeepSeekMultiTokenPredictor):
+    """MTP layers sharing one top-k buffer (re-pointed to the target's after loading), so a
+    later draft step can read the selection step 0 left there."""
+
+    def __init__(self, config: Any, prefix: str, max_num_batched_tokens: int) -> None:
+        check_dsa_config(config)
+        buf = new_topk_indices_buffer(config, max_num_batched_tokens)
+        super().__init__(
+            config,
+            prefix,
+            layer_fn=lambda p, i: DeepseekV32MultiTokenPredictorLayer(config, p, i, buf),
+        )
+        self.topk_indices_buffer = buf
+
+    def _attentions(self) -> list[nn.Module]:
+        return [layer.mtp_block.self_attn for layer in self.layers.values()]
+
+    def set_skip_topk(self, skip: bool) -> None:
+        """skip=True: the MTP layers' indexers do not run; attention reads the buffer as is."""
+        for attn in self._attentions():
+            attn.skip_topk = bool(skip)
+
+    def compact_topk_indices(self, slot_ids: torch.Tensor) -> None:
+        """Move row slot_ids[i] of every distinct top-k buffer to row i (each request's last
+        prefill row becomes its row in the one-token-per-request decode steps)."""
+        seen: set[int] = set()
+        for attn in self._attentions():
+            buf = attn.attn.topk_indices_buffer
+            if buf is None or buf.data_ptr() in seen:
+                continue
+            seen.add(buf.data_ptr())
+            idx = slot_ids.to(device=buf.device, dtype=torch.long)
+            buf[: idx.numel()] = buf[idx]  # advanced indexing copies before the write
+
+
+class DeepseekV32MTP(DeepSeekMTP):
+    """MTP draft for DeepSeek-V3.2 and GLM-MoE-DSA checkpoints (SupportsPP, own embed_tokens
+    and spec-layer weight names by inheritance from DeepSeekMTP)."""
+
+    def _init_model(self, vllm_config: VllmConfig, config: Any, prefix: str) -> nn.Module:
+        return DeepseekV32MultiTokenPredictor(
+            config, prefix, vllm_config.scheduler_config.max_num_batched_tokens
+        )
