@@ -17,13 +17,18 @@ _local = threading.local()
 class ForwardContext:
     attn_metadata: Any
     """Metadata every attention layer of this forward reads (slot mapping, sequence layout)."""
+    linear_attn_metadata: Any = None
+    """Hybrid models: what their linear-attention (state) layers read (state slot per request,
+    whether it has a prior state, query_start_loc); None for models without such layers."""
 
 
 @contextmanager
-def set_forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
+def set_forward_context(
+    attn_metadata: Any, linear_attn_metadata: Any = None
+) -> Iterator[ForwardContext]:
     """Make attn_metadata visible to the attention layers for the duration of one forward."""
     prev = getattr(_local, "ctx", None)
-    _local.ctx = ForwardContext(attn_metadata)
+    _local.ctx = ForwardContext(attn_metadata, linear_attn_metadata)
     try:
         yield _local.ctx
     finally:

@@ -82,6 +82,15 @@ class Worker:
         else:
             gib = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", _CPU_KV_DEFAULT_GIB))
             budget = int(gib * (1 << 30))
+        # Hybrid models: the linear-attention states (one slot per running request) come first.
+        states = self.model_runner.state_cache_bytes()
+        if states and states >= budget:
+            raise ValueError(
+                f"the KV cache budget ({budget} bytes) does not hold the linear-attention "
+                f"states of max_num_seqs requests ({states} bytes); raise kv_cache_memory_bytes "
+                "/ gpu_memory_utilization or lower max_num_seqs"
+            )
+        budget -= states
         if per_block == 0:
             return self.model_runner.max_useful_blocks()
         n = min(budget // per_block, self.model_runner.max_useful_blocks())
@@ -128,7 +137,10 @@ class Worker:
         self._meta_t = time.perf_counter()
 
     def comm_stats(self) -> dict[str, float]:
-        return dict(self._comm, rank=self.rank)
+        """Seconds this stage spent on pipeline communication so far."""
+        handler = self.model_runner.pp_handler if self.model_runner else None
+        bcast = handler.recv_wait_s if handler is not None else 0.0
+        return dict(self._comm, rank=self.rank, broadcast_wait_s=bcast)
 
     def check_health(self) -> bool:
         return True

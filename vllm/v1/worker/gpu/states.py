@@ -33,6 +33,8 @@ class RequestStates:
         self.num_prompt = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int64)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        # Hybrid models: the KV cache manager's linear-attention state slot (-1: none).
+        self.state_slot = np.full(max_num_reqs, -1, dtype=np.int64)
         self.draft_tokens = np.zeros((max_num_reqs, max(num_spec, 1)), dtype=np.int64)
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_k = np.zeros(max_num_reqs, dtype=np.int64)
@@ -60,6 +62,7 @@ class RequestStates:
         self.num_tokens[s] = len(toks)
         self.num_computed[s] = data.num_computed_tokens
         self.num_prompt[s] = data.num_prompt_tokens
+        self.state_slot[s] = data.state_slot
         self.num_blocks[s] = 0
         self.append_blocks(s, data.block_ids)
         p = data.sampling_params

@@ -1,0 +1,103 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Gated delta rule (Gated DeltaNet's recurrence) in torch: a per-token recurrent form and a
+chunked form for prefill; both start from and return the recurrent state.
+
+Per value head, with state S [dk, dv], decay g_t (log space), step size beta_t:
+    S <- exp(g_t) * S
+    S <- S + k_t (beta_t * (v_t - S^T k_t))^T
+    o_t = S^T q_t
+q and k arrive already normalised and scaled. All arithmetic is float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    keep_states: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [B, L, H, dk]; v [B, L, H, dv]; g, beta [B, L, H]; state [B, H, dk, dv] (float32).
+
+    Returns (o [B, L, H, dv] float32, the final state [B, H, dk, dv]) or, with keep_states,
+    the state after every step [B, L, H, dk, dv] instead of the final one.
+    """
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    s = state.float().clone()
+    length = q.shape[1]
+    out = v.new_empty(v.shape)
+    kept = []
+    for t in range(length):
+        s = s * g[:, t].exp()[..., None, None]
+        k_t = k[:, t]
+        pred = torch.einsum("bhkv,bhk->bhv", s, k_t)
+        delta = (v[:, t] - pred) * beta[:, t, :, None]
+        s = s + k_t[..., :, None] * delta[..., None, :]
+        out[:, t] = torch.einsum("bhkv,bhk->bhv", s, q[:, t])
+        if keep_states:
+            kept.append(s)
+    if keep_states:
+        return out, torch.stack(kept, dim=1) if kept else state.float()[:, None]
+    return out, s
+
+
+def chunked_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as recurrent_gated_delta_rule (final state only), computed chunk by chunk.
+
+    Within a chunk, with G_t the cumulative decay since the chunk start and S0 the entering
+    state, the corrections d_t = beta_t (v_t - S_{t-1}^T k_t) solve the unit lower-triangular
+    system (I + A) D = beta * (V - G K S0), A[t, j] = beta_t (G_t / G_j) k_t.k_j (j < t). Then
+        O   = G Q S0 + (causal (G_t / G_j) * Q K^T) D
+        S_C = G_C S0 + (K * G_C / G)^T D.
+    """
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    B, L, H, dk = k.shape
+    dv = v.shape[-1]
+    # [B, H, L, ...] so every chunk is a batch of small matrices.
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    g, beta = g.transpose(1, 2), beta.transpose(1, 2)
+    s = state.float()
+    out = v.new_empty(B, H, L, dv)
+    for start in range(0, L, chunk_size):
+        end = min(start + chunk_size, L)
+        n = end - start
+        qc, kc, vc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
+        bc = beta[:, :, start:end]
+        gam = g[:, :, start:end].cumsum(-1)  # log G_t
+        diff = gam[..., :, None] - gam[..., None, :]  # log(G_t / G_j)
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = torch.where(causal, diff, float("-inf")).exp()  # 0 above the diagonal
+        strict = decay.tril(-1)
+        kk = kc @ kc.transpose(-1, -2)
+        a = bc[..., :, None] * strict * kk
+        eye = torch.eye(n, dtype=q.dtype, device=q.device)
+        rhs = bc[..., None] * (vc - gam.exp()[..., None] * (kc @ s))
+        d = torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+        out[:, :, start:end] = (
+            gam.exp()[..., None] * (qc @ s) + (decay * (qc @ kc.transpose(-1, -2))) @ d
+        )
+        g_last = gam[..., -1:]
+        s = (
+            g_last.exp()[..., None] * s
+            + (kc * (g_last - gam).exp()[..., None]).transpose(-1, -2) @ d
+        )
+    return out.transpose(1, 2), s

@@ -1,0 +1,415 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Qwen3.5 (dense and MoE), text path: a hybrid of Gated DeltaNet linear-attention layers (per
+request conv + recurrent state) and gated full-attention layers (q/k norm, partial rotary, a
+sigmoid output gate), chosen per layer by config.layer_types."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm.config import ModelConfig, VllmConfig
+from vllm.distributed.parallel_state import get_pp_group
+from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.fused_moe import select_experts
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.mamba import MambaBase
+from vllm.model_executor.layers.mamba.gated_delta_rule import l2norm
+from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params
+from vllm.model_executor.models.deepseek_v2 import DeepseekV2Experts, ExpertWeightLoader
+from vllm.model_executor.models.llama import LlamaMLP
+from vllm.model_executor.models.utils import (
+    PPMissingLayer,
+    check_all_loaded,
+    load_params_strict,
+    make_empty_intermediate_tensors_factory,
+    make_layers,
+    maybe_prefix,
+)
+from vllm.sequence import IntermediateTensors
+from vllm.v1.attention.backends.gdn_attn import causal_conv1d_varlen, gated_delta_rule_varlen
+
+logger = init_logger(__name__)
+
+LINEAR_ATTENTION = "linear_attention"
+FULL_ATTENTION = "full_attention"
+
+
+def _check_config(config: Any) -> None:
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"Qwen3.5: hidden_act {act!r} is not supported (only 'silu')")
+    types = list(getattr(config, "layer_types", None) or [])
+    if len(types) < int(config.num_hidden_layers):
+        raise ValueError(
+            f"Qwen3.5: config.layer_types has {len(types)} entries for "
+            f"{config.num_hidden_layers} layers"
+        )
+    unknown = sorted(set(types) - {LINEAR_ATTENTION, FULL_ATTENTION})
+    if unknown:
+        raise ValueError(f"Qwen3.5: unknown layer_types {unknown}")
+
+
+class Qwen3_5RMSNorm(RMSNorm):
+    """Zero-centred RMSNorm: the weight stores (scale - 1); applied in float32."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class Qwen3_5RMSNormGated(nn.Module):
+    """RMSNorm over the last dim, then times silu(gate) (the Gated DeltaNet output norm)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        y = self.weight * xf.to(dtype)
+        return (y * F.silu(gate.float())).to(dtype)
+
+
+class Qwen3_5GatedDeltaNet(MambaBase):
+    """Linear attention: causal depthwise conv over [q; k; v], then the gated delta rule with
+    a per-head decay and step size, then a gated RMSNorm and the output projection."""
+
+    def __init__(self, config: Any, prefix: str) -> None:
+        super().__init__(prefix)
+        h = config.hidden_size
+        self.num_k_heads = int(config.linear_num_key_heads)
+        self.num_v_heads = int(config.linear_num_value_heads)
+        self.head_k_dim = int(config.linear_key_head_dim)
+        self.head_v_dim = int(config.linear_value_head_dim)
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(
+                f"Qwen3.5: linear_num_value_heads={self.num_v_heads} is not a multiple of "
+                f"linear_num_key_heads={self.num_k_heads}"
+            )
+        self.key_dim = self.num_k_heads * self.head_k_dim
+        self.value_dim = self.num_v_heads * self.head_v_dim
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_kernel_size = int(config.linear_conv_kernel_dim)
+        if self.conv_kernel_size < 2:
+            raise ValueError(
+                f"Qwen3.5: linear_conv_kernel_dim must be >= 2, got {self.conv_kernel_size}"
+            )
+        eps = getattr(config, "rms_norm_eps", 1e-6)
+        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(
+            self.conv_dim,
+            self.conv_dim,
+            self.conv_kernel_size,
+            groups=self.conv_dim,
+            bias=False,
+            padding=self.conv_kernel_size - 1,
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = Qwen3_5RMSNormGated(self.head_v_dim, eps)
+        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+
+    def state_shapes(self) -> list[tuple[int, ...]]:
+        return [
+            (self.conv_dim, self.conv_kernel_size - 1),
+            (self.num_v_heads, self.head_k_dim, self.head_v_dim),
+        ]
+
+    def state_dtypes(self, model_dtype: torch.dtype) -> list[torch.dtype]:
+        # The recurrence runs in float32; keeping its state in float32 avoids drift over long
+        # sequences in half-precision models.
+        return [model_dtype, torch.float32]
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        meta = get_forward_context().linear_attn_metadata
+        T = hidden_states.shape[0]
+        if self.states is None or meta is None:
+            # Without states (no cache bound yet) there is nothing to attend over.
+            return torch.zeros_like(hidden_states)
+        x = hidden_states[: meta.num_tokens]
+        n = meta.num_tokens
+        conv_state, recurrent_state = self.states
+        mixed = causal_conv1d_varlen(
+            self.in_proj_qkv(x), self.conv1d.weight, None, conv_state, meta, "silu"
+        )
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2norm(q.reshape(n, self.num_k_heads, self.head_k_dim).float())
+        q = q * self.head_k_dim**-0.5
+        k = l2norm(k.reshape(n, self.num_k_heads, self.head_k_dim).float())
+        rep = self.num_v_heads // self.num_k_heads
+        if rep > 1:
+            # Each q/k head serves `rep` consecutive value heads.
+            q = q.repeat_interleave(rep, dim=1)
+            k = k.repeat_interleave(rep, dim=1)
+        v = v.reshape(n, self.num_v_heads, self.head_v_dim).float()
+        beta = self.in_proj_b(x).float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        o = gated_delta_rule_varlen(q, k, v, g, beta, recurrent_state, meta)
+        z = self.in_proj_z(x).reshape(n, self.num_v_heads, self.head_v_dim)
+        o = self.norm(o.to(x.dtype), z).reshape(n, self.value_dim)
+        out = self.out_proj(o)
+        if n == T:
+            return out
+        return torch.cat([out, out.new_zeros(T - n, out.shape[1])], dim=0)
+
+
+class Qwen3_5Attention(nn.Module):
+    """GQA attention with per-head q/k RMSNorm, partial rotary, and a sigmoid output gate
+    produced by q_proj next to each query head."""
+
+    def __init__(self, config: Any, prefix: str) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or h // self.num_heads)
+        bias = bool(getattr(config, "attention_bias", False))
+        eps = getattr(config, "rms_norm_eps", 1e-6)
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.q_norm = Qwen3_5RMSNorm(self.head_dim, eps)
+        self.k_norm = Qwen3_5RMSNorm(self.head_dim, eps)
+        theta, scaling = rope_params(config)
+        params = getattr(config, "rope_parameters", None) or {}
+        factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+        rotary_dim = int(self.head_dim * float(factor))
+        self.rotary_emb = get_rope(
+            self.head_dim,
+            rotary_dim,
+            int(config.max_position_embeddings),
+            theta,
+            is_neox_style=True,
+            scaling=scaling,
+        )
+        self.attn = Attention(
+            self.num_heads,
+            self.head_dim,
+            self.head_dim**-0.5,
+            self.num_kv_heads,
+            prefix=f"{prefix}.attn",
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        T = hidden_states.shape[0]
+        q, gate = (
+            self.q_proj(hidden_states).view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        )
+        q = self.q_norm(q).reshape(T, -1)
+        k = self.k_norm(self.k_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim))
+        k = k.reshape(T, -1)
+        v = self.v_proj(hidden_states)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v) * torch.sigmoid(gate.reshape(T, -1))
+        return self.o_proj(out)
+
+
+class Qwen3_5MoeSparseMoeBlock(nn.Module):
+    """Softmax top-k routing (renormalised) over the experts, plus a shared expert scaled by a
+    sigmoid gate."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.top_k = int(config.num_experts_per_tok)
+        num_experts = int(config.num_experts)
+        self.gate = nn.Linear(h, num_experts, bias=False)
+        self.experts = DeepseekV2Experts(num_experts, h, int(config.moe_intermediate_size))
+        self.shared_expert = LlamaMLP(h, int(config.shared_expert_intermediate_size))
+        self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(
+            self.gate(hidden_states), self.top_k, scoring_func="softmax", renormalize=True
+        )
+        out = self.experts(hidden_states, topk_weights.to(hidden_states.dtype), topk_ids)
+        shared = self.shared_expert(hidden_states)
+        return out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
+
+
+class Qwen3_5DecoderLayer(nn.Module):
+    def __init__(self, config: Any, layer_type: str, prefix: str, moe: bool = False) -> None:
+        super().__init__()
+        eps = getattr(config, "rms_norm_eps", 1e-6)
+        self.layer_type = layer_type
+        if layer_type == LINEAR_ATTENTION:
+            self.linear_attn = Qwen3_5GatedDeltaNet(config, prefix=f"{prefix}.linear_attn")
+        elif layer_type == FULL_ATTENTION:
+            self.self_attn = Qwen3_5Attention(config, prefix=f"{prefix}.self_attn")
+        else:
+            raise ValueError(f"Qwen3.5: unknown layer type {layer_type!r}")
+        if moe:
+            self.mlp = Qwen3_5MoeSparseMoeBlock(config)
+        else:
+            self.mlp = LlamaMLP(config.hidden_size, int(config.intermediate_size))
+        self.input_layernorm = Qwen3_5RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = Qwen3_5RMSNorm(config.hidden_size, eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        if self.layer_type == LINEAR_ATTENTION:
+            hidden_states = self.linear_attn(hidden_states)
+        else:
+            hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class Qwen3_5Model(nn.Module):
+    moe = False
+
+    def __init__(self, config: Any, tied: bool, prefix: str = "model") -> None:
+        super().__init__()
+        _check_config(config)
+        self.config = config
+        pp = get_pp_group()
+        if pp.is_first_rank or (tied and pp.is_last_rank):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = PPMissingLayer()
+        types = list(config.layer_types)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda p: Qwen3_5DecoderLayer(config, types[int(p.rsplit(".", 1)[1])], p, moe=self.moe),
+            prefix=f"{prefix}.layers",
+        )
+        if pp.is_last_rank:
+            self.norm = Qwen3_5RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6))
+        else:
+            self.norm = PPMissingLayer()
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual"], config.hidden_size
+        )
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if intermediate_tensors is None:
+            hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            residual = None
+        else:
+            hidden = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        for idx in range(self.start_layer, self.end_layer):
+            hidden, residual = self.layers[idx](positions, hidden, residual)
+        if not get_pp_group().is_last_rank:
+            return IntermediateTensors({"hidden_states": hidden, "residual": residual})
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3_5MoeModel(Qwen3_5Model):
+    moe = True
+
+
+def _tie_word_embeddings(model_config: ModelConfig) -> bool:
+    # Multimodal checkpoints keep the flag at the top level, text-only ones in the text config.
+    top = getattr(model_config.hf_config, "tie_word_embeddings", None)
+    if top is not None:
+        return bool(top)
+    return bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    """Qwen3.5 causal LM (also the text path of Qwen3_5ForConditionalGeneration checkpoints,
+    whose `model.language_model.*` weights load here and whose vision weights are skipped)."""
+
+    supports_pp = True
+    is_hybrid = True
+    model_cls = Qwen3_5Model
+
+    def __init__(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
+    ) -> None:
+        super().__init__()
+        config = model_config.hf_text_config
+        self.config = config
+        self.tied = _tie_word_embeddings(model_config)
+        self.model = self.model_cls(config, self.tied, prefix=maybe_prefix(prefix, "model"))
+        if get_pp_group().is_last_rank:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if self.tied:
+                self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = PPMissingLayer()
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        skipped_vision = 0
+
+        def rename(name: str) -> str | None:
+            nonlocal skipped_vision
+            if name.startswith("mtp."):
+                return None  # the MTP draft (qwen3_5_mtp.py) loads these
+            if name.startswith(("model.visual.", "visual.")):
+                skipped_vision += 1
+                return None
+            if "rotary_emb.inv_freq" in name:
+                return None
+            if name.startswith("model.language_model."):
+                name = "model." + name[len("model.language_model.") :]
+            if self.tied and name == "lm_head.weight":
+                return None  # tied checkpoints may still carry a copy
+            return name
+
+        experts = ExpertWeightLoader()
+        loaded = load_params_strict(self, weights, rename, custom=experts.load_layer_weight)
+        experts.finish(self, loaded)
+        if skipped_vision:
+            logger.info(
+                "%s: skipped %d vision-encoder weights (only the text path is supported)",
+                type(self).__name__,
+                skipped_vision,
+            )
+        check_all_loaded(self, loaded, {"lm_head.weight"} if self.tied else set())
+        return loaded
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE: every layer's MLP is a routed MoE with a gated shared expert."""
+
+    model_cls = Qwen3_5MoeModel

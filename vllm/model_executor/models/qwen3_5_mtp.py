@@ -1,0 +1,170 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Qwen3.5 multi-token-prediction draft (`mtp.*` weights of a Qwen3.5 / Qwen3.5-MoE checkpoint),
+run by the MTP speculator on the last pipeline stage.
+
+One draft step: x = fc([pre_fc_norm_embedding(embed(next token)); pre_fc_norm_hidden(h)])
+(embedding first), then full-attention decoder layer `spec_step_idx % n`, then mtp.norm; the
+normed hidden gives the logits (through the target's lm_head) and feeds the next step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from vllm.config import ModelConfig, VllmConfig, num_mtp_layers
+from vllm.model_executor.models.deepseek_v2 import ExpertWeightLoader
+from vllm.model_executor.models.interfaces import SupportsEagleBase, SupportsPP
+from vllm.model_executor.models.qwen3_5 import (
+    FULL_ATTENTION,
+    Qwen3_5DecoderLayer,
+    Qwen3_5RMSNorm,
+    _tie_word_embeddings,
+)
+from vllm.model_executor.models.utils import (
+    WeightLoadError,
+    check_all_loaded,
+    load_params_strict,
+    make_empty_intermediate_tensors_factory,
+    maybe_prefix,
+)
+from vllm.sequence import IntermediateTensors
+
+
+class Qwen3_5MultiTokenPredictor(nn.Module):
+    moe = False
+
+    def __init__(self, config, prefix: str = "model") -> None:
+        super().__init__()
+        self.num_mtp_layers = num_mtp_layers(config)
+        if self.num_mtp_layers <= 0:
+            raise ValueError(
+                "Qwen3_5MTP needs mtp_num_hidden_layers > 0 in the checkpoint's config"
+            )
+        h = config.hidden_size
+        eps = getattr(config, "rms_norm_eps", 1e-6)
+        self.embed_tokens = nn.Embedding(config.vocab_size, h)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layers = nn.ModuleList(
+            Qwen3_5DecoderLayer(config, FULL_ATTENTION, f"{prefix}.layers.{j}", moe=self.moe)
+            for j in range(self.num_mtp_layers)
+        )
+        self.norm = Qwen3_5RMSNorm(h, eps)
+        self.pre_fc_norm_hidden = Qwen3_5RMSNorm(h, eps)
+        self.pre_fc_norm_embedding = Qwen3_5RMSNorm(h, eps)
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual"], h
+        )
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        spec_step_idx: int = 0,
+    ) -> torch.Tensor:
+        # Branch on the inputs, never on the pipeline rank: the draft lives on the last stage,
+        # which is not the first, yet it must still combine the embedding with the hidden state.
+        if intermediate_tensors is None:
+            if inputs_embeds is None:
+                inputs_embeds = self.embed_input_ids(input_ids)
+            x = torch.cat(
+                [self.pre_fc_norm_embedding(inputs_embeds), self.pre_fc_norm_hidden(hidden_states)],
+                dim=-1,
+            )
+            hidden, residual = self.fc(x), None
+        else:
+            hidden = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+        layer = self.layers[spec_step_idx % self.num_mtp_layers]
+        hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3_5MoeMultiTokenPredictor(Qwen3_5MultiTokenPredictor):
+    moe = True
+
+
+class Qwen3_5MTP(nn.Module, SupportsPP, SupportsEagleBase):
+    """Qwen3.5 MTP draft. It never runs split over stages, but implements SupportsPP so a
+    pipeline-parallel engine can build it on its last stage; it loads its own embedding and LM
+    head from the checkpoint's target names (the target holds neither there under PP)."""
+
+    supports_pp = True
+    has_own_embed_tokens = True
+    has_own_lm_head = True
+    predictor_cls = Qwen3_5MultiTokenPredictor
+
+    def __init__(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
+    ) -> None:
+        super().__init__()
+        config = model_config.hf_text_config
+        self.config = config
+        self.tied = _tie_word_embeddings(model_config)
+        self.model = self.predictor_cls(config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        spec_step_idx: int = 0,
+    ) -> torch.Tensor:
+        return self.model(
+            input_ids, positions, hidden_states, intermediate_tensors, inputs_embeds, spec_step_idx
+        )
+
+    def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """`mtp.*` -> `model.*`; the embedding and LM head come from the target's names
+        (`model[.language_model].embed_tokens.weight`, `lm_head.weight`); the rest is the
+        target's."""
+        seen_mtp = False
+
+        def rename(name: str) -> str | None:
+            nonlocal seen_mtp
+            if name.startswith("mtp."):
+                seen_mtp = True
+                return "model." + name[len("mtp.") :]
+            if name in ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"):
+                return "model.embed_tokens.weight"
+            if name == "lm_head.weight" and not self.tied:
+                return name
+            return None
+
+        experts = ExpertWeightLoader()
+        loaded = load_params_strict(self, weights, rename, custom=experts.load_layer_weight)
+        if not seen_mtp:
+            raise WeightLoadError(
+                "speculative method 'mtp' needs the checkpoint's mtp.* weights, but it has none "
+                "(config.json declares mtp_num_hidden_layers="
+                f"{self.model.num_mtp_layers}); use a checkpoint that ships the MTP head"
+            )
+        experts.finish(self, loaded)
+        check_all_loaded(self, loaded, {"lm_head.weight"} if self.tied else set())
+        return loaded
+
+
+class Qwen3_5MoeMTP(Qwen3_5MTP):
+    predictor_cls = Qwen3_5MoeMultiTokenPredictor

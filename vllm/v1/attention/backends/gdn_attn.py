@@ -1,0 +1,206 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Gated DeltaNet (linear attention) over per-request state slots: step metadata and the torch
+reference varlen ops (CPU and CUDA).
+
+Every linear-attention layer owns a conv state [S, P, C, k - 1] and a recurrent state
+[S, P, H, dk, dv]: S state slots (one per running request, owned by the KV cache manager) and P
+positions per slot. A request reads its initial state from (slot, init_index) and writes the
+states after its last `num_store` tokens to positions 0..num_store-1 of its slot; a verify pass
+of 1 + d tokens keeps all 1 + d, so whichever prefix the sampler accepts, the next step starts
+from the state right after it without recomputation.
+
+Short queries (decode, draft verification, tiny prefills) run together, padded, through the
+per-token recurrence; longer ones (prefill chunks) run one by one through the chunked form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from vllm.model_executor.layers.mamba.causal_conv1d import causal_conv1d, conv_state_at
+from vllm.model_executor.layers.mamba.gated_delta_rule import (
+    chunked_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
+
+
+@dataclass
+class GDNShortGroup:
+    """Requests run together, padded to the longest query of the group."""
+
+    rows: torch.Tensor  # [Rg] batch rows
+    token_index: torch.Tensor  # [Rg, L] flat token index, or T (a zero row) for padding
+    valid: torch.Tensor  # [n] indices into the flattened [Rg * L] that are real tokens
+    token_flat: torch.Tensor  # [n] flat token index of each valid entry
+    store_rows: torch.Tensor  # [N] group row of each kept state
+    store_steps: torch.Tensor  # [N] the step (0..L-1) after which it is taken
+    store_slots: torch.Tensor  # [N] state slot it is written to
+    store_pos: torch.Tensor  # [N] position within that slot
+
+
+@dataclass
+class GDNAttentionMetadata:
+    """What a linear-attention layer needs for one forward over a flattened token batch."""
+
+    num_tokens: int
+    query_start_loc_np: np.ndarray  # [R + 1]
+    state_slots: torch.Tensor  # [R] state slot of each request
+    init_index: torch.Tensor  # [R] position (within the slot) of its initial state
+    has_initial_state: torch.Tensor  # [R, 1] bool: False for a request's first tokens
+    short: GDNShortGroup | None
+    long_rows: list[int]  # rows run one by one; their final state goes to position 0
+    state_slots_np: np.ndarray  # [R]
+
+
+def build_gdn_metadata(
+    query_start_loc: np.ndarray,
+    state_slots: np.ndarray,
+    has_initial_state: np.ndarray,
+    init_index: np.ndarray,
+    num_store: np.ndarray,
+    short_query_len: int,
+    device: torch.device,
+) -> GDNAttentionMetadata:
+    """query_start_loc [R + 1]; per request: its state slot, whether it continues a state, the
+    position of that state, and how many trailing per-token states to keep (1: the final one).
+    A request keeping more than one state always runs in the padded group."""
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    T = int(qsl[-1])
+    num_store = np.asarray(num_store, dtype=np.int64)
+    if (num_store < 1).any() or (num_store > np.maximum(q_lens, 1)).any():
+        raise ValueError(f"num_store {num_store.tolist()} out of range for queries {q_lens}")
+    is_short = (q_lens <= short_query_len) | (num_store > 1)
+    short_rows = np.nonzero(is_short & (q_lens > 0))[0]
+    long_rows = np.nonzero(~is_short)[0].tolist()
+    short = None
+    slots = np.asarray(state_slots, dtype=np.int64)
+    if len(short_rows):
+        ql = q_lens[short_rows]
+        L = int(ql.max())
+        i = np.arange(L)[None, :]
+        valid = i < ql[:, None]
+        token_index = np.where(valid, qsl[short_rows][:, None] + i, T)
+        flat_valid = np.nonzero(valid.reshape(-1))[0]
+        ns = num_store[short_rows]
+        store_rows = np.repeat(np.arange(len(short_rows)), ns)
+        within = np.arange(int(ns.sum())) - np.repeat(np.cumsum(ns) - ns, ns)
+        store_steps = np.repeat(ql - ns, ns) + within
+        short = GDNShortGroup(
+            rows=torch.from_numpy(short_rows).to(device),
+            token_index=torch.from_numpy(token_index).to(device),
+            valid=torch.from_numpy(flat_valid).to(device),
+            token_flat=torch.from_numpy(token_index.reshape(-1)[flat_valid]).to(device),
+            store_rows=torch.from_numpy(store_rows).to(device),
+            store_steps=torch.from_numpy(store_steps).to(device),
+            store_slots=torch.from_numpy(slots[short_rows][store_rows]).to(device),
+            store_pos=torch.from_numpy(within).to(device),
+        )
+    return GDNAttentionMetadata(
+        num_tokens=T,
+        query_start_loc_np=qsl,
+        state_slots=torch.from_numpy(slots).to(device),
+        init_index=torch.from_numpy(np.asarray(init_index, dtype=np.int64)).to(device),
+        has_initial_state=torch.from_numpy(np.asarray(has_initial_state, dtype=bool)[:, None]).to(
+            device
+        ),
+        short=short,
+        long_rows=long_rows,
+        state_slots_np=slots,
+    )
+
+
+def _initial(states: torch.Tensor, meta: GDNAttentionMetadata) -> torch.Tensor:
+    """[R, ...] initial state of every request (zeros where it has none); a copy, so writing
+    the new states afterwards cannot disturb it."""
+    init = states[meta.state_slots, meta.init_index]
+    mask = meta.has_initial_state.view(-1, *([1] * (init.dim() - 1)))
+    return torch.where(mask, init, torch.zeros((), dtype=init.dtype, device=init.device))
+
+
+def _padded(x: torch.Tensor, group: GDNShortGroup) -> torch.Tensor:
+    """[T, ...] -> [Rg, L, ...] with zeros in the padding."""
+    x_pad = torch.cat([x, x.new_zeros(1, *x.shape[1:])], dim=0)
+    return x_pad[group.token_index]
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    meta: GDNAttentionMetadata,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Causal depthwise conv of the flattened x [T, C] per request, continuing and updating
+    conv_states [S, P, C, k - 1]; returns [T, C]."""
+    k = conv_states.shape[-1] + 1
+    out = torch.zeros_like(x)
+    init = _initial(conv_states, meta)
+    g = meta.short
+    if g is not None:
+        xg = _padded(x, g).transpose(1, 2)  # [Rg, C, L]
+        y, padded = causal_conv1d(xg, weight, init[g.rows], bias, activation)
+        out[g.token_flat] = y.transpose(1, 2).reshape(-1, x.shape[1])[g.valid]
+        conv_states[g.store_slots, g.store_pos] = conv_state_at(
+            padded, g.store_rows, g.store_steps, k
+        ).to(conv_states.dtype)
+    qsl = meta.query_start_loc_np
+    for r in meta.long_rows:
+        a, b = int(qsl[r]), int(qsl[r + 1])
+        y, padded = causal_conv1d(x[a:b].t()[None], weight, init[r : r + 1], bias, activation)
+        out[a:b] = y[0].t()
+        slot = int(meta.state_slots_np[r])
+        conv_states[slot, 0] = padded[0, :, -(k - 1) :].to(conv_states.dtype)
+    return out
+
+
+def gated_delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    recurrent_states: torch.Tensor,
+    meta: GDNAttentionMetadata,
+) -> torch.Tensor:
+    """Gated delta rule per request over flattened q, k [T, H, dk], v [T, H, dv], g, beta
+    [T, H], continuing and updating recurrent_states [S, P, H, dk, dv]; returns o [T, H, dv]
+    (float32)."""
+    T, H, dv = v.shape
+    out = torch.zeros(T, H, dv, dtype=torch.float32, device=v.device)
+    init = _initial(recurrent_states, meta).float()
+    grp = meta.short
+    if grp is not None:
+        # Padding steps have g = 0 and beta = 0: they leave the state unchanged.
+        o, kept = recurrent_gated_delta_rule(
+            _padded(q, grp),
+            _padded(k, grp),
+            _padded(v, grp),
+            _padded(g, grp),
+            _padded(beta, grp),
+            init[grp.rows],
+            keep_states=True,
+        )
+        out[grp.token_flat] = o.reshape(-1, H, dv)[grp.valid]
+        recurrent_states[grp.store_slots, grp.store_pos] = kept[grp.store_rows, grp.store_steps].to(
+            recurrent_states.dtype
+        )
+    qsl = meta.query_start_loc_np
+    for r in meta.long_rows:
+        a, b = int(qsl[r]), int(qsl[r + 1])
+        o, final = chunked_gated_delta_rule(
+            q[a:b][None],
+            k[a:b][None],
+            v[a:b][None],
+            g[a:b][None],
+            beta[a:b][None],
+            init[r : r + 1],
+        )
+        out[a:b] = o[0]
+        recurrent_states[int(meta.state_slots_np[r]), 0] = final[0].to(recurrent_states.dtype)
+    return out

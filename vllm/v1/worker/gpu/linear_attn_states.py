@@ -1,0 +1,122 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Per-request states of a hybrid model's linear-attention layers on one pipeline stage.
+
+The KV cache manager hands every running request a state slot (allocated, preempted and freed
+with its KV blocks); here each MambaBase layer of this stage gets its state tensors
+[num_state_slots, P, ...] with P = 1 + num_speculative_tokens positions per slot.
+
+Speculative decoding: a verify pass of 1 + d tokens keeps the state after each of them at
+positions 0..d, and the slot remembers the sequence position of position 0. The next step of the
+request starts from the position that holds the state after its last computed token, i.e.
+num_computed - 1 - base. Rejected drafts are rolled back exactly as num_computed is (the last
+stage after sampling, every other stage from the num_rejected that PPHandler broadcasts), so the
+rollback costs no copy and no collective of its own, and a stage never needs to know which
+drafts were rejected beyond its own num_computed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from vllm.model_executor.layers.mamba import MambaBase
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata, build_gdn_metadata
+
+
+class LinearAttnStates:
+    def __init__(
+        self,
+        layers: dict[str, MambaBase],
+        num_slots: int,
+        num_speculative_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.layers = layers
+        self.num_slots = num_slots
+        self.num_positions = num_speculative_tokens + 1
+        self.dtype = dtype
+        self.device = device
+        # Sequence position whose state sits at position 0 of each slot, and how many
+        # consecutive positions hold valid states.
+        self.base_pos = np.zeros(num_slots, dtype=np.int64)
+        self.num_stored = np.zeros(num_slots, dtype=np.int64)
+        self.states: dict[str, list[torch.Tensor]] = {}
+        # Seconds spent choosing each request's starting state (what a rollback amounts to),
+        # over num_steps forwards.
+        self.select_s = 0.0
+        self.num_steps = 0
+
+    @classmethod
+    def from_modules(
+        cls,
+        named_modules: Iterable[tuple[str, nn.Module]],
+        num_slots: int,
+        num_speculative_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> LinearAttnStates | None:
+        layers = {n: m for n, m in named_modules if isinstance(m, MambaBase)}
+        if not layers:
+            return None
+        return cls(layers, num_slots, num_speculative_tokens, dtype, device)
+
+    def bytes(self) -> int:
+        """Memory of all state tensors of this stage (counted against the KV budget)."""
+        per_slot = sum(m.state_bytes_per_slot(self.dtype) for m in self.layers.values())
+        return per_slot * self.num_slots * self.num_positions
+
+    def allocate(self) -> None:
+        for name, layer in self.layers.items():
+            tensors = [
+                torch.zeros(
+                    (self.num_slots, self.num_positions, *shape), dtype=dt, device=self.device
+                )
+                for shape, dt in zip(layer.state_shapes(), layer.state_dtypes(self.dtype))
+            ]
+            layer.states = tensors
+            self.states[name] = tensors
+
+    def prepare(
+        self,
+        query_start_loc: np.ndarray,
+        num_computed: np.ndarray,
+        num_draft_tokens: np.ndarray,
+        state_slots: np.ndarray,
+        short_query_len: int,
+    ) -> GDNAttentionMetadata:
+        """Metadata of one step (before num_computed advances); records where each request's
+        states will sit after it."""
+        t0 = time.perf_counter()
+        slots = np.asarray(state_slots, dtype=np.int64)
+        if (slots < 0).any() or (slots >= self.num_slots).any():
+            raise RuntimeError(
+                f"state slots {slots.tolist()} out of range for {self.num_slots} slots (does "
+                "the scheduler allocate state slots for this hybrid model?)"
+            )
+        c = np.asarray(num_computed, dtype=np.int64)
+        n = np.diff(np.asarray(query_start_loc, dtype=np.int64))
+        has_init = c > 0
+        init_index = np.where(has_init, c - 1 - self.base_pos[slots], 0)
+        bad = has_init & ((init_index < 0) | (init_index >= self.num_stored[slots]))
+        if bad.any():
+            i = int(np.nonzero(bad)[0][0])
+            raise RuntimeError(
+                f"no linear-attention state for {c[i]} computed tokens in slot {slots[i]} "
+                f"(it holds positions {self.base_pos[slots[i]]}.."
+                f"{self.base_pos[slots[i]] + self.num_stored[slots[i]] - 1})"
+            )
+        d = np.asarray(num_draft_tokens, dtype=np.int64)
+        num_store = np.minimum(np.where(d > 0, d + 1, 1), self.num_positions)
+        self.base_pos[slots] = c + n - num_store
+        self.num_stored[slots] = num_store
+        self.select_s += time.perf_counter() - t0
+        self.num_steps += 1
+        return build_gdn_metadata(
+            query_start_loc, slots, has_init, init_index, num_store, short_query_len, self.device
+        )
