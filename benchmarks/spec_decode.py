@@ -7,6 +7,8 @@ the speedup ratios last.
 
     python benchmarks/spec_decode.py --num-prompts 8 --input-len 64 --output-len 64
     python benchmarks/spec_decode.py --mtp-heads self     # MTP heads that reproduce the target
+    python benchmarks/spec_decode.py --pp 1 2             # P = 1 and P = 2, with and without
+                                                          # speculation; acceptance ratio P2/P1 last
 
 --mtp-heads: random (the checkpoint's random MTP layer: acceptance near 0, shows the overhead),
 near (the target mostly a bigram model that the MTP head reproduces: partial acceptance),
@@ -115,6 +117,7 @@ def main() -> None:
     )
     header = f"{'pp':>2} {'method':<7} {'K':>2} {'tok/s':>8} {'mean len':>8}  per-position"
     ratios = []
+    accept_len: dict[tuple[int, str, int], float] = {}
     for pp in args.pp:
         base = {
             m: run(m, prompts, args.output_len, pp, None, args.max_num_seqs) for m in {mtp, llama}
@@ -136,7 +139,16 @@ def main() -> None:
                 + ("" if same else "  OUTPUT DIFFERS FROM NO-SPEC RUN")
             )
             ratios.append(f"pp{pp} {method} K={k}: {r['tok_s'] / base[target]['tok_s']:.2f}x")
+            accept_len[(pp, method, k)] = r["mean_len"]
     print("speedup vs no speculation (tok/s ratio): " + ", ".join(ratios))
+    # Same drafts, same acceptance under PP: the ratio must be 1.00 for greedy sampling.
+    p1 = args.pp[0]
+    for pp in args.pp[1:]:
+        parts = [
+            f"{method} K={k}: {accept_len[(pp, method, k)] / accept_len[(p1, method, k)]:.2f}"
+            for method, _, _, k in cases
+        ]
+        print(f"acceptance-length ratio P{pp}/P{p1}: " + ", ".join(parts))
 
 
 if __name__ == "__main__":

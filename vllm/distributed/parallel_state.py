@@ -105,8 +105,9 @@ def init_distributed(
     ranks = list(range(world_size))
     world = dist.group.WORLD
     broadcast_group = dist.new_group(ranks, backend=backend, timeout=timeout)
-    cpu_group = world if backend == "gloo" else dist.new_group(ranks, backend="gloo",
-                                                               timeout=timeout)
+    cpu_group = (
+        world if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=timeout)
+    )
     group = PPGroup(
         rank=rank,
         world_size=world_size,
@@ -165,7 +166,9 @@ def send_tensor_dict(
     device_group = device_group if device_group is not None else pp.device_group
     cpu_group = cpu_group if cpu_group is not None else (pp.cpu_group or device_group)
     items = [(k, t.contiguous()) for k, t in tensors.items()]
-    meta = pickle.dumps([(k, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in items])
+    meta = pickle.dumps(
+        [(k, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for k, t in items]
+    )
     payload = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
     header = torch.tensor([len(meta)], dtype=torch.int64)
     works = [cpu_group.send([header], dst, _TAG), cpu_group.send([payload], dst, _TAG)]

@@ -27,6 +27,7 @@ from vllm.model_executor.models.utils import (
     make_empty_intermediate_tensors_factory,
     make_layers,
     maybe_prefix,
+    spec_decode_needs_target_embed,
 )
 from vllm.sequence import IntermediateTensors
 
@@ -477,6 +478,11 @@ class DeepseekV2ForCausalLM(nn.Module):
         config = model_config.hf_text_config
         self.config = config
         self.model = self._init_model(vllm_config, config, maybe_prefix(prefix, "model"))
+        if spec_decode_needs_target_embed(vllm_config) and isinstance(
+            self.model.embed_tokens, PPMissingLayer
+        ):
+            # An EAGLE draft on this (last) stage shares the target's table; the loader fills it.
+            self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if get_pp_group().is_last_rank:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

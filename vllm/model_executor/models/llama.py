@@ -24,6 +24,7 @@ from vllm.model_executor.models.utils import (
     make_empty_intermediate_tensors_factory,
     make_layers,
     maybe_prefix,
+    spec_decode_needs_target_embed,
 )
 from vllm.sequence import IntermediateTensors
 
@@ -103,12 +104,14 @@ class LlamaModel(nn.Module, EagleModelMixin):
     qkv_bias = False
     supports_aux_hidden_states_over_pp = True
 
-    def __init__(self, config: Any, prefix: str = "model") -> None:
+    def __init__(self, config: Any, prefix: str = "model", keep_embed: bool = False) -> None:
+        """keep_embed: build embed_tokens on this stage even if not first (an EAGLE draft on
+        the last stage shares it, see spec_decode_needs_target_embed)."""
         super().__init__()
         self.config = config
         pp = get_pp_group()
         tied = bool(getattr(config, "tie_word_embeddings", False))
-        if pp.is_first_rank or (tied and pp.is_last_rank):
+        if pp.is_first_rank or (tied and pp.is_last_rank) or keep_embed:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = PPMissingLayer()
@@ -175,7 +178,11 @@ class LlamaForCausalLM(nn.Module, SupportsEagle3):
         super().__init__()
         config = model_config.hf_text_config
         self.config = config
-        self.model = self.model_cls(config, prefix=maybe_prefix(prefix, "model"))
+        self.model = self.model_cls(
+            config,
+            prefix=maybe_prefix(prefix, "model"),
+            keep_embed=spec_decode_needs_target_embed(vllm_config),
+        )
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if get_pp_group().is_last_rank:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -123,3 +123,20 @@ def check_all_loaded(model: nn.Module, loaded: set[str], shared: Iterable[str] =
         raise WeightLoadError(
             f"checkpoint is missing weight(s) for {type(model).__name__}: {missing[:8]}{more}"
         )
+
+
+EAGLE_FAMILY_METHODS = ("eagle", "eagle3")
+
+
+def spec_decode_needs_target_embed(vllm_config) -> bool:
+    """Whether the target must keep `embed_tokens` on this stage for its draft.
+
+    An EAGLE-family draft that ships no embedding shares the target's; the draft lives on the
+    last stage, where the target's table is otherwise a PPMissingLayer (unless tied). True only
+    for P > 1, on the last rank, with method eagle / eagle3 (MTP drafts load their own table).
+    """
+    spec = getattr(vllm_config, "speculative_config", None) if vllm_config is not None else None
+    if spec is None or getattr(spec, "method", None) not in EAGLE_FAMILY_METHODS:
+        return False
+    pp = get_pp_group()
+    return pp.world_size > 1 and pp.is_last_rank

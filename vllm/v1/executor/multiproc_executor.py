@@ -34,20 +34,55 @@ logger = init_logger(__name__)
 # in a collective with a peer that is gone.
 _ORPHAN_GRACE_S = 2.0
 _JOIN_TIMEOUT_S = 5.0
+# On a stage's error report, how long to look for a peer that died first (the root cause).
+_CAUSE_WAIT_S = 1.0
 
 
 def get_open_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def _mp_context(vllm_config: VllmConfig):
+    """spawn (default): every stage starts from a fresh interpreter, never a copy of the engine.
+    VLLM_WORKER_MULTIPROC_METHOD=forkserver forks stages from one fresh server process that
+    imported torch and the worker once (much faster start-up when engines are created often;
+    the server lives until this process exits)."""
+    method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    if method not in ("spawn", "forkserver"):
+        raise ValueError(
+            f"VLLM_WORKER_MULTIPROC_METHOD must be 'spawn' or 'forkserver', got {method!r}"
+        )
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        # Unpickling the config imports transformers' config module: preload it too.
+        hf_config_module = type(vllm_config.model_config.hf_config).__module__
+        ctx.set_forkserver_preload(["vllm.v1.worker.worker", hf_config_module])
+    return ctx
 
 
 class WorkerFailure(RuntimeError):
     """A pipeline stage raised or died."""
 
 
-def _stage_main(vllm_config: VllmConfig, rank: int, init_method: str, conn) -> None:
+def vllm_env() -> dict[str, str]:
+    """The engine's VLLM_* settings (e.g. VLLM_PP_LAYER_PARTITION), to apply in every stage."""
+    return {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+
+
+def apply_vllm_env(env: dict[str, str]) -> None:
+    # A fork server's children inherit the server's environment, not the engine's current one.
+    for k in [k for k in os.environ if k.startswith("VLLM_") and k not in env]:
+        del os.environ[k]
+    os.environ.update(env)
+
+
+def _stage_main(
+    vllm_config: VllmConfig, rank: int, init_method: str, conn, env: dict[str, str]
+) -> None:
     """Entry point of a stage process."""
+    apply_vllm_env(env)
     from vllm.v1.worker.worker import Worker
 
     inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -121,7 +156,7 @@ class MultiprocExecutor(Executor):
         self._failed: str | None = None
         self._inflight = 0
         self._stash: list[deque] = [deque() for _ in range(self.world_size)]
-        ctx = mp.get_context("spawn")
+        ctx = _mp_context(vllm_config)
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
         self._procs: list = []
         self._conns: list = []
@@ -131,7 +166,7 @@ class MultiprocExecutor(Executor):
                 parent, child = ctx.Pipe(duplex=True)
                 proc = ctx.Process(
                     target=_stage_main,
-                    args=(vllm_config, rank, init_method, child),
+                    args=(vllm_config, rank, init_method, child, vllm_env()),
                     name=f"VllmWorker-PP{rank}",
                     daemon=True,
                 )
@@ -168,9 +203,40 @@ class MultiprocExecutor(Executor):
         if self._failed is not None:
             raise WorkerFailure(f"the pipeline stages are stopped after an error: {self._failed}")
 
+    def _died(self, rank: int, then: str = "") -> None:
+        proc = self._procs[rank]
+        proc.join(timeout=1.0)  # reap it, for its exit code
+        self._fail(
+            f"pipeline stage {rank} (pid {proc.pid}) died unexpectedly "
+            f"(exit code {proc.exitcode}){then}"
+        )
+
+    def _silently_dead(self, exclude: int) -> int | None:
+        """A stage other than exclude that exited without reporting an error (killed, crashed).
+
+        When one stage dies, its peers soon fail on the broken connection and report that;
+        the dead one is the cause worth naming."""
+        sentinels = {p.sentinel: r for r, p in enumerate(self._procs) if r != exclude}
+        for s in mp_connection.wait(list(sentinels), timeout=_CAUSE_WAIT_S):
+            r = sentinels[s]
+            try:
+                msg = self._conns[r].recv() if self._conns[r].poll() else None
+            except (EOFError, OSError):
+                msg = None
+            if msg is None or msg[0] != "error":
+                return r
+        return None
+
     def _take(self, rank: int) -> Any:
-        msg = self._conns[rank].recv()
+        try:
+            msg = self._conns[rank].recv()
+        except (EOFError, OSError):
+            self._died(rank)
         if msg[0] == "error":
+            culprit = self._silently_dead(exclude=rank)
+            if culprit is not None:
+                first = msg[1].splitlines()[0] if msg[1] else ""
+                self._died(culprit, then=f"; then stage {rank} failed: {first}")
             self._fail(f"pipeline stage {rank} failed: {msg[1]}")
         return msg[1]
 
@@ -191,15 +257,14 @@ class MultiprocExecutor(Executor):
                 r = sentinels.get(s)
                 if r is None:
                     continue
-                if self._conns[r].poll():  # its last words first (an error report)
+                try:
+                    has_words = self._conns[r].poll()
+                except (EOFError, OSError):
+                    has_words = False
+                if has_words:  # its last words first (an error report)
                     self._stash[r].append(self._take(r))
                     continue
-                self._procs[r].join(timeout=1.0)  # reap it, for its exit code
-                code = self._procs[r].exitcode
-                self._fail(
-                    f"pipeline stage {r} (pid {self._procs[r].pid}) died unexpectedly "
-                    f"(exit code {code})"
-                )
+                self._died(r)
 
     def _send_all(self, method: str, *args: Any) -> None:
         self._check_alive()

@@ -43,7 +43,13 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         self._pending_sends: list[PendingSend] = []
         # Seconds spent in stage-to-stage transfers (see comm_stats).
-        self._comm = {"steps": 0, "recv_wait_s": 0.0, "recv_payload_s": 0.0, "send_s": 0.0}
+        self._comm = {
+            "steps": 0,
+            "run_s": 0.0,
+            "recv_wait_s": 0.0,
+            "recv_payload_s": 0.0,
+            "send_s": 0.0,
+        }
 
     def init_device(self) -> None:
         if self.device.type == "cuda":
@@ -112,7 +118,9 @@ class Worker:
         pp = get_pp_group()
         if not pp.is_first_rank and so.total_num_scheduled_tokens > 0:
             intermediate_tensors = IntermediateTensors(self._recv(pp.prev_rank))
+        t0 = time.perf_counter()
         out = self.model_runner.execute_model(so, intermediate_tensors)
+        self._comm["run_s"] += time.perf_counter() - t0
         if pp.is_last_rank:
             return out
         if isinstance(out, IntermediateTensors):

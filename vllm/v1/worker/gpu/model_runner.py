@@ -71,6 +71,15 @@ class ModelRunner:
 
             self.speculator = init_speculator(self.vllm_config, self.device)
             self.speculator.load_model(self.model)
+        elif self.vllm_config.speculative_config is not None:
+            # EAGLE3: stages without the drafter still produce (and relay) its aux taps.
+            from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
+                configure_target_aux_taps,
+            )
+
+            configure_target_aux_taps(self.model, self.vllm_config)
+        if self.pp_handler is not None:
+            self.pp_handler.configure_aux_hidden_state_relay(self.model)
         self.attn_layers = {
             name: m
             for name, m in self._all_modules()
@@ -163,6 +172,7 @@ class ModelRunner:
         self.states.num_computed[batch.idx_mapping_np] += batch.num_scheduled_tokens
         if not self.pp.is_last_rank:
             if self.pp_handler is not None:
+                out = self.pp_handler.relay_aux_hidden_states(intermediate_tensors, out)
                 self.pp_handler.receive(batch)
             return out
         return self._sample_and_propose(so, batch, out)

@@ -19,6 +19,7 @@ them so they never queue behind the stage-to-stage tensors.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
@@ -32,11 +33,14 @@ PAD_TOKEN_ID = -1
 def pad_sampled_token_ids(sampled: torch.Tensor, width: int) -> torch.Tensor:
     """Widen [R, n <= width] int64 to [R, width], filling with PAD_TOKEN_ID."""
     if sampled.dim() != 2 or sampled.shape[1] > width:
-        raise ValueError(f"sampled token ids of shape {tuple(sampled.shape)} do not fit width {width}")
+        raise ValueError(
+            f"sampled token ids of shape {tuple(sampled.shape)} do not fit width {width}"
+        )
     if sampled.shape[1] == width:
         return sampled.contiguous()
-    out = torch.full((sampled.shape[0], width), PAD_TOKEN_ID, dtype=sampled.dtype,
-                     device=sampled.device)
+    out = torch.full(
+        (sampled.shape[0], width), PAD_TOKEN_ID, dtype=sampled.dtype, device=sampled.device
+    )
     out[:, : sampled.shape[1]] = sampled
     return out
 
@@ -105,6 +109,9 @@ class PPHandler:
         self._sends: deque[tuple[Any, torch.Tensor]] = deque()
         # Bumped when a slot is freed: results addressed to its previous owner are dropped.
         self.req_idx_gen_np = np.zeros(max_num_reqs, dtype=np.int64)
+        self.recv_wait_s = 0.0  # time spent blocked on broadcasts not yet arrived (benchmarks)
+        # EAGLE3 on a middle stage: aux_hidden_states_<i> slots of upstream stages to forward.
+        self.aux_relay_keys: tuple[str, ...] = ()
 
     # ---- both sides ------------------------------------------------------------------------
     def on_req_idx_freed(self, req_idx: int) -> None:
@@ -114,6 +121,29 @@ class PPHandler:
         if self.broadcast_group is None:
             return _DoneWork()
         return self.broadcast_group.broadcast(tensor, self.last_rank)
+
+    def configure_aux_hidden_state_relay(self, model: Any) -> tuple[str, ...]:
+        """Remember which upstream aux slots this (middle) stage must forward (EAGLE3)."""
+        from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
+            aux_hidden_state_relay_keys,
+        )
+
+        self.aux_relay_keys = aux_hidden_state_relay_keys(model)
+        return self.aux_relay_keys
+
+    def relay_aux_hidden_states(self, intermediate_tensors: Any, output: Any) -> Any:
+        """Copy the upstream aux slots, unchanged, from what this stage received into what it
+        sends on; a slot that did not arrive is an error, never zero-filled."""
+        if not self.aux_relay_keys or output is None:
+            return output
+        for key in self.aux_relay_keys:
+            if intermediate_tensors is None or key not in intermediate_tensors:
+                raise RuntimeError(
+                    f"Missing {key} in the intermediate tensors to relay "
+                    f"(expected {list(self.aux_relay_keys)})"
+                )
+            output[key] = intermediate_tensors[key]
+        return output
 
     # ---- last rank -------------------------------------------------------------------------
     def _post_send(self, tensor: torch.Tensor) -> None:
@@ -217,7 +247,9 @@ class PPHandler:
         if not self.queue:
             return None
         entry = self.queue.popleft()
+        t0 = time.perf_counter()
         entry.wait()
+        self.recv_wait_s += time.perf_counter() - t0
         keep = self._live_rows(entry)
         if not keep.any():
             return None

@@ -6,10 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
+from vllm.distributed.parallel_state import get_pp_group
 from vllm.logger import init_logger
-from vllm.model_executor.models.interfaces import supports_eagle3
+from vllm.model_executor.models.interfaces import (
+    AUX_HIDDEN_STATE_KEY,
+    EagleModelMixin,
+    supports_eagle3,
+)
 from vllm.model_executor.models.llama_eagle3 import (
     get_eagle3_aux_layers_from_config,
     get_eagle3_use_aux_hidden_state_from_config,
@@ -50,9 +56,82 @@ def set_eagle3_aux_hidden_state_layers(
                 f"eagle_aux_hidden_state_layer_ids {list(ids)} gives {len(taps)} distinct taps "
                 f"({need} features) but the draft's fc expects {fc.in_features}"
             )
+    if get_pp_group().world_size > 1:
+        verify_supports_aux_hidden_states_over_pp(target_model, "eagle3")
     target_model.set_aux_hidden_state_layers(taps)
+    reserve_aux_intermediate_tensor_slots(target_model)
     return taps
 
 
 def uses_aux_hidden_states(method: str, draft_hf_config: Any) -> bool:
     return method == "eagle3" and get_eagle3_use_aux_hidden_state_from_config(draft_hf_config)
+
+
+def _inner_decoder(model: nn.Module) -> nn.Module | None:
+    """The decoder holding the taps: the language model's `.model`."""
+    lm = model.get_language_model() if hasattr(model, "get_language_model") else model
+    return getattr(lm, "model", None)
+
+
+def verify_supports_aux_hidden_states_over_pp(model: nn.Module, method: str) -> None:
+    """Under pipeline parallelism a target must relay its taps through IntermediateTensors;
+    only decoders that opt in (`supports_aux_hidden_states_over_pp`) do."""
+    inner = _inner_decoder(model)
+    if not getattr(inner, "supports_aux_hidden_states_over_pp", False):
+        raise ValueError(
+            f"{type(model).__name__} does not support {method} with pipeline parallelism "
+            "(its decoder does not set supports_aux_hidden_states_over_pp)"
+        )
+
+
+def aux_hidden_state_relay_keys(model: nn.Module) -> tuple[str, ...]:
+    """Keys a middle stage forwards unchanged: the slots produced by the stages before it."""
+    pp = get_pp_group()
+    if pp.world_size < 2 or pp.is_first_rank or pp.is_last_rank:
+        return ()
+    inner = _inner_decoder(model)
+    base = int(getattr(inner, "_aux_slot_base_cached", 0))
+    return tuple(f"{AUX_HIDDEN_STATE_KEY}{i}" for i in range(base))
+
+
+def reserve_aux_intermediate_tensor_slots(model: nn.Module) -> None:
+    """Make the receive buffer of a non-first stage hold exactly the upstream aux slots too
+    (zeros [batch, hidden] for aux_hidden_states_0 .. base-1). Idempotent."""
+    pp = get_pp_group()
+    if pp.world_size < 2 or pp.is_first_rank:
+        return
+    inner = _inner_decoder(model)
+    if not isinstance(inner, EagleModelMixin) or not inner.supports_aux_hidden_states_over_pp:
+        return
+    base = int(inner._aux_slot_base_cached)
+    orig = getattr(model, "_make_empty_intermediate_tensors_orig", None)
+    if orig is None:
+        orig = model.make_empty_intermediate_tensors
+        model._make_empty_intermediate_tensors_orig = orig
+    if base == 0:
+        model.make_empty_intermediate_tensors = orig
+        return
+    hidden_size = int(inner.config.hidden_size)
+
+    def make(batch_size: int, dtype, device):
+        out = orig(batch_size, dtype, device)
+        for i in range(base):
+            out[f"{AUX_HIDDEN_STATE_KEY}{i}"] = torch.zeros(
+                batch_size, hidden_size, dtype=dtype, device=device
+            )
+        return out
+
+    model.make_empty_intermediate_tensors = make
+
+
+def configure_target_aux_taps(model: nn.Module, vllm_config: Any) -> tuple[int, ...]:
+    """Every stage of an EAGLE3 target taps the layers the draft names (the last stage also
+    does this when its drafter loads). Non-last stages have no drafter but produce taps;
+    returns the taps, () when the method uses none."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or spec.draft_model_config is None:
+        return ()
+    cfg = spec.draft_model_config.hf_text_config
+    if not uses_aux_hidden_states(spec.method, cfg):
+        return ()
+    return set_eagle3_aux_hidden_state_layers(model, cfg)

@@ -147,3 +147,19 @@ def load_eagle_model(
             if hasattr(m, "topk_indices_buffer"):
                 m.topk_indices_buffer = buf
     return draft
+
+
+def should_gather_mm_embeds_for_draft(target_model: nn.Module) -> bool:
+    """SPEC 6.6: a multimodal draft path may gather encoder embeddings only on a rank that
+    holds them (the encoder runs with the embedding, on the first stage), and only for a
+    target that takes multimodal input. Every model here is text-only, so this is False and
+    the draft never touches a gather; a multimodal target on a stage without its encoder
+    outputs is refused rather than drafting from missing embeddings."""
+    if not getattr(target_model, "supports_multimodal", False):
+        return False
+    if not get_pp_group().is_first_rank:
+        raise NotImplementedError(
+            f"{type(target_model).__name__}: multimodal drafting under pipeline parallelism "
+            "needs the encoder embeddings on the drafter's stage"
+        )
+    return True

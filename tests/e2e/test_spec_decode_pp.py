@@ -1,0 +1,253 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Speculative decoding under pipeline parallelism, end to end on CPU (gloo): with P = 2 and
+P = 4 stages, MTP (DeepSeek-V3, 1 and 2 MTP layers) and EAGLE3 (Llama, Qwen2) give the same
+greedy tokens as P = 1 without speculation and exactly the same speculation metrics (drafts,
+draft tokens, accepted, per position) as P = 1 with speculation; EAGLE3 taps on stage
+boundaries, all on the first / last stage, and relayed through two middle stages; the DeepSeek
+MTP self-draft keeps 100% acceptance at P = 2 (its own embedding is loaded on the last stage);
+one case on Ray; `vllm serve -pp 2 --speculative-config ...` answers like P = 1.
+
+The default run covers P = 2 fully and a representative P = 4 subset; the rest of the P = 4
+matrix is marked slow."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests import checkpoints
+from tests.engine_utils import make_prompts
+from tests.spec_checkpoints import make_eagle3_draft, make_mtp_self_draft
+from vllm import LLM, SamplingParams
+
+LENGTHS = [21, 6, 34]
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+COMMON = dict(dtype="float32", max_model_len=128, max_num_seqs=4, disable_log_stats=False)
+METRICS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _forkserver():
+    # One fork server imports torch once for all the stage processes of this module.
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "forkserver")
+    mp.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+    yield
+    mp.undo()
+
+
+def _near_mtp(tmp_path_factory, n_mtp: int) -> str:
+    """4 target layers (one per stage at P = 4) + n_mtp MTP layers whose heads nearly
+    reproduce the (mostly bigram) target: partial acceptance, so the per-position counts
+    compared below are not all zero."""
+    src = checkpoints.make_deepseek_v3(
+        tmp_path_factory.mktemp(f"dsv3_4l_mtp{n_mtp}"),
+        num_hidden_layers=4,
+        num_nextn_predict_layers=n_mtp,
+    )
+    return make_mtp_self_draft(
+        tmp_path_factory.mktemp(f"dsv3_4l_mtp{n_mtp}_near"), src, target_scale=0.2
+    )
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3_mtp1_4l_dir(tmp_path_factory) -> str:
+    return _near_mtp(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3_mtp2_4l_dir(tmp_path_factory) -> str:
+    return _near_mtp(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def eagle3_llama_dir(llama_dir, tmp_path_factory) -> str:
+    # 4 layers: P = 2 splits [0,2) [2,4) (tap 2 on the boundary); P = 4 one layer per stage
+    # (taps 1, 2, 3 all on boundaries, 1 relayed through both middle stages).
+    return make_eagle3_draft(
+        tmp_path_factory.mktemp("e3_llama"), llama_dir, aux_layers=(1, 2, 3), own_embed=False
+    )
+
+
+@pytest.fixture(scope="module")
+def eagle3_qwen2_dir(qwen2_dir, tmp_path_factory) -> str:
+    return make_eagle3_draft(
+        tmp_path_factory.mktemp("e3_qwen2"),
+        qwen2_dir,
+        aux_layers=(0, 2, 4),
+        own_embed=False,
+        draft_vocab_size=300,
+        seed=2,
+    )
+
+
+# model key -> (target fixture, draft fixture or None, method)
+MODELS = {
+    "mtp1": ("deepseek_v3_mtp1_4l_dir", None, "mtp"),
+    "mtp2": ("deepseek_v3_mtp2_4l_dir", None, "mtp"),
+    "eagle3_llama": ("llama_dir", "eagle3_llama_dir", "eagle3"),
+    "eagle3_qwen2": ("qwen2_dir", "eagle3_qwen2_dir", "eagle3"),
+}
+P4_DEFAULT = {("eagle3_llama", 3), ("mtp1", 1)}
+
+
+def _cases():
+    out = []
+    for pp in (2, 4):
+        for model in MODELS:
+            for k in (1, 3):
+                marks = () if pp == 2 or (model, k) in P4_DEFAULT else (pytest.mark.slow,)
+                out.append(pytest.param(model, pp, k, marks=marks, id=f"{model}-pp{pp}-k{k}"))
+    return out
+
+
+def _counts(llm: LLM) -> tuple:
+    m = {x.name: x for x in llm.get_metrics()}
+    if METRICS[0] not in m:
+        return (0, 0, 0, [])
+    per_pos = list(m["vllm:spec_decode_num_accepted_tokens_per_pos"].values)
+    return tuple(m[n].value for n in METRICS) + (per_pos,)
+
+
+_TEXTS: dict = {}  # (model, P, spec) -> generated texts (for the server test)
+
+
+def _run(model_dir: str, prompts, spec: dict | None = None, pp: int = 1, **kw):
+    llm = LLM(
+        model=model_dir, pipeline_parallel_size=pp, speculative_config=spec, **{**COMMON, **kw}
+    )
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        _TEXTS[(model_dir, pp, json.dumps(spec))] = [o.outputs[0].text for o in outs]
+        return [list(o.outputs[0].token_ids) for o in outs], _counts(llm)
+    finally:
+        llm.shutdown()
+
+
+class _Runs:
+    """Results per (model, P, K) (K = 0: no speculation), each computed once."""
+
+    def __init__(self, request) -> None:
+        self.request = request
+        self.cache: dict = {}
+        self.prompts = make_prompts(512, LENGTHS, seed=11)
+
+    def dirs(self, model: str) -> tuple[str, str | None, str]:
+        target, draft, method = MODELS[model]
+        fix = self.request.getfixturevalue
+        return fix(target), (fix(draft) if draft else None), method
+
+    def spec(self, model: str, k: int) -> dict | None:
+        if k == 0:
+            return None
+        _, draft, method = self.dirs(model)
+        spec = {"method": method, "num_speculative_tokens": k}
+        if draft:
+            spec["model"] = draft
+        return spec
+
+    def get(self, model: str, pp: int, k: int, **kw):
+        key = (model, pp, k, tuple(sorted(kw.items())))
+        if key not in self.cache:
+            target = self.dirs(model)[0]
+            self.cache[key] = _run(target, self.prompts, self.spec(model, k), pp, **kw)
+        return self.cache[key]
+
+
+@pytest.fixture(scope="module")
+def runs(request) -> _Runs:
+    return _Runs(request)
+
+
+@pytest.mark.parametrize("model,pp,k", _cases())
+def test_spec_decode_pp_equals_p1(runs, model, pp, k):
+    ref_tokens, _ = runs.get(model, 1, 0)
+    _, ref_counts = runs.get(model, 1, k)
+    tokens, counts = runs.get(model, pp, k)
+    assert tokens == ref_tokens
+    assert counts[0] > 0, "the drafter never fired"
+    assert counts == ref_counts
+    print(f"{model} P={pp} K={k}: drafts, draft tokens, accepted, per position = {counts}")
+
+
+def test_eagle3_taps_first_and_last_stage(llama_dir, tmp_path_factory, runs):
+    """P = 2 over [0,2) / [2,4): taps all on the first stage (0, 1, 2 - 2 is the boundary, the
+    stream the first stage sends) and all on the last (3, 4)."""
+    ref_tokens, _ = runs.get("eagle3_llama", 1, 0)
+    for name, taps in (("first", (0, 1, 2)), ("last", (3, 4))):
+        draft = make_eagle3_draft(
+            tmp_path_factory.mktemp(f"e3_{name}"), llama_dir, aux_layers=taps, seed=7
+        )
+        spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": 2}
+        tokens1, counts1 = _run(llama_dir, runs.prompts, spec, 1)
+        tokens2, counts2 = _run(llama_dir, runs.prompts, spec, 2)
+        assert tokens1 == tokens2 == ref_tokens, name
+        assert counts2 == counts1 and counts1[0] > 0, name
+
+
+def test_mtp_self_draft_keeps_full_acceptance_at_pp2(deepseek_v3_mtp1_dir, tmp_path_factory):
+    """The MTP head reproduces the target only with the right embedding table; on the last
+    stage the target has none, so DeepSeekMTP must load its own (SPEC 6.3)."""
+    draft = make_mtp_self_draft(tmp_path_factory.mktemp("mtp_self_pp"), deepseek_v3_mtp1_dir)
+    prompts = make_prompts(512, LENGTHS, seed=12)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    ref_tokens, _ = _run(draft, prompts)
+    tokens, (drafts, draft_tokens, accepted, per_pos) = _run(draft, prompts, spec, 2)
+    assert tokens == ref_tokens
+    assert drafts > 0 and accepted == draft_tokens, (drafts, draft_tokens, accepted, per_pos)
+
+
+def test_ray_eagle3_pp2_equals_mp(runs):
+    import ray
+
+    own_ray = not ray.is_initialized()
+    if own_ray:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        tokens, counts = runs.get("eagle3_llama", 2, 3, distributed_executor_backend="ray")
+    finally:
+        if own_ray:
+            ray.shutdown()
+    assert tokens == runs.get("eagle3_llama", 1, 0)[0]
+    assert counts == runs.get("eagle3_llama", 1, 3)[1]
+
+
+def test_serve_pp2_mtp_equals_p1(runs, tmp_path):
+    import openai
+
+    from tests.entrypoints.utils import RemoteServer
+
+    target = runs.dirs("mtp1")[0]
+    ref_tokens, _ = runs.get("mtp1", 1, 0)
+    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+    server = RemoteServer(
+        target,
+        ["-pp", "2", "--dtype", "float32", "--max-model-len", "128", "--speculative-config", spec],
+        tmp_path / "serve.log",
+    )
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0, timeout=120)
+        texts = _TEXTS[(target, 1, json.dumps(None))]
+        for prompt, want, want_text in zip(runs.prompts, ref_tokens, texts):
+            res = client.completions.create(
+                model=target,
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                logprobs=1,
+                extra_body={"ignore_eos": True},
+            )
+            got = res.choices[0].logprobs.tokens
+            assert len(got) == len(want), server.log_tail()
+            assert res.choices[0].text == want_text
+        assert server.stop(timeout=60) == 0, server.log_tail()
+    finally:
+        server.stop(timeout=10)

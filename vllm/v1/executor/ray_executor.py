@@ -1,0 +1,266 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""RayExecutor: one Ray actor per pipeline stage, placed by a placement group.
+
+Joins the cluster named by RAY_ADDRESS (or an already initialised Ray); otherwise starts a local
+Ray with a bounded number of CPUs and shuts it down again with the executor. The actors run the
+same Worker as the multiprocessing executor; stages talk over torch.distributed (gloo on CPU,
+nccl on CUDA). An actor that raises or dies makes the engine raise at once; every actor is then
+killed.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections import deque
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.v1.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.executor.multiproc_executor import (
+    WorkerFailure,
+    apply_vllm_env,
+    get_open_port,
+    vllm_env,
+)
+
+logger = init_logger(__name__)
+
+_POLL_S = 1.0
+_READY_TIMEOUT_S = 300.0
+
+
+class RayStage:
+    """Actor body: one pipeline stage."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        apply_vllm_env(env)  # the engine's VLLM_* settings apply on every node
+        self.worker = None
+
+    def address(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), get_open_port()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def init_worker(self, vllm_config: VllmConfig, rank: int, init_method: str) -> None:
+        from vllm.v1.worker.worker import Worker
+
+        self.worker = Worker(vllm_config, rank, init_method)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        return self.worker.execute_model(so)
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.worker, method)(*args)
+
+
+def _stop_actors(state: dict[str, Any]) -> None:
+    """Kill the actors, drop the placement group, and stop Ray if this executor started it."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    for a in state["actors"]:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+    state["actors"].clear()
+    if state.get("pg") is not None:
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            remove_placement_group(state["pg"])
+        except Exception:  # noqa: BLE001
+            pass
+        state["pg"] = None
+    if state.get("started_ray"):
+        ray.shutdown()
+        state["started_ray"] = False
+
+
+class RayExecutor(Executor):
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        super().__init__(vllm_config)
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.world_size = P = vllm_config.parallel_config.pipeline_parallel_size
+        self._failed: str | None = None
+        self._inflight: deque[list] = deque()
+        self._unchecked: list = []  # finished-or-not refs of non-last stages, checked for errors
+        self._rank_of: dict[Any, int] = {}  # pending ref -> stage rank
+        self._ray = ray
+        self._state: dict[str, Any] = {"actors": [], "pg": None, "started_ray": False}
+        self._finalizer = weakref.finalize(self, _stop_actors, self._state)
+        use_gpu = vllm_config.device_config.device.startswith("cuda")
+        if not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS")
+            if address:
+                ray.init(address=address)
+            else:
+                ray.init(num_cpus=P, include_dashboard=False, log_to_driver=True)
+                self._state["started_ray"] = True
+        try:
+            bundle = {"CPU": 1.0, **({"GPU": 1.0} if use_gpu else {})}
+            pg = placement_group([dict(bundle) for _ in range(P)], strategy="PACK")
+            self._state["pg"] = pg
+            try:
+                ray.get(pg.ready(), timeout=_READY_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError as e:
+                raise RuntimeError(
+                    f"Ray could not place {P} pipeline stages with {bundle} each "
+                    f"(cluster resources: {ray.cluster_resources()})"
+                ) from e
+            env = vllm_env()
+            actor_cls = ray.remote(RayStage)
+            for rank in range(P):
+                actor = actor_cls.options(
+                    name=None,
+                    num_cpus=1,
+                    num_gpus=1 if use_gpu else 0,
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=rank
+                    ),
+                ).remote(env)
+                self._state["actors"].append(actor)
+            self.actors = list(self._state["actors"])
+            ip, port = self._get(self.actors[0].address.remote())
+            init_method = f"tcp://{ip}:{port}"
+            self._get_all(
+                [
+                    a.init_worker.remote(vllm_config, r, init_method)
+                    for r, a in enumerate(self.actors)
+                ]
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("started %d pipeline stage actors on Ray", P)
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.world_size
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return self._get_all([a.pid.remote() for a in self.actors])
+
+    # ---- transport ----------------------------------------------------------------------
+    def _fail(self, msg: str, cause: BaseException | None = None) -> None:
+        self._failed = msg
+        self.shutdown()
+        raise WorkerFailure(msg) from cause
+
+    def _check_alive(self) -> None:
+        if self._failed is not None:
+            raise WorkerFailure(f"the pipeline stages are stopped after an error: {self._failed}")
+
+    def _get(self, ref) -> Any:
+        return self._get_all([ref])[0]
+
+    def _get_all(self, refs: list) -> list[Any]:
+        """Results of refs (one per stage, rank order); raises at the first failure."""
+        self._rank_of.update({r: i for i, r in enumerate(refs)})
+        results: dict[Any, Any] = {}
+        pending = list(refs)
+        while pending:
+            ready, pending = self._ray.wait(pending, num_returns=1, timeout=_POLL_S)
+            for r in ready:
+                results[r] = self._unwrap(r, pending)
+        return [results[r] for r in refs]
+
+    def _unwrap(self, ref, others: list) -> Any:
+        """ray.get(ref); on failure names the stage, preferring a dead actor among the other
+        refs of the step as the cause (its peers only see a broken connection)."""
+        ray = self._ray
+        rank = self._rank_of.pop(ref, "?")
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayError as e:
+            cause, culprit = e, rank
+            if not isinstance(e, ray.exceptions.RayActorError) and others:
+                ready, _ = ray.wait(list(others), num_returns=len(others), timeout=_POLL_S)
+                for r in ready:
+                    try:
+                        ray.get(r)
+                    except ray.exceptions.RayActorError as dead:
+                        cause, culprit = dead, self._rank_of.get(r, "?")
+                        break
+                    except ray.exceptions.RayError:
+                        pass
+            what = "died" if isinstance(cause, ray.exceptions.RayActorError) else "failed"
+            self._fail(f"pipeline stage {culprit} {what}: {cause}", cause)
+
+    def _check_unchecked(self) -> None:
+        if not self._unchecked:
+            return
+        ready, self._unchecked = self._ray.wait(
+            self._unchecked, num_returns=len(self._unchecked), timeout=0
+        )
+        for r in ready:
+            self._unwrap(r, self._unchecked)
+
+    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+        self._check_alive()
+        if self._inflight:
+            raise RuntimeError(f"collective_rpc({method!r}) while steps are in flight")
+        return self._get_all([a.call.remote(method, *args) for a in self.actors])
+
+    # ---- executor API -------------------------------------------------------------------
+    def determine_num_blocks(self) -> int:
+        return min(self.collective_rpc("determine_num_blocks"))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.collective_rpc("initialize_kv_cache", num_blocks)
+
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> None:
+        self._check_alive()
+        so_ref = self._ray.put(scheduler_output)
+        refs = [a.execute_model.remote(so_ref) for a in self.actors]
+        self._rank_of.update({r: i for i, r in enumerate(refs)})
+        self._inflight.append(refs)
+
+    def get_output(self) -> ModelRunnerOutput:
+        self._check_alive()
+        refs = self._inflight.popleft()
+        last = refs[-1]
+        # Watch every stage's call of this step (and earlier unchecked ones): a stage that dies
+        # or raises upstream leaves the last stage waiting, so its error must surface instead.
+        watch = [last, *refs[:-1], *self._unchecked]
+        self._unchecked = []
+        while True:
+            ready, watch = self._ray.wait(watch, num_returns=1, timeout=_POLL_S)
+            for r in ready:
+                value = self._unwrap(r, watch)
+                if r == last:
+                    self._unchecked = watch
+                    self._check_unchecked()
+                    return value
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.execute_model_async(scheduler_output)
+        return self.get_output()
+
+    def comm_stats(self) -> list[dict[str, float]]:
+        return self.collective_rpc("comm_stats")
+
+    def check_health(self) -> None:
+        self._check_alive()
+        self.collective_rpc("check_health")
+
+    def shutdown(self) -> None:
+        self._inflight.clear()
+        self._unchecked = []
+        self._rank_of.clear()
+        self._finalizer()
