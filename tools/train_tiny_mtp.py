@@ -62,9 +62,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+# On a shared machine, busy-waiting OpenMP threads slow training down many-fold; this must be
+# set before torch loads its OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "vllm" / "model_zoo" / "tiny-deepseek-mtp"
@@ -90,7 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, default=None, help=f"PNG path (default {DEFAULT_PLOT})")
     p.add_argument("--smoke", action="store_true", help="tiny config, ~20 steps, temp folder")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads (default 2; --smoke: 1)"
+    )
     # data
     p.add_argument("--heldout-every", type=int, default=10, help="file i is held out if i%%n==n//2")
     p.add_argument("--max-files", type=int, default=0, help="use only the first N files (0: all)")
@@ -114,12 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mtp-layers", type=int, default=2)
     p.add_argument("--experts-impl", default="eager", help="transformers experts implementation")
     # training
-    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
-    p.add_argument("--warmup", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=40)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--grad-clip", type=float, default=1.0)
     p.add_argument("--mtp-lambda", type=float, default=0.3, help="weight of the mean MTP CE")
@@ -129,10 +135,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="optional extra MTP term: beta * CE(MTP_k, softmax(main logits at t+k)) (0: off)",
     )
-    p.add_argument("--bias-update-speed", type=float, default=1e-3, help="aux-loss-free balancing")
+    p.add_argument(
+        "--bias-update-speed", type=float, default=1e-2, help="aux-loss-free balancing step"
+    )
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-windows", type=int, default=16, help="held-out windows per periodic eval")
+    p.add_argument(
+        "--eval-windows", type=int, default=16, help="held-out windows per periodic eval"
+    )
     p.add_argument("--final-eval-windows", type=int, default=96)
     p.add_argument("--rollout-prompts", type=int, default=16)
     p.add_argument("--rollout-prompt-len", type=int, default=48)
@@ -141,15 +151,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         smoke = dict(
-            vocab_size=512, hidden_size=64, num_layers=2, num_heads=2, q_lora_rank=32,
-            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-            intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, n_group=2,
-            topk_group=1, steps=20, batch_size=4, seq_len=64, warmup=4, log_every=5,
-            eval_every=10, eval_windows=4, final_eval_windows=4, rollout_prompts=2,
-            rollout_prompt_len=16, rollout_new_tokens=8, max_files=40, heldout_every=5,
-        )  # fmt: skip
+            vocab_size=512,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=2,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            n_group=2,
+            topk_group=1,
+            steps=20,
+            batch_size=4,
+            seq_len=64,
+            warmup=4,
+            log_every=5,
+            eval_every=10,
+            eval_windows=4,
+            final_eval_windows=4,
+            rollout_prompts=2,
+            rollout_prompt_len=16,
+            rollout_new_tokens=8,
+            max_files=40,
+            heldout_every=5,
+        )
         for k, v in smoke.items():
             setattr(args, k, v)
+    if args.threads is None:
+        args.threads = 1 if args.smoke else 2
     return args
 
 
@@ -449,8 +482,13 @@ def evaluate(model: TinyDeepseekMTP, windows: torch.Tensor, batch_size: int) -> 
         greedy = logits.argmax(-1)  # greedy[t] predicts x[t+1]
         tgt = ids[:, 1:]
         n = tgt.numel()
-        add("main_loss", F.cross_entropy(logits[:, :-1].reshape(-1, vocab), tgt.reshape(-1),
-                                         reduction="sum").item(), n)  # fmt: skip
+        add(
+            "main_loss",
+            F.cross_entropy(
+                logits[:, :-1].reshape(-1, vocab), tgt.reshape(-1), reduction="sum"
+            ).item(),
+            n,
+        )
         add("main_acc", (greedy[:, :-1] == tgt).sum().item(), n)
         for k, (_, dl) in enumerate(out["depths"], start=1):
             m = dl.shape[1] - 1
@@ -503,13 +541,15 @@ def rollout_acceptance(model: TinyDeepseekMTP, prompts: torch.Tensor, new_tokens
     total = seqs.shape[1]
     res: dict[str, float] = {}
     ok_prev = None
+    n_depth = len(out["depths"])
+    # positions t whose inputs x[t+1..t+k] and targets x[t+k+1] are all generated tokens, for
+    # every depth k (the same positions for all depths)
+    lo, hi = plen - 1, total - n_depth - 1  # t in [lo, hi)
     for k, (_, dl) in enumerate(out["depths"], start=1):
-        # positions t whose inputs x[t+1..t+k] and target x[t+k+1] are all generated ones
-        lo, hi = plen - 1, total - k - 1  # t in [lo, hi)
         arg = dl[:, lo:hi].argmax(-1)
         ok = arg == seqs[:, lo + k + 1 : hi + k + 1]
         if ok_prev is not None:
-            ok = ok & ok_prev[:, : ok.shape[1]]
+            ok = ok & ok_prev
         res[f"accept_{k}"] = ok.float().mean().item()
         ok_prev = ok
     res["mean_acceptance_length_est"] = 1.0 + sum(
@@ -583,9 +623,9 @@ def mtp_state_dict(model: TinyDeepseekMTP) -> dict[str, torch.Tensor]:
         prefix = f"model.layers.{n + i}."
         for name, tensor in split_fused_experts(layer.state_dict()).items():
             keep_fp32 = name.endswith("e_score_correction_bias")
-            state[prefix + name] = tensor.detach().to(
-                torch.float32 if keep_fp32 else torch.bfloat16
-            ).contiguous()
+            state[prefix + name] = (
+                tensor.detach().to(torch.float32 if keep_fp32 else torch.bfloat16).contiguous()
+            )
         state[prefix + "embed_tokens.weight"] = embed.to(torch.bfloat16).clone()
         state[prefix + "shared_head.head.weight"] = head.to(torch.bfloat16).clone()
     return state
@@ -620,6 +660,7 @@ def save_checkpoint(model: TinyDeepseekMTP, tokenizer, out_dir: Path) -> list[st
     overlap = set(main_state) & set(mtp_state)
     assert not overlap, overlap
     save_file({**main_state, **mtp_state}, str(out_dir / "model.safetensors"), {"format": "pt"})
+    os.chmod(out_dir / "model.safetensors", 0o644)
     tokenizer.save_pretrained(str(out_dir))
     cfg_path = out_dir / "config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -712,24 +753,49 @@ def write_plot(hist: History, path: Path, n_depth: int) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     ax1.plot(hist.steps, hist.main, label="main CE (next token)")
     for k in range(n_depth):
-        ax1.plot(hist.steps, [m[k] for m in hist.mtp], label=f"MTP depth {k + 1} CE (token +{k + 2})")
+        ax1.plot(
+            hist.steps, [m[k] for m in hist.mtp], label=f"MTP depth {k + 1} CE (token +{k + 2})"
+        )
     if hist.eval_steps:
-        ax1.plot(hist.eval_steps, [e["main_loss"] for e in hist.evals], "k--", marker="o",
-                 markersize=3, label="held-out main CE")  # fmt: skip
+        ax1.plot(
+            hist.eval_steps,
+            [e["main_loss"] for e in hist.evals],
+            "k--",
+            marker="o",
+            markersize=3,
+            label="held-out main CE",
+        )
     ax1.set_xlabel("step")
     ax1.set_ylabel("cross-entropy (nats)")
     ax1.set_title("training loss (mean over each logging window)")
     ax1.grid(alpha=0.3)
     ax1.legend()
     if hist.eval_steps:
-        ax2.plot(hist.eval_steps, [e["main_acc"] for e in hist.evals], "k-", marker="o",
-                 markersize=3, label="main top-1 acc")  # fmt: skip
+        ax2.plot(
+            hist.eval_steps,
+            [e["main_acc"] for e in hist.evals],
+            "k-",
+            marker="o",
+            markersize=3,
+            label="main top-1 acc",
+        )
         for k in range(1, n_depth + 1):
-            (line,) = ax2.plot(hist.eval_steps, [e[f"mtp{k}_acc"] for e in hist.evals],
-                               marker="o", markersize=3, label=f"MTP {k} acc vs truth")  # fmt: skip
-            ax2.plot(hist.eval_steps, [e[f"mtp{k}_agree"] for e in hist.evals], "--",
-                     color=line.get_color(), marker="x", markersize=4,
-                     label=f"MTP {k} agreement with main greedy")  # fmt: skip
+            (line,) = ax2.plot(
+                hist.eval_steps,
+                [e[f"mtp{k}_acc"] for e in hist.evals],
+                marker="o",
+                markersize=3,
+                label=f"MTP {k} acc vs truth",
+            )
+            ax2.plot(
+                hist.eval_steps,
+                [e[f"mtp{k}_agree"] for e in hist.evals],
+                "--",
+                color=line.get_color(),
+                marker="x",
+                markersize=4,
+                label=f"MTP {k} agreement with main greedy",
+            )
     ax2.set_xlabel("step")
     ax2.set_ylabel("fraction")
     ax2.set_ylim(0, 1)
@@ -759,29 +825,35 @@ def write_model_card(out_dir: Path, info: dict[str, Any]) -> None:
         f"| {fin[f'mtp{k}_agree']:.3f} | {ro[f'accept_{k}']:.3f} |"
         for k in range(1, cfg["num_nextn_predict_layers"] + 1)
     )
+    a = info["args"]
+    distill_txt = (
+        f"+ {a['mtp_lambda']} * {a['mtp_distill']} * mean_k CE(MTP_k, softmax(main logits at t+k))"
+        if a["mtp_distill"]
+        else ""
+    )
     text = f"""# tiny-deepseek-mtp
 
-A ~{info['params']['saved_tensors_total'] / 1e6:.1f}M-parameter DeepSeek-V3-architecture
-causal LM with {cfg['num_nextn_predict_layers']} trained multi-token-prediction (MTP) layers,
-trained from scratch on CPU in {info['wall_minutes']:.1f} minutes by `tools/train_tiny_mtp.py`.
+A ~{info["params"]["saved_tensors_total"] / 1e6:.1f}M-parameter DeepSeek-V3-architecture
+causal LM with {cfg["num_nextn_predict_layers"]} trained multi-token-prediction (MTP) layers,
+trained from scratch on CPU in {info["wall_minutes"]:.1f} minutes by `tools/train_tiny_mtp.py`.
 It is the project's default model: small enough to ship, with MTP heads that are actually right
 often enough for speculative-decoding acceptance to mean something. It writes Python-looking
 text; it is not useful as a language model.
 
 ## Architecture (HF `DeepseekV3ForCausalLM`, `model_type: deepseek_v3`)
 
-- hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} decoder layers (layer 0 dense MLP
-  {cfg['intermediate_size']}, layers 1-{cfg['num_hidden_layers'] - 1} MoE), vocab
-  {cfg['vocab_size']}, untied `lm_head`
-- MLA: {cfg['num_attention_heads']} heads, q_lora_rank {cfg['q_lora_rank']}, kv_lora_rank
-  {cfg['kv_lora_rank']}, qk_nope {cfg['qk_nope_head_dim']}, qk_rope {cfg['qk_rope_head_dim']}
-  (interleaved rope), v_head {cfg['v_head_dim']}
-- MoE: {cfg['n_routed_experts']} routed experts (intermediate {cfg['moe_intermediate_size']}),
-  top-{cfg['num_experts_per_tok']}, sigmoid scoring with `e_score_correction_bias` (trained with
-  DeepSeek-V3's auxiliary-loss-free bias updates), n_group {cfg['n_group']} / topk_group
-  {cfg['topk_group']}, routed_scaling_factor {cfg['routed_scaling_factor']}, 1 shared expert
-- MTP: `num_nextn_predict_layers: {cfg['num_nextn_predict_layers']}`, stored as
-  `model.layers.{cfg['num_hidden_layers']}.*` ... (`enorm`, `hnorm`, `eh_proj`,
+- hidden {cfg["hidden_size"]}, {cfg["num_hidden_layers"]} decoder layers (layer 0 dense MLP
+  {cfg["intermediate_size"]}, layers 1-{cfg["num_hidden_layers"] - 1} MoE), vocab
+  {cfg["vocab_size"]}, untied `lm_head`
+- MLA: {cfg["num_attention_heads"]} heads, q_lora_rank {cfg["q_lora_rank"]}, kv_lora_rank
+  {cfg["kv_lora_rank"]}, qk_nope {cfg["qk_nope_head_dim"]}, qk_rope {cfg["qk_rope_head_dim"]}
+  (interleaved rope), v_head {cfg["v_head_dim"]}
+- MoE: {cfg["n_routed_experts"]} routed experts (intermediate {cfg["moe_intermediate_size"]}),
+  top-{cfg["num_experts_per_tok"]}, sigmoid scoring with `e_score_correction_bias` (trained with
+  DeepSeek-V3's auxiliary-loss-free bias updates), n_group {cfg["n_group"]} / topk_group
+  {cfg["topk_group"]}, routed_scaling_factor {cfg["routed_scaling_factor"]}, 1 shared expert
+- MTP: `num_nextn_predict_layers: {cfg["num_nextn_predict_layers"]}`, stored as
+  `model.layers.{cfg["num_hidden_layers"]}.*` ... (`enorm`, `hnorm`, `eh_proj`,
   `shared_head.norm`, `shared_head.head`, `embed_tokens`, and a full MoE decoder block).
   `embed_tokens` and `shared_head.head` were shared with the main model during training and are
   stored as exact copies of `model.embed_tokens.weight` / `lm_head.weight`.
@@ -799,42 +871,42 @@ are reported as unused weights; nothing is missing).
 
 ## Training
 
-- Data: the `.py` sources of the Python {info['python_version']} standard library (found via
-  `sysconfig`; tests, site-packages and `encodings` tables skipped), {info['data']['files_train']}
-  files / {info['data']['tokens_train']:,} tokens for training, {info['data']['files_heldout']}
-  other files / {info['data']['tokens_heldout']:,} tokens held out (file i held out iff
-  i % {info['args']['heldout_every']} == {info['args']['heldout_every'] // 2} in sorted order).
+- Data: the `.py` sources of the Python {info["python_version"]} standard library (found via
+  `sysconfig`; tests, site-packages and `encodings` tables skipped), {info["data"]["files_train"]}
+  files / {info["data"]["tokens_train"]:,} tokens for training, {info["data"]["files_heldout"]}
+  other files / {info["data"]["tokens_heldout"]:,} tokens held out (file i held out iff
+  i % {info["args"]["heldout_every"]} == {info["args"]["heldout_every"] // 2} in sorted order).
   The text is Python Software Foundation-licensed (PSF License Agreement for Python); only
   weights derived from it and a tokenizer are distributed here.
-- Tokenizer: byte-level BPE (`tokenizers`), vocab {cfg['vocab_size']}, special tokens
+- Tokenizer: byte-level BPE (`tokenizers`), vocab {cfg["vocab_size"]}, special tokens
   `<|endoftext|>` (eos / pad, also the file separator), `<|im_start|>`, `<|im_end|>`, ChatML
   chat template, no bos.
-- Objective: `CE_main + {info['args']['mtp_lambda']} * mean_k CE_mtp_k`
-  {'' if not info['args']['mtp_distill'] else f"+ {info['args']['mtp_lambda']} * {info['args']['mtp_distill']} * mean_k CE(MTP_k, main softmax)"}
-- {info['args']['steps']} steps x {info['args']['batch_size']} random windows x
-  {info['args']['seq_len']} tokens ({info['tokens_seen']:,} tokens), AdamW (lr
-  {info['args']['lr']}, betas 0.9/0.95, wd {info['args']['weight_decay']}), {info['args']['warmup']}
-  warmup steps then cosine to {info['args']['min_lr_ratio']}x, grad clip {info['args']['grad_clip']},
-  fp32 on {info['args']['threads']} CPU threads, seed {info['args']['seed']}.
+- Objective: `CE_main + {info["args"]["mtp_lambda"]} * mean_k CE_mtp_k`
+  {distill_txt}
+- {a["steps"]} steps x {a["batch_size"]} random windows x {a["seq_len"]} tokens
+  ({info["tokens_seen"]:,} tokens), AdamW (lr {a["lr"]}, betas 0.9/0.95, wd
+  {a["weight_decay"]}), {a["warmup"]} warmup steps then cosine to {a["min_lr_ratio"]}x, grad clip
+  {a["grad_clip"]}, router bias step {a["bias_update_speed"]}, fp32 on {a["threads"]} CPU
+  threads, seed {a["seed"]}; {info["train_seconds"] / 60:.1f} min of training.
 - Regenerate: `python tools/train_tiny_mtp.py` (see `--help`).
 
 ## Held-out metrics (bf16-rounded weights)
 
-Teacher-forced over {info['args']['final_eval_windows']} held-out windows of
-{info['args']['seq_len']} tokens. "agree" = the draft equals the main model's own greedy
+Teacher-forced over {info["args"]["final_eval_windows"]} held-out windows of
+{info["args"]["seq_len"]} tokens. "agree" = the draft equals the main model's own greedy
 prediction of that token (what greedy speculative decoding accepts).
 
 | head | CE | top-1 acc vs truth | agree with main greedy | greedy-rollout acceptance |
 |---|---|---|---|---|
-| main (token +1) | {fin['main_loss']:.3f} | {fin['main_acc']:.3f} | - | - |
+| main (token +1) | {fin["main_loss"]:.3f} | {fin["main_acc"]:.3f} | - | - |
 {depth_rows}
 
-Greedy-rollout acceptance: {info['args']['rollout_prompts']} held-out prompts of
-{info['args']['rollout_prompt_len']} tokens, {info['args']['rollout_new_tokens']} greedy tokens
+Greedy-rollout acceptance: {info["args"]["rollout_prompts"]} held-out prompts of
+{info["args"]["rollout_prompt_len"]} tokens, {info["args"]["rollout_new_tokens"]} greedy tokens
 each; `accept_k` = P(drafts 1..k all equal the greedy tokens) along the greedy trajectory
 (depth 2 assuming its layer attends over the full sequence, as trained). Estimated mean
-acceptance length with K = {cfg['num_nextn_predict_layers']}:
-{ro['mean_acceptance_length_est']:.2f}.
+acceptance length with K = {cfg["num_nextn_predict_layers"]}:
+{ro["mean_acceptance_length_est"]:.2f}.
 """
     (out_dir / "README.md").write_text(text)
 
@@ -854,7 +926,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     t_start = time.time()
     torch.set_num_threads(args.threads)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.manual_seed(args.seed)
     tmp = None
     if args.smoke:
@@ -874,10 +945,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = train_tokenizer(train_texts, args.vocab_size)
     train_ids, _ = encode_stream(tokenizer, train_texts)
     heldout_ids, _ = encode_stream(tokenizer, heldout_texts)
-    print(f"[data] stdlib {root}: {len(train_files)} train files ({train_ids.numel():,} tokens), "
-          f"{len(heldout_files)} held-out files ({heldout_ids.numel():,} tokens); tokenizer vocab "
-          f"{len(tokenizer)} in {time.time() - t0:.1f}s "
-          f"({sum(map(len, train_texts)) / train_ids.numel():.2f} chars/token)", flush=True)  # fmt: skip
+    print(
+        f"[data] stdlib {root}: {len(train_files)} train files ({train_ids.numel():,} tokens), "
+        f"{len(heldout_files)} held-out files ({heldout_ids.numel():,} tokens); tokenizer vocab "
+        f"{len(tokenizer)} in {time.time() - t0:.1f}s "
+        f"({sum(map(len, train_texts)) / train_ids.numel():.2f} chars/token)",
+        flush=True,
+    )
 
     seq = args.seq_len
     gen = torch.Generator().manual_seed(args.seed + 1)
@@ -898,9 +972,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         while heldout_ids[s].item() not in nl_ids:
             s += 1
         prompt_starts.append(s + 1)
-    prompts = torch.stack(
-        [heldout_ids[s : s + args.rollout_prompt_len] for s in prompt_starts]
-    )
+    prompts = torch.stack([heldout_ids[s : s + args.rollout_prompt_len] for s in prompt_starts])
 
     # ---- model
     config = build_config(args, tokenizer)
@@ -908,18 +980,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model = TinyDeepseekMTP(config, args.experts_impl)
     model.train()
     params = count_params(model)
-    print(f"[model] params: main {params['main']:,}, MTP {params['mtp_trained']:,}, saved total "
-          f"{params['saved_tensors_total']:,} (~{params['saved_tensors_total'] * 2 / 2**20:.1f} "
-          f"MiB bf16)", flush=True)  # fmt: skip
+    print(
+        f"[model] params: main {params['main']:,}, MTP {params['mtp_trained']:,}, saved total "
+        f"{params['saved_tensors_total']:,} (~{params['saved_tensors_total'] * 2 / 2**20:.1f} "
+        f"MiB bf16)",
+        flush=True,
+    )
     tracker = RouterLoadTracker(model, args.bias_update_speed)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (decay if p.ndim >= 2 and "embed_tokens" not in name else no_decay).append(p)
     optim = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-    )  # fmt: skip
+        [
+            {"params": decay, "weight_decay": args.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
 
     # ---- train
     hist = History()
@@ -954,9 +1033,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             hist.mtp.append([a / acc_n for a in acc_mtp])
             elapsed = time.time() - t_train
             mtp_txt = " ".join(f"mtp{k + 1} {v:.3f}" for k, v in enumerate(hist.mtp[-1]))
-            print(f"step {done:5d}/{args.steps} lr {lr:.2e} main {hist.main[-1]:.3f} {mtp_txt} "
-                  f"load max/mean {acc_balance / acc_n:.2f} | {elapsed:.0f}s "
-                  f"({done * args.batch_size * seq / elapsed:.0f} tok/s)", flush=True)  # fmt: skip
+            eta = elapsed / done * (args.steps - done)
+            print(
+                f"step {done:5d}/{args.steps} lr {lr:.2e} main {hist.main[-1]:.3f} {mtp_txt} "
+                f"load max/mean {acc_balance / acc_n:.2f} | {elapsed:.0f}s, eta {eta:.0f}s "
+                f"({done * args.batch_size * seq / elapsed:.0f} tok/s)",
+                flush=True,
+            )
             acc_main, acc_mtp, acc_n, acc_balance = 0.0, [0.0] * n_depth, 0, 0.0
         if done % args.eval_every == 0 or done == args.steps:
             ev = evaluate(model, eval_windows, args.batch_size)
@@ -966,8 +1049,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"mtp{k} acc {ev[f'mtp{k}_acc']:.3f} agree {ev[f'mtp{k}_agree']:.3f}"
                 for k in range(1, n_depth + 1)
             )
-            print(f"  [held-out @ {done}] main CE {ev['main_loss']:.3f} acc {ev['main_acc']:.3f} "
-                  f"| {depth_txt}", flush=True)  # fmt: skip
+            print(
+                f"  [held-out @ {done}] main CE {ev['main_loss']:.3f} acc {ev['main_acc']:.3f} "
+                f"| {depth_txt}",
+                flush=True,
+            )
     train_seconds = time.time() - t_train
 
     # ---- final metrics on the weights as shipped (bf16)
@@ -975,15 +1061,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     final = evaluate(model, final_windows, args.batch_size)
     rollout = rollout_acceptance(model, prompts, args.rollout_new_tokens)
     sequences = rollout.pop("_sequences")
-    print("[final held-out, bf16 weights] main CE {:.3f} acc {:.3f}".format(
-        final["main_loss"], final["main_acc"]))  # fmt: skip
+    print(
+        "[final held-out, bf16 weights] main CE {:.3f} acc {:.3f}".format(
+            final["main_loss"], final["main_acc"]
+        )
+    )
     for k in range(1, n_depth + 1):
-        print(f"  MTP depth {k}: CE {final[f'mtp{k}_loss']:.3f}  acc vs truth "
-              f"{final[f'mtp{k}_acc']:.3f}  agreement with main greedy "
-              f"{final[f'mtp{k}_agree']:.3f}  greedy-rollout acceptance {rollout[f'accept_{k}']:.3f}"
-              )  # fmt: skip
-    print(f"  estimated mean acceptance length (K={n_depth}): "
-          f"{rollout['mean_acceptance_length_est']:.2f}")  # fmt: skip
+        print(
+            f"  MTP depth {k}: CE {final[f'mtp{k}_loss']:.3f}  acc vs truth "
+            f"{final[f'mtp{k}_acc']:.3f}  agreement with main greedy "
+            f"{final[f'mtp{k}_agree']:.3f}  greedy-rollout acceptance "
+            f"{rollout[f'accept_{k}']:.3f}"
+        )
+    print(
+        f"  estimated mean acceptance length (K={n_depth}): "
+        f"{rollout['mean_acceptance_length_est']:.2f}"
+    )
     sample = tokenizer.decode(sequences[0])
     print("[rollout sample]\n" + sample + "\n[/rollout sample]")
 
@@ -994,11 +1087,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report: dict[str, Any] = {}
     if not args.no_verify:
         report = verify_checkpoint(model, tokenizer, out_dir, probe)
-        print(f"[verify] HF load clean (missing 0, {report['unexpected_mtp_keys']} unused MTP "
-              f"keys); main logits max|diff| {report['hf_main_logits_max_abs_diff']:.2e}; MTP "
-              f"round-trip max|diff| {report['mtp_roundtrip_max_abs_diff']:.2e}")  # fmt: skip
-        print(f"[verify] HF greedy: {report['sample_prompt']!r} -> "
-              f"{report['sample_completion']!r}")  # fmt: skip
+        print(
+            f"[verify] HF load clean (missing 0, {report['unexpected_mtp_keys']} unused MTP "
+            f"keys); main logits max|diff| {report['hf_main_logits_max_abs_diff']:.2e}; MTP "
+            f"round-trip max|diff| {report['mtp_roundtrip_max_abs_diff']:.2e}"
+        )
+        print(f"[verify] HF greedy: {report['sample_prompt']!r} -> {report['sample_completion']!r}")
     wall = time.time() - t_start
     info = {
         "config": json.loads((out_dir / "config.json").read_text()),
@@ -1006,10 +1100,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "params": params,
         "final_eval": final,
         "rollout": rollout,
-        "history": {"steps": hist.steps, "main": hist.main, "mtp": hist.mtp,
-                    "eval_steps": hist.eval_steps, "evals": hist.evals},  # fmt: skip
-        "data": {"files_train": len(train_files), "files_heldout": len(heldout_files),
-                 "tokens_train": train_ids.numel(), "tokens_heldout": heldout_ids.numel()},
+        "history": {
+            "steps": hist.steps,
+            "main": hist.main,
+            "mtp": hist.mtp,
+            "eval_steps": hist.eval_steps,
+            "evals": hist.evals,
+        },
+        "data": {
+            "files_train": len(train_files),
+            "files_heldout": len(heldout_files),
+            "tokens_train": train_ids.numel(),
+            "tokens_heldout": heldout_ids.numel(),
+        },
         "tokens_seen": args.steps * args.batch_size * seq,
         "train_seconds": train_seconds,
         "wall_minutes": wall / 60,
@@ -1017,13 +1120,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch_version": torch.__version__,
         "verify": report,
         "mtp_weight_names": mtp_names,
-    }  # fmt: skip
+    }
     write_model_card(out_dir, info)
     size = sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file())
     first_mtp = f"model.layers.{config.num_hidden_layers}."
     print(f"[saved] {out_dir} ({size / 2**20:.2f} MiB), plot {plot_path}")
-    print(f"[saved] MTP layer weight names ({first_mtp}*): "
-          + ", ".join(n[len(first_mtp):] for n in mtp_names if n.startswith(first_mtp)))  # fmt: skip
+    names = [n[len(first_mtp) :] for n in mtp_names if n.startswith(first_mtp)]
+    print(f"[saved] MTP layer weight names ({first_mtp}*): " + ", ".join(names))
     print(f"[done] wall {wall / 60:.1f} min (training {train_seconds / 60:.1f} min)")
     info["out_dir"] = str(out_dir)
     info["plot"] = str(plot_path)

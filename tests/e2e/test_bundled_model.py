@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""The bundled default model (a trained tiny DeepSeek-V3 with 2 real MTP heads): speculation is
+lossless, acceptance is real (above a measured floor), and P = 2 drafts, accepts and emits
+exactly what P = 1 does. A drafter with a wrong embedding table under P = 2 (SPEC 6.3) would
+pass the losslessness checks but fail the acceptance ones here."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm import LLM, SamplingParams
+from vllm.config import default_model_path
+
+# Held-out prompts (written for this test, not taken from the training corpus).
+PROMPTS = [
+    "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n",
+    "class Queue:\n    def __init__(self):\n        self.items = []\n\n    def push(self, x):\n",
+    "import json\n\n\ndef load_config(path):\n    with open(path) as f:\n",
+    "for key, value in sorted(counts.items()):\n",
+]
+MAX_TOKENS = 32
+# Mean acceptance length floors, set with margin below what was measured (see the closing
+# note of the issue and benchmarks/RESULTS.md for the measured values).
+FLOOR = {1: 1.45, 2: 1.6}
+
+
+def _spec_metrics(llm: LLM) -> dict:
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode"):
+            out[m.name] = getattr(m, "values", None) or getattr(m, "value", None)
+    return out
+
+
+def _run(pp: int, k: int):
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    llm = LLM(pipeline_parallel_size=pp, speculative_config=spec, max_model_len=512)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], _spec_metrics(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def no_spec():
+    return _run(1, 0)[0]
+
+
+def test_bundled_model_is_the_default():
+    llm = LLM(max_model_len=128)
+    try:
+        assert llm.llm_engine.model_config.model == default_model_path()
+        cfg = llm.llm_engine.model_config.hf_config
+        assert cfg.architectures == ["DeepseekV3ForCausalLM"]
+        assert cfg.num_nextn_predict_layers == 2
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_mtp_lossless_real_acceptance_and_pp2_identical(no_spec, k):
+    tokens1, m1 = _run(1, k)
+    assert tokens1 == no_spec
+    drafts = m1["vllm:spec_decode_num_drafts"]
+    accepted = m1["vllm:spec_decode_num_accepted_tokens"]
+    assert drafts > 0
+    mean_len = 1 + accepted / drafts
+    print(f"K={k}: mean acceptance length {mean_len:.3f}, per position "
+          f"{[v / drafts for v in m1['vllm:spec_decode_num_accepted_tokens_per_pos']]}")
+    assert mean_len >= FLOOR[k]
+    tokens2, m2 = _run(2, k)
+    assert tokens2 == no_spec
+    assert m2 == m1
