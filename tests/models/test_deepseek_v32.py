@@ -391,10 +391,6 @@ def test_glm_pp2_needs_stages_that_start_at_a_full_indexer_layer(
         llm.shutdown()
 
 
-@pytest.mark.skip(
-    reason="spec decode under pipeline parallelism has not landed: with P = 2 stage 0 fails "
-    "on its draft-token inputs for DeepSeek-V3 MTP too; remove this mark when it does"
-)
 @pytest.mark.parametrize("name", ["v32_share", "v32_noshare"])
 def test_mtp_greedy_lossless_pp2(variants, no_spec, name) -> None:
     """The draft (with the target's top-k buffer) lives on the last of two stages."""
