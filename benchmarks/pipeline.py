@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 
@@ -37,8 +38,12 @@ def bench_llama() -> str:
 
 
 def _comm_delta(before: list[dict], after: list[dict]) -> list[dict]:
-    keys = ("steps", "run_s", "recv_wait_s", "recv_payload_s", "send_s", "broadcast_wait_s")
-    return [{k: a[k] - b[k] for k in keys} | {"rank": a["rank"]} for a, b in zip(after, before)]
+    return [
+        {k: a[k] - b[k] for k in a if isinstance(a[k], float)}
+        | {"rank": a["rank"]}
+        | {"steps": a["steps"] - b["steps"]}
+        for a, b in zip(after, before)
+    ]
 
 
 def run(model: str, prompts: list[list[int]], args, pp: int, backend: str | None) -> dict:
@@ -59,8 +64,10 @@ def run(model: str, prompts: list[list[int]], args, pp: int, backend: str | None
         llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], warm, use_tqdm=False)
         executor = llm.llm_engine.executor
         before = executor.comm_stats() if pp > 1 else None
+        c0 = time.process_time()
         with timer() as t:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        engine_cpu = time.process_time() - c0
         comm = _comm_delta(before, executor.comm_stats()) if pp > 1 else None
     finally:
         llm.shutdown()
@@ -70,17 +77,24 @@ def run(model: str, prompts: list[list[int]], args, pp: int, backend: str | None
         "seconds": t["s"],
         "ids": [o.outputs[0].token_ids for o in outs],
         "comm": comm,
+        "engine_cpu": engine_cpu,
     }
 
 
 def _print(name: str, r: dict) -> None:
-    print(f"{name:12s} {r['tok_s']:9.1f} tok/s  ({r['seconds']:.2f} s)", flush=True)
+    print(
+        f"{name:12s} {r['tok_s']:9.1f} tok/s  ({r['seconds']:.2f} s; engine process on a CPU "
+        f"{100 * r['engine_cpu'] / r['seconds']:.0f}% of the time)",
+        flush=True,
+    )
     comm = r["comm"] or []
     steps = max((c["steps"] for c in comm), default=0) or 1  # receives on a non-first stage
     for c in comm:
         busy = 100 * c["run_s"] / r["seconds"]
+        cpu = 100 * c["run_cpu_s"] / r["seconds"]
         line = (
-            f"{'':12s} stage {c['rank']}: busy {busy:.0f}% of the run, send posting "
+            f"{'':12s} stage {c['rank']}: running {busy:.0f}% of the time (on a CPU {cpu:.0f}%), "
+            f"send posting "
             f"{1e3 * c['send_s'] / steps:.3f} ms/step"
         )
         if c["rank"] > 0:

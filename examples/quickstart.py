@@ -38,8 +38,10 @@ def main() -> None:
         acc = m["vllm:spec_decode_num_accepted_tokens"].value
         per_pos = m["vllm:spec_decode_num_accepted_tokens_per_pos"].values
         print("=" * 72)
-        print(f"drafts: {drafts}  accepted tokens: {acc}  "
-              f"mean acceptance length: {1 + acc / drafts:.2f}")
+        print(
+            f"drafts: {drafts}  accepted tokens: {acc}  "
+            f"mean acceptance length: {1 + acc / drafts:.2f}"
+        )
         print("per-position acceptance: " + ", ".join(f"{v / drafts:.2f}" for v in per_pos))
     llm.shutdown()
 

@@ -68,8 +68,10 @@ def test_mtp_lossless_real_acceptance_and_pp2_identical(no_spec, k):
     accepted = m1["vllm:spec_decode_num_accepted_tokens"]
     assert drafts > 0
     mean_len = 1 + accepted / drafts
-    print(f"K={k}: mean acceptance length {mean_len:.3f}, per position "
-          f"{[v / drafts for v in m1['vllm:spec_decode_num_accepted_tokens_per_pos']]}")
+    print(
+        f"K={k}: mean acceptance length {mean_len:.3f}, per position "
+        f"{[v / drafts for v in m1['vllm:spec_decode_num_accepted_tokens_per_pos']]}"
+    )
     assert mean_len >= FLOOR[k]
     tokens2, m2 = _run(2, k)
     assert tokens2 == no_spec

@@ -306,8 +306,9 @@ def test_misshaped_weight_is_named(llama_dir, tmp_path):
 
 def test_min_tokens_masks_stop_tokens(llm, prompts, reference):
     stop = reference[1][2]
-    sp = SamplingParams(temperature=0, max_tokens=10, min_tokens=6, stop_token_ids=[stop],
-                        ignore_eos=True)
+    sp = SamplingParams(
+        temperature=0, max_tokens=10, min_tokens=6, stop_token_ids=[stop], ignore_eos=True
+    )
     c = _gen(llm, [prompts[1]], sp)[0].outputs[0]
     assert stop not in c.token_ids[:6]
     assert len(c.token_ids) >= 6

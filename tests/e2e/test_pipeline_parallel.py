@@ -3,7 +3,10 @@
 """Pipeline parallelism end to end: P = 2 and P = 4 stage processes give the same greedy tokens
 (and top logprobs) as P = 1 for Llama, Qwen2 and DeepSeek-V3, with chunked prefill and
 preemption in the mix; the Ray backend gives the same tokens as mp; a killed stage makes the
-engine raise and leaves no stage process behind; `vllm serve -pp 2` answers like P = 1."""
+engine raise and leaves no stage process behind; `vllm serve -pp 2` answers like P = 1.
+
+Most engines here start their stages through a fork server (VLLM_WORKER_MULTIPROC_METHOD) so
+torch is imported once for all of them; `vllm serve` uses the default, spawn."""
 
 from __future__ import annotations
 
@@ -160,6 +163,32 @@ def test_pp_equals_p1(request, reference, pp_runs, model, pp, partition, parts):
     outs, preemptions = pp_runs(model, pp, partition)
     assert preemptions > 0, "the KV budget was meant to force preemption"
     _assert_same(outs, reference.get(model_dir)["outputs"])
+
+
+def test_batch_queue_in_process(llama_dir, reference, monkeypatch):
+    """The engine's pipelined step (P batches in flight, requests spread over them) on the
+    in-process executor: same outputs, and batches really overlap."""
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    ref = reference.get(llama_dir)
+    monkeypatch.setattr(UniProcExecutor, "max_concurrent_batches", 2, raising=False)
+    llm = LLM(model=llama_dir, max_num_batched_tokens=BATCH_TOKENS, **COMMON)
+    try:
+        executor = llm.llm_engine.executor
+        queue = llm.llm_engine._batch_queue
+        seen: list[tuple[int, int]] = []  # (batches in flight, requests in the new batch)
+        submit = executor.execute_model_async
+
+        def spy(so):
+            seen.append((len(queue) + 1, len(so.num_scheduled_tokens)))
+            submit(so)
+
+        monkeypatch.setattr(executor, "execute_model_async", spy)
+        _assert_same(_gen(llm, ref["prompts"]), ref["outputs"])
+    finally:
+        llm.shutdown()
+    assert max(n for n, _ in seen) == 2
+    assert max(r for _, r in seen) <= -(-len(LENGTHS) // 2)  # each batch takes its share
 
 
 # ---- Ray -------------------------------------------------------------------------------------

@@ -56,8 +56,8 @@ class Executor(ABC):
         """The output of the oldest step started with execute_model_async."""
         return self._sync_outputs.popleft()
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional hook: nothing to stop by default
         pass
 
-    def check_health(self) -> None:
+    def check_health(self) -> None:  # noqa: B027 - optional hook: healthy by default
         pass

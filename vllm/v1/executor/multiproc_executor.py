@@ -16,6 +16,7 @@ import pickle
 import queue
 import socket
 import threading
+import time
 import traceback
 import weakref
 from collections import deque
@@ -94,7 +95,9 @@ def _stage_main(
         except (EOFError, OSError):
             inbox.put(None)
             # The engine is gone: never outlive it (the main thread may be stuck in a collective).
-            threading.Timer(_ORPHAN_GRACE_S, os._exit, args=(0,)).start()
+            timer = threading.Timer(_ORPHAN_GRACE_S, os._exit, args=(0,))
+            timer.daemon = True
+            timer.start()
 
     threading.Thread(target=read, name="stage-inbox", daemon=True).start()
     worker = None
@@ -124,24 +127,30 @@ def _stage_main(
         worker.shutdown()
 
 
-def _stop_processes(procs: list, conns: list) -> None:
-    """Ask every stage to exit, then terminate / kill whatever is still alive."""
-    bye = pickle.dumps(("shutdown", ()))
-    for c in conns:
-        try:
-            c.send_bytes(bye)
-        except Exception:  # noqa: BLE001 - the stage may be dead
-            pass
+def _join_all(procs: list, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
     for p in procs:
-        p.join(timeout=_JOIN_TIMEOUT_S)
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _stop_processes(procs: list, conns: list, graceful: bool = True) -> None:
+    """Ask every stage to exit (graceful), then terminate / kill whatever is still alive."""
+    if graceful:
+        bye = pickle.dumps(("shutdown", ()))
+        for c in conns:
+            try:
+                c.send_bytes(bye)
+            except Exception:  # noqa: BLE001 - the stage may be dead
+                pass
+        _join_all(procs, _JOIN_TIMEOUT_S)
     for p in procs:
         if p.is_alive():
             p.terminate()
+    _join_all(procs, _JOIN_TIMEOUT_S)
     for p in procs:
-        p.join(timeout=_JOIN_TIMEOUT_S)
         if p.is_alive():
             p.kill()
-            p.join(timeout=_JOIN_TIMEOUT_S)
+    _join_all(procs, _JOIN_TIMEOUT_S)
     for c in conns:
         try:
             c.close()
@@ -195,8 +204,12 @@ class MultiprocExecutor(Executor):
 
     # ---- transport ----------------------------------------------------------------------
     def _fail(self, msg: str) -> None:
+        """Stop every stage at once (a survivor may be stuck in a collective with the failed
+        one) and raise."""
         self._failed = msg
-        self.shutdown()
+        self._inflight = 0
+        if self._finalizer.detach() is not None:
+            _stop_processes(self._procs, self._conns, graceful=False)
         raise WorkerFailure(msg)
 
     def _check_alive(self) -> None:

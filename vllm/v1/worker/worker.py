@@ -46,6 +46,7 @@ class Worker:
         self._comm = {
             "steps": 0,
             "run_s": 0.0,
+            "run_cpu_s": 0.0,
             "recv_wait_s": 0.0,
             "recv_payload_s": 0.0,
             "send_s": 0.0,
@@ -118,9 +119,10 @@ class Worker:
         pp = get_pp_group()
         if not pp.is_first_rank and so.total_num_scheduled_tokens > 0:
             intermediate_tensors = IntermediateTensors(self._recv(pp.prev_rank))
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = self.model_runner.execute_model(so, intermediate_tensors)
         self._comm["run_s"] += time.perf_counter() - t0
+        self._comm["run_cpu_s"] += time.process_time() - c0
         if pp.is_last_rank:
             return out
         if isinstance(out, IntermediateTensors):

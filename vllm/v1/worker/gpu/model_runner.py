@@ -81,9 +81,7 @@ class ModelRunner:
         if self.pp_handler is not None:
             self.pp_handler.configure_aux_hidden_state_relay(self.model)
         self.attn_layers = {
-            name: m
-            for name, m in self._all_modules()
-            if isinstance(m, AttentionLayerBase)
+            name: m for name, m in self._all_modules() if isinstance(m, AttentionLayerBase)
         }
         self.linear_attn_states = LinearAttnStates.from_modules(
             self._all_modules(), self.max_num_reqs, self.num_spec, self.dtype, self.device
@@ -240,10 +238,13 @@ class ModelRunner:
             if (st.num_logprobs[rslots] >= -1).any():
                 kept = torch.from_numpy(keep_rows).to(logits.device)
                 sampled_flat = torch.tensor(
-                    [t for lst in sampled_lists for t in lst], dtype=torch.long,
+                    [t for lst in sampled_lists for t in lst],
+                    dtype=torch.long,
                     device=logits.device,
                 )
-                lps = compute_logprobs(logits[kept], sampled_flat, st.num_logprobs[rslots[keep_rows]])
+                lps = compute_logprobs(
+                    logits[kept], sampled_flat, st.num_logprobs[rslots[keep_rows]]
+                )
                 logprob_lists = [[] for _ in range(batch.num_reqs)]
                 for j, r in enumerate(rows[keep_rows].tolist()):
                     logprob_lists[r].append(lps[j])
