@@ -20,9 +20,8 @@ from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle
 from vllm.model_executor.models.utils import (
     PPMissingLayer,
     check_all_loaded,
+    init_pp_decoder,
     load_params_strict,
-    make_empty_intermediate_tensors_factory,
-    make_layers,
     maybe_prefix,
     spec_decode_needs_target_embed,
 )
@@ -109,23 +108,14 @@ class LlamaModel(nn.Module, EagleModelMixin):
         the last stage shares it, see spec_decode_needs_target_embed)."""
         super().__init__()
         self.config = config
-        pp = get_pp_group()
         tied = bool(getattr(config, "tie_word_embeddings", False))
-        if pp.is_first_rank or (tied and pp.is_last_rank) or keep_embed:
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        else:
-            self.embed_tokens = PPMissingLayer()
-        self.start_layer, self.end_layer, self.layers = make_layers(
-            config.num_hidden_layers,
+        init_pp_decoder(
+            self,
+            config,
             lambda p: LlamaDecoderLayer(config, self.qkv_bias, p),
-            prefix=f"{prefix}.layers",
-        )
-        if pp.is_last_rank:
-            self.norm = RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6))
-        else:
-            self.norm = PPMissingLayer()
-        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states", "residual"], config.hidden_size
+            lambda: RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6)),
+            prefix,
+            embed_on_last=tied or keep_embed,
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

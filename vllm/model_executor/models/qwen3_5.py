@@ -28,9 +28,8 @@ from vllm.model_executor.models.llama import LlamaMLP
 from vllm.model_executor.models.utils import (
     PPMissingLayer,
     check_all_loaded,
+    init_pp_decoder,
     load_params_strict,
-    make_empty_intermediate_tensors_factory,
-    make_layers,
     maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
@@ -284,23 +283,14 @@ class Qwen3_5Model(nn.Module):
         super().__init__()
         _check_config(config)
         self.config = config
-        pp = get_pp_group()
-        if pp.is_first_rank or (tied and pp.is_last_rank):
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        else:
-            self.embed_tokens = PPMissingLayer()
         types = list(config.layer_types)
-        self.start_layer, self.end_layer, self.layers = make_layers(
-            config.num_hidden_layers,
+        init_pp_decoder(
+            self,
+            config,
             lambda p: Qwen3_5DecoderLayer(config, types[int(p.rsplit(".", 1)[1])], p, moe=self.moe),
-            prefix=f"{prefix}.layers",
-        )
-        if pp.is_last_rank:
-            self.norm = Qwen3_5RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6))
-        else:
-            self.norm = PPMissingLayer()
-        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states", "residual"], config.hidden_size
+            lambda: Qwen3_5RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6)),
+            prefix,
+            embed_on_last=tied,
         )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -140,3 +140,29 @@ def spec_decode_needs_target_embed(vllm_config) -> bool:
         return False
     pp = get_pp_group()
     return pp.world_size > 1 and pp.is_last_rank
+
+
+def init_pp_decoder(
+    module: nn.Module,
+    config,
+    layer_fn: Callable[[str], nn.Module],
+    norm_fn: Callable[[], nn.Module],
+    prefix: str,
+    embed_on_last: bool = False,
+) -> None:
+    """The pipeline-stage skeleton every decoder shares: embed_tokens on the first stage (and
+    on the last when embed_on_last: tied weights, or an EAGLE draft there), this stage's layers
+    (PPMissingLayer elsewhere), the final norm on the last stage, and the factory for the
+    hidden_states/residual tensors that travel between stages."""
+    pp = get_pp_group()
+    if pp.is_first_rank or (embed_on_last and pp.is_last_rank):
+        module.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+    else:
+        module.embed_tokens = PPMissingLayer()
+    module.start_layer, module.end_layer, module.layers = make_layers(
+        int(config.num_hidden_layers), layer_fn, prefix=f"{prefix}.layers"
+    )
+    module.norm = norm_fn() if pp.is_last_rank else PPMissingLayer()
+    module.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+        ["hidden_states", "residual"], config.hidden_size
+    )
