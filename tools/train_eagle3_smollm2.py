@@ -39,6 +39,9 @@ SEED = 1234
 AUX_LAYERS = (2, 15, 27)
 DRAFT_VOCAB = 8192
 TTT_STEPS = 3
+# Share of the positions at which the later TTT steps are trained (each step is a full layer
+# forward + backward; step 0 runs everywhere).
+LATER_STEP_FRACTION = 0.35
 MAX_ANSWER_TOKENS = 128
 DEFAULT_OUT = ROOT / "vllm" / "model_zoo" / "smollm2-135m-eagle3"
 
@@ -305,6 +308,443 @@ def stage_features(work: Path, target: str, follow: bool = False) -> None:
             time.sleep(20)
 
 
+# ---------------------------------------------------------------------------- train
+
+
+def load_features(work: Path, num_chunks: int | None) -> list[dict]:
+    import torch
+
+    files = sorted((work / "feat").glob("*.pt"))
+    if num_chunks is not None:
+        if len(files) < num_chunks:
+            raise SystemExit(f"only {len(files)} feature chunks, --num-chunks {num_chunks}")
+        files = files[:num_chunks]
+    seqs: list[dict] = []
+    for f in files:
+        seqs.extend(torch.load(f, weights_only=True))
+    return seqs
+
+
+def draft_vocabulary(seqs: list[dict], vocab_size: int, size: int):
+    """The `size` most frequent answer tokens, sorted by id: (d2t, t2d, share of the answer
+    tokens they cover)."""
+    import torch
+
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    prompt_counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for s in seqs:
+        ids = s["ids"].long()
+        counts += torch.bincount(ids[s["prompt_len"] :], minlength=vocab_size)
+        prompt_counts += torch.bincount(ids[: s["prompt_len"]], minlength=vocab_size)
+    # Ties (mostly tokens never seen in an answer): prompt frequency, then the lower id (BPE
+    # merges come roughly in order of frequency).
+    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), -int(prompt_counts[i]), i))[
+        :size
+    ]
+    ids = torch.tensor(sorted(order), dtype=torch.int64)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    covered = int(counts[ids].sum()) / max(1, int(counts.sum()))
+    return ids - torch.arange(size), t2d, covered
+
+
+def _rms(x, w, eps):
+    import torch
+
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x, cos, sin):
+    import torch
+
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+class DraftHead:
+    """The EAGLE3 head being trained, in plain torch (weights named as in the speculators
+    format). forward() unrolls the training-time test over a padded batch."""
+
+    def __init__(self, cfg: dict, embed, lm_rows, seed: int) -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+        self.cfg = cfg
+        self.eps = cfg["rms_norm_eps"]
+        self.nh, self.nkv, self.hd = nh, nkv, hd
+
+        def lin(out_f: int, in_f: int):
+            return (torch.randn(out_f, in_f, generator=g) / in_f**0.5).requires_grad_()
+
+        def ones(n: int):
+            return torch.ones(n).requires_grad_()
+
+        self.params = {
+            "fc.weight": lin(h, len(AUX_LAYERS) * h),
+            "layers.0.input_layernorm.weight": ones(h),
+            "layers.0.hidden_norm.weight": ones(h),
+            "layers.0.post_attention_layernorm.weight": ones(h),
+            "layers.0.self_attn.q_proj.weight": lin(nh * hd, 2 * h),
+            "layers.0.self_attn.k_proj.weight": lin(nkv * hd, 2 * h),
+            "layers.0.self_attn.v_proj.weight": lin(nkv * hd, 2 * h),
+            "layers.0.self_attn.o_proj.weight": lin(h, nh * hd),
+            "layers.0.mlp.gate_proj.weight": lin(inter, h),
+            "layers.0.mlp.up_proj.weight": lin(inter, h),
+            "layers.0.mlp.down_proj.weight": lin(h, inter),
+            "norm.weight": ones(h),
+        }
+        with torch.no_grad():
+            self.params["layers.0.self_attn.o_proj.weight"] *= 0.1
+            self.params["layers.0.mlp.down_proj.weight"] *= 0.1
+        # Frozen, as speculators trains: the target's embedding and its LM-head rows of the
+        # draft vocabulary (the shipped lm_head starts as, and stays, those rows).
+        self.embed = embed
+        self.lm_head = lm_rows
+        inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
+        self.inv_freq = inv
+
+    def _qkv(self, emb, hidden, positions):
+        """Shared first part of a draft step on rows [..., H]: (q, k, v, residual)."""
+        p = self.params
+        hn = _rms(hidden, p["layers.0.hidden_norm.weight"], self.eps)
+        x = torch_cat([_rms(emb, p["layers.0.input_layernorm.weight"], self.eps), hn])
+        shape = x.shape[:-1]
+        q = (x @ p["layers.0.self_attn.q_proj.weight"].T).view(*shape, self.nh, self.hd)
+        k = (x @ p["layers.0.self_attn.k_proj.weight"].T).view(*shape, self.nkv, self.hd)
+        v = (x @ p["layers.0.self_attn.v_proj.weight"].T).view(*shape, self.nkv, self.hd)
+        cos, sin = self._cos_sin(positions)
+        rep = self.nh // self.nkv
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        return q, k.repeat_interleave(rep, -2), v.repeat_interleave(rep, -2), hn
+
+    def _cos_sin(self, positions):
+        import torch
+
+        f = positions[..., None].float() * self.inv_freq
+        emb = torch.cat([f, f], dim=-1)
+        return emb.cos()[..., None, :], emb.sin()[..., None, :]  # broadcast over heads
+
+    def _finish(self, residual, att):
+        """o_proj + residual, MLP block; returns (pre-norm stream, draft-vocab logits)."""
+        import torch
+
+        p = self.params
+        h1 = residual + att.flatten(-2) @ p["layers.0.self_attn.o_proj.weight"].T
+        y = _rms(h1, p["layers.0.post_attention_layernorm.weight"], self.eps)
+        mlp = torch.nn.functional.silu(y @ p["layers.0.mlp.gate_proj.weight"].T) * (
+            y @ p["layers.0.mlp.up_proj.weight"].T
+        )
+        hidden = h1 + mlp @ p["layers.0.mlp.down_proj.weight"].T
+        return hidden, _rms(hidden, p["norm.weight"], self.eps) @ self.lm_head.T
+
+    def forward(self, aux, next_ids, valid, steps: int, rows=None):
+        """The training-time test over a padded batch (norm_before_residual).
+
+        aux [B, T, 3H]; next_ids [B, T + steps - 1] (the token after each position, then the
+        teacher-forced continuation); valid [B, T] key mask. Step 0 runs at every position;
+        steps >= 1 only at `rows` ((b, t) index pair; default all): step k at (b, t) needs only
+        its own step k - 1 there plus the step-0 keys of sequence b, so a subset is an
+        unbiased, cheaper estimate of the later steps' loss. Returns step 0 logits [B, T, Vd]
+        and, per later step, logits [N, Vd] at rows."""
+        import torch
+
+        p = self.params
+        B, T, _ = aux.shape
+        scale = self.hd**-0.5
+        pos = torch.arange(T)[None].expand(B, T)
+        q, k0, v0, hn = self._qkv(self.embed[next_ids[:, :T]], aux @ p["fc.weight"].T, pos)
+        q, k0, v0 = q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2)  # [B, nh, T, hd]
+        mask0 = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
+        s0 = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~mask0, float("-inf"))
+        att = (s0.softmax(-1) @ v0).transpose(1, 2)
+        hidden, logits = self._finish(hn, att)
+        out = [logits]
+        if steps == 1:
+            return out
+        if rows is None:
+            rows = torch.nonzero(valid, as_tuple=True)
+        b, t = rows
+        hidden = hidden[b, t]
+        row_mask = mask0[b, 0, t]  # [N, T]: step-0 keys row (b, t) may attend
+        keys, values = [], []
+        for k in range(1, steps):
+            q, kk, vv, hn = self._qkv(self.embed[next_ids[b, t + k]], hidden, t + k)
+            keys.append(kk)
+            values.append(vv)
+            qf = q.new_zeros(B, T, self.nh, self.hd).index_put((b, t), q)
+            s0 = (qf.transpose(1, 2) @ k0.transpose(-1, -2)).transpose(1, 2)[b, t] * scale
+            s0 = s0.masked_fill(~row_mask[:, None, :], float("-inf"))  # [N, nh, T]
+            diag = torch.stack([(q * kj).sum(-1) * scale for kj in keys], -1)  # [N, nh, k]
+            w = torch.cat([s0, diag], -1).softmax(-1)
+            wf = w.new_zeros(B, T, self.nh, T).index_put((b, t), w[..., :T])
+            att = (wf.transpose(1, 2) @ v0).transpose(1, 2)[b, t]  # [N, nh, hd]
+            for j, vj in enumerate(values):
+                att = att + w[..., T + j : T + j + 1] * vj
+            hidden, logits = self._finish(hn, att)
+            out.append(logits)
+        return out
+
+
+def torch_cat(xs):
+    import torch
+
+    return torch.cat(xs, dim=-1)
+
+
+def _batches(seqs: list[dict], tokens_per_batch: int, rng: random.Random) -> list[list[int]]:
+    """Length-bucketed batches of sequence indices, shuffled."""
+    order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]["ids"]), rng.random()))
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        n = len(seqs[i]["ids"])
+        if cur and max(cur_max, n) * (len(cur) + 1) > tokens_per_batch:
+            batches.append(cur)
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, n)
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def _collate(seqs: list[dict], idx: list[int], steps: int, lm_rows):
+    """Padded tensors for one batch: aux [B,T,3H], next_ids [B,T+steps-1], valid [B,T],
+    target distributions per step [B,T,Vd] and their loss masks."""
+    import torch
+
+    T = max(len(seqs[i]["ids"]) for i in idx) - 1
+    B = len(idx)
+    H3 = seqs[idx[0]]["aux"].shape[-1]
+    aux = torch.zeros(B, T, H3)
+    nxt = torch.zeros(B, T + steps - 1, dtype=torch.long)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    final = torch.zeros(B, T + steps, seqs[idx[0]]["final"].shape[-1])
+    answer = torch.zeros(B, T + steps, dtype=torch.bool)  # position j predicts an answer token
+    for b, i in enumerate(idx):
+        s = seqs[i]
+        n = len(s["ids"])
+        aux[b, : n - 1] = s["aux"][: n - 1].float()
+        nxt[b, : n - 1] = s["ids"][1:].long()
+        valid[b, : n - 1] = True
+        final[b, :n] = s["final"].float()
+        answer[b, s["prompt_len"] : n] = True
+    with torch.no_grad():
+        tgt_logits = final @ lm_rows.T
+    targets, masks = [], []
+    for k in range(steps):
+        # step k at index t predicts what the target predicts at position t + 1 + k
+        targets.append(tgt_logits[:, 1 + k : 1 + k + T].log_softmax(-1))
+        masks.append(answer[:, 1 + k : 1 + k + T] & valid)
+    return aux, nxt, valid, targets, masks
+
+
+def stage_train(
+    work: Path,
+    target: str,
+    num_chunks: int | None = None,
+    epochs: float = 3.0,
+    tokens_per_batch: int = 2048,
+    lr: float = 1e-3,
+) -> None:
+    """EAGLE3 training with training-time test (TTT_STEPS unrolled steps, the draft's own
+    hidden fed back), KL to the target over the draft vocabulary, checkpoints every 10 min."""
+    import torch
+    from safetensors.torch import load_file
+
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    seqs = load_features(work, num_chunks)
+    tcfg = json.loads((Path(target) / "config.json").read_text())
+    tw = load_file(str(Path(target) / "model.safetensors"))
+    embed = tw["model.embed_tokens.weight"].float()
+    head_w = tw.get("lm_head.weight", embed).float()
+    d2t, t2d, covered = draft_vocabulary(seqs, tcfg["vocab_size"], DRAFT_VOCAB)
+    lm_rows = head_w[t2d].contiguous()
+    ntok = sum(len(s["ids"]) for s in seqs)
+    nans = sum(len(s["ids"]) - s["prompt_len"] for s in seqs)
+    print(
+        f"train: {len(seqs)} sequences, {ntok} tokens ({nans} answer tokens); draft vocab "
+        f"{DRAFT_VOCAB} covers {covered:.1%} of answer tokens",
+        flush=True,
+    )
+    cfg = {
+        "hidden_size": tcfg["hidden_size"],
+        "intermediate_size": tcfg["intermediate_size"],
+        "num_attention_heads": tcfg["num_attention_heads"],
+        "num_key_value_heads": tcfg["num_key_value_heads"],
+        "head_dim": tcfg.get("head_dim") or tcfg["hidden_size"] // tcfg["num_attention_heads"],
+        "rms_norm_eps": tcfg["rms_norm_eps"],
+        "rope_theta": tcfg["rope_parameters"]["rope_theta"],
+    }
+    head = DraftHead(cfg, embed, lm_rows, SEED)
+    opt = torch.optim.AdamW(list(head.params.values()), lr=lr, weight_decay=0.0)
+    ckpt = work / "train_ckpt.pt"
+    state = {"step": 0, "epoch_batches": None, "log": []}
+    if ckpt.exists():
+        saved = torch.load(ckpt, weights_only=False)
+        for k, v in saved["params"].items():
+            head.params[k].data.copy_(v)
+        opt.load_state_dict(saved["opt"])
+        state = saved["state"]
+        print(f"resumed at step {state['step']}", flush=True)
+    per_epoch = len(_batches(seqs, tokens_per_batch, random.Random(0)))
+    total_steps = int(per_epoch * epochs)
+    warmup = max(1, total_steps // 20)
+    t_start, t_ckpt = time.time(), time.time()
+    epoch_rngs: dict[int, list[list[int]]] = {}
+    while state["step"] < total_steps:
+        step = state["step"]
+        epoch, j = divmod(step, per_epoch)
+        if epoch not in epoch_rngs:  # each epoch's batch order from (seed, epoch): resumable
+            epoch_rngs = {epoch: _batches(seqs, tokens_per_batch, random.Random(SEED + epoch))}
+        idx = epoch_rngs[epoch][j]
+        frac = step / max(1, total_steps)
+        cur_lr = lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * frac))
+        for gr in opt.param_groups:
+            gr["lr"] = cur_lr
+        aux, nxt, valid, targets, masks = _collate(seqs, idx, TTT_STEPS, lm_rows)
+        # Later steps at a seeded random subset of the positions step 1 is trained on.
+        g = torch.Generator().manual_seed(SEED * 100_003 + step)
+        cand = torch.nonzero(masks[1], as_tuple=True) if TTT_STEPS > 1 else None
+        rows = None
+        if cand is not None:
+            keep = torch.rand(len(cand[0]), generator=g) < LATER_STEP_FRACTION
+            rows = (cand[0][keep], cand[1][keep])
+        logits = head.forward(aux, nxt, valid, TTT_STEPS, rows=rows)
+        loss = torch.zeros(())
+        accs = []
+        for k in range(TTT_STEPS):
+            lp = logits[k].log_softmax(-1)
+            tk, m = (targets[k], masks[k]) if k == 0 else (targets[k][rows], masks[k][rows])
+            kl = (tk.exp() * (tk - lp)).sum(-1)
+            loss = loss + (kl * m).sum() / m.sum().clamp(min=1)
+            with torch.no_grad():
+                hit = (logits[k].argmax(-1) == tk.argmax(-1)) & m
+                accs.append(float(hit.sum()) / max(1, int(m.sum())))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(head.params.values()), 1.0)
+        opt.step()
+        state["step"] = step + 1
+        state["log"].append([step, float(loss.detach()), *accs])
+        if step % 10 == 0:
+            el = time.time() - t_start
+            print(
+                f"step {step}/{total_steps} epoch {epoch} loss {float(loss.detach()):.3f} "
+                f"acc {' '.join(f'{a:.2f}' for a in accs)} lr {cur_lr:.2e} {el:.0f}s",
+                flush=True,
+            )
+        if time.time() - t_ckpt > 600 or state["step"] == total_steps:
+            _save_ckpt(ckpt, head, opt, state)
+            t_ckpt = time.time()
+    torch.save(
+        {
+            "params": {k: v.detach().clone() for k, v in head.params.items()},
+            "lm_head": lm_rows,
+            "d2t": d2t,
+            "t2d": t2d,
+            "covered": covered,
+            "num_sequences": len(seqs),
+            "num_tokens": ntok,
+            "num_answer_tokens": nans,
+            "log": state["log"],
+        },
+        work / "trained.pt",
+    )
+    print(f"train: done in {time.time() - t_start:.0f}s", flush=True)
+
+
+def _save_ckpt(path: Path, head: DraftHead, opt, state: dict) -> None:
+    import torch
+
+    tmp = str(path) + ".tmp"
+    torch.save(
+        {
+            "params": {k: v.detach() for k, v in head.params.items()},
+            "opt": opt.state_dict(),
+            "state": state,
+        },
+        tmp,
+    )
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------- export
+
+
+def stage_export(work: Path, target: str, out: Path) -> None:
+    """Write the trained head in the speculators format (bf16 weights, int64 d2t, bool t2d)."""
+    import torch
+    from safetensors.torch import save_file
+
+    tr = torch.load(work / "trained.pt", weights_only=False)
+    tcfg = json.loads((Path(target) / "config.json").read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    w = {k: v.to(torch.bfloat16).contiguous() for k, v in tr["params"].items()}
+    w["lm_head.weight"] = tr["lm_head"].to(torch.bfloat16).contiguous()
+    w["d2t"] = tr["d2t"].to(torch.int64)
+    w["t2d"] = tr["t2d"]
+    save_file(w, str(out / "model.safetensors"), {"format": "pt"})
+    layer = {
+        k: tcfg[k]
+        for k in (
+            "attention_bias",
+            "head_dim",
+            "hidden_act",
+            "hidden_size",
+            "intermediate_size",
+            "max_position_embeddings",
+            "mlp_bias",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "rms_norm_eps",
+            "rope_parameters",
+            "vocab_size",
+        )
+    }
+    layer.update(model_type="llama", num_hidden_layers=1, tie_word_embeddings=False)
+    cfg = {
+        "architectures": ["Eagle3DraftModel"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.9.0",
+        "dtype": "bfloat16",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": DRAFT_VOCAB,
+        "target_hidden_size": tcfg["hidden_size"],
+        "eagle_aux_hidden_state_layer_ids": list(AUX_LAYERS),
+        "norm_before_residual": True,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+        "tie_word_embeddings": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": TTT_STEPS,
+                    "accept_tolerance": 0.0,
+                    "verifier_accept_k": 1,
+                }
+            ],
+            "verifier": {
+                "name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                "architectures": ["LlamaForCausalLM"],
+            },
+        },
+    }
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    heldout = json.loads((work / "prompts.json").read_text())["heldout"]
+    (out / "heldout_prompts.json").write_text(json.dumps(heldout, indent=1) + "\n")
+    print(f"export: {out} ({sum(v.numel() * v.element_size() for v in w.values()) / 1e6:.1f} MB)")
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -315,6 +755,8 @@ def main() -> None:
     ap.add_argument("--target", default=None, help="SmolLM2 HF folder (default: convert)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--follow", action="store_true", help="features: wait for generate chunks")
+    ap.add_argument("--num-chunks", type=int, default=None, help="train on the first N chunks")
+    ap.add_argument("--epochs", type=float, default=3.0)
     args = ap.parse_args()
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -332,7 +774,7 @@ def main() -> None:
         elif s == "features":
             stage_features(work, args.target, follow=args.follow)
         elif s == "train":
-            stage_train(work, args.target)
+            stage_train(work, args.target, num_chunks=args.num_chunks, epochs=args.epochs)
         elif s == "export":
             stage_export(work, args.target, Path(args.out))
 

@@ -106,7 +106,11 @@ def test_draft_logits_match_speculators(name, llama_dir, tmp_path):
         ref_drafts, ref_rows = ref.drafts(context, k)
         for step, (ours, theirs) in enumerate(zip(rows, ref_rows)):
             torch.testing.assert_close(
-                ours, theirs, rtol=1e-4, atol=1e-4, msg=lambda m, s=step: f"{name}: draft step {s}: {m}"
+                ours,
+                theirs,
+                rtol=1e-4,
+                atol=1e-4,
+                msg=lambda m, s=step: f"{name}: draft step {s}: {m}",
             )
         assert drafts == ref_drafts
 
