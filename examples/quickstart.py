@@ -13,15 +13,12 @@ if it is missing and converts it once to an HF folder under ~/.cache/vllm/model_
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import time
 
-CHATS = [
-    "How can I improve my public speaking?",
-    "Write a short paragraph about meditation.",
-    "What is a common misconception about chemical reactions?",
-]
+NUM_CHATS = 3
 
 
 def ensure_smollm2() -> str:
@@ -34,6 +31,14 @@ def ensure_smollm2() -> str:
         )
     print("SmolLM2-135M-Instruct (converted from GGUF on first use) ...", flush=True)
     return smollm2_path()
+
+
+def heldout_prompts() -> list[str]:
+    """Chat prompts the head never saw in training (shipped with it)."""
+    from vllm.model_zoo import SMOLLM2_EAGLE3_DIR
+
+    path = SMOLLM2_EAGLE3_DIR / "heldout_prompts.json"
+    return json.loads(path.read_text())[:NUM_CHATS]
 
 
 def run(model: str, pp: int, k: int, max_tokens: int):
@@ -49,7 +54,7 @@ def run(model: str, pp: int, k: int, max_tokens: int):
         sp = SamplingParams(temperature=0, max_tokens=max_tokens)
         llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=8), use_tqdm=False)
         answers, tokens, seconds = [], 0, 0.0
-        for q in CHATS:
+        for q in heldout_prompts():
             t0 = time.perf_counter()
             out = llm.chat([{"role": "user", "content": q}], sp, use_tqdm=False)[0].outputs[0]
             seconds += time.perf_counter() - t0
@@ -78,7 +83,7 @@ def main() -> None:
     base, base_tps, _ = run(model, args.pp, 0, args.max_tokens)
     print(f"generating with EAGLE3, K={args.k} (pipeline_parallel_size={args.pp}) ...", flush=True)
     spec, spec_tps, (mean_len, rates) = run(model, args.pp, args.k, args.max_tokens)
-    for q, a in zip(CHATS, spec):
+    for q, a in zip(heldout_prompts(), spec):
         print("=" * 72)
         print(f"user: {q}\nassistant: {a}")
     print("=" * 72)
