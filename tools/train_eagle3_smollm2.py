@@ -745,12 +745,54 @@ def stage_export(work: Path, target: str, out: Path) -> None:
     print(f"export: {out} ({sum(v.numel() * v.element_size() for v in w.values()) / 1e6:.1f} MB)")
 
 
+# ---------------------------------------------------------------------------- eval
+
+
+def stage_eval(work: Path, target: str, head: Path, max_tokens: int = 96) -> None:
+    """Acceptance of the exported head on every held-out prompt, K = 1..4 (greedy, batch 16):
+    mean acceptance length and per-position acceptance rates, written to WORK/eval.json."""
+    import torch
+
+    from vllm import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    prompts = json.loads((head / "heldout_prompts.json").read_text())
+    convs = [_conversation(p) for p in prompts]
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    result = {"num_prompts": len(prompts), "max_tokens": max_tokens, "k": {}}
+    for k in (1, 2, 3, 4):
+        llm = LLM(
+            model=target,
+            dtype="float32",
+            max_model_len=512,
+            max_num_seqs=16,
+            speculative_config={"model": str(head), "num_speculative_tokens": k},
+        )
+        try:
+            llm.chat(convs, sp, use_tqdm=False)
+            m = {x.name: x for x in llm.get_metrics()}
+        finally:
+            llm.shutdown()
+        drafts = m["vllm:spec_decode_num_drafts"].value
+        acc = m["vllm:spec_decode_num_accepted_tokens"].value
+        rates = [v / drafts for v in m["vllm:spec_decode_num_accepted_tokens_per_pos"].values]
+        result["k"][k] = {"mean_acceptance_length": 1 + acc / drafts, "per_position": rates}
+        print(
+            f"eval K={k}: mean acceptance length {1 + acc / drafts:.2f}, per position "
+            + " ".join(f"{r:.2f}" for r in rates),
+            flush=True,
+        )
+    (work / "eval.json").write_text(json.dumps(result, indent=1))
+
+
 # ---------------------------------------------------------------------------- main
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("stage", choices=["prompts", "generate", "features", "train", "export", "all"])
+    ap.add_argument(
+        "stage", choices=["prompts", "generate", "features", "train", "export", "eval", "all"]
+    )
     ap.add_argument("--work-dir", default="/tmp/eagle3-smollm2")
     ap.add_argument("--target", default=None, help="SmolLM2 HF folder (default: convert)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
@@ -764,7 +806,7 @@ def main() -> None:
         from vllm.model_zoo import smollm2_path
 
         args.target = smollm2_path(work / "smollm2-135m-instruct")
-    stages = ["prompts", "generate", "features", "train", "export"]
+    stages = ["prompts", "generate", "features", "train", "export", "eval"]
     run = stages if args.stage == "all" else [args.stage]
     for s in run:
         if s == "prompts":
@@ -777,6 +819,8 @@ def main() -> None:
             stage_train(work, args.target, num_chunks=args.num_chunks, epochs=args.epochs)
         elif s == "export":
             stage_export(work, args.target, Path(args.out))
+        elif s == "eval":
+            stage_eval(work, args.target, Path(args.out))
 
 
 if __name__ == "__main__":

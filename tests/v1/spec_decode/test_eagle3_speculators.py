@@ -44,7 +44,9 @@ def _record(llm: LLM) -> list[tuple[list[int], list[int], list[torch.Tensor]]]:
 
     def compute_logits(hidden, draft_step):
         out = orig_logits(hidden, draft_step)
-        steps.append(out if draft_ids is None else out[:, draft_ids])
+        # Greedy drafting over a reduced vocabulary stays in draft ids (mapped at sampling).
+        full = draft_ids is not None and out.shape[-1] != len(draft_ids)
+        steps.append(out[:, draft_ids] if full else out)
         return out
 
     records = []
