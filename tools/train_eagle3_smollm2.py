@@ -583,9 +583,21 @@ def stage_train(
     head = DraftHead(cfg, embed, lm_rows, SEED)
     opt = torch.optim.AdamW(list(head.params.values()), lr=lr, weight_decay=0.0)
     ckpt = work / "train_ckpt.pt"
-    state = {"step": 0, "epoch_batches": None, "log": []}
+    run = {
+        "num_sequences": len(seqs),
+        "epochs": epochs,
+        "tokens_per_batch": tokens_per_batch,
+        "lr": lr,
+        "seed": SEED,
+    }
+    state = {"step": 0, "run": run, "log": []}
     if ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
+        if saved["state"].get("run") != run:
+            raise SystemExit(
+                f"{ckpt} is from another run ({saved['state'].get('run')}, now {run}); "
+                "move it away to start over"
+            )
         for k, v in saved["params"].items():
             head.params[k].data.copy_(v)
         opt.load_state_dict(saved["opt"])
