@@ -20,7 +20,7 @@ from vllm.v1.core.kv_cache_manager import cdiv
 from vllm.v1.core.sched.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from vllm.v1.worker.gpu.input_batch import InputBatch, prepare_inputs
 from vllm.v1.worker.gpu.linear_attn_states import LinearAttnStates
-from vllm.v1.worker.gpu.sample.sampler import compute_logprobs, sample_tokens
+from vllm.v1.worker.gpu.sample.sampler import SamplingArrays, compute_logprobs
 from vllm.v1.worker.gpu.states import RequestStates
 
 logger = init_logger(__name__)
@@ -215,21 +215,11 @@ class ModelRunner:
             # Position of the token each logits row predicts.
             positions = batch.positions_np[batch.logits_indices_np] + 1
             self._apply_min_tokens(logits, rslots, positions)
-            tokens = sample_tokens(
-                logits,
-                st.temperature[rslots],
-                st.top_k[rslots],
-                st.top_p[rslots],
-                st.min_p[rslots],
-                st.seed[rslots],
-                positions,
-            )
+            tokens = SamplingArrays.of(st, rslots).sample(logits, positions)
             if batch.has_drafts:
                 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import rejection_sample
 
-                sampled_lists, keep_rows = rejection_sample(
-                    self, batch, logits, tokens, rows, positions
-                )
+                sampled_lists, keep_rows = rejection_sample(self, batch, tokens)
             else:
                 keep_rows = np.arange(len(rows))
                 tok_list = tokens.tolist()

@@ -14,13 +14,10 @@ from torch import nn
 
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import AttentionLayerBase
-from vllm.v1.worker.gpu.sample.sampler import exponential_noise
+from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
 
 if TYPE_CHECKING:
     from vllm.v1.worker.gpu.input_batch import InputBatch
-
-# Noise stream of draft sampling (0: target sampling, 1: acceptance draws, 2: resampling).
-DRAFT_NOISE_STREAM = 3
 
 
 class BaseSpeculator(ABC):
@@ -88,13 +85,6 @@ class DraftModelSpeculator(BaseSpeculator):
         K = self.num_speculative_steps
         # Draft tokens of the current batch, one row per batch row.
         self.draft_tokens = np.zeros((self.max_num_reqs, K), dtype=np.int64)
-        # The draft distribution q of every proposed token, per request-state slot, which the
-        # rejection sampler needs for probabilistic verification (greedy drafts are one-hot).
-        self.draft_probs: torch.Tensor | None = None
-        if self.draft_sample_method == "probabilistic":
-            self.draft_probs = torch.zeros(
-                self.max_num_reqs, K, self.vocab_size, dtype=torch.float32, device=self.device
-            )
         self.target_attn_layer_names: set[str] = set()
         self.draft_attn_layer_names: set[str] = set()
 
@@ -115,36 +105,18 @@ class DraftModelSpeculator(BaseSpeculator):
         }
 
     def sample_draft(
-        self,
-        logits: torch.Tensor,
-        positions: np.ndarray,
-        temperature: np.ndarray,
-        seeds: np.ndarray,
-        slots: np.ndarray,
-        draft_step: int,
+        self, logits: torch.Tensor, positions: np.ndarray, sampling: SamplingArrays
     ) -> torch.Tensor:
-        """One draft token per row of logits [R, V] (R >= len(slots) rows are real).
+        """One draft token per row of logits [R, V] (one row per request of `sampling`).
 
-        Greedy unless draft_sample_method is "probabilistic" and the request samples
-        (temperature > 0): then only the temperature is applied (top-k/top-p are deliberately
-        not), the token is drawn with noise keyed by (seed, position), and q is kept for the
-        rejection sampler. positions = position of the token being drafted."""
-        tokens = logits.argmax(-1)
-        if self.draft_probs is None:
-            return tokens
-        n = len(slots)
-        rows = np.nonzero(temperature[:n] >= 1e-5)[0]
-        if len(rows) == 0:
-            return tokens
-        r = torch.from_numpy(rows).to(logits.device)
-        t = torch.from_numpy(temperature[rows].astype(np.float32)).to(logits.device)
-        q = (logits[r].float() / t[:, None]).softmax(-1)
-        noise = exponential_noise(
-            seeds[rows], positions[rows], q.shape[-1], logits.device, DRAFT_NOISE_STREAM
-        )
-        tokens[r] = (q / noise).argmax(-1)
-        self.draft_probs[torch.from_numpy(slots[rows]).to(self.device), draft_step] = q
-        return tokens
+        Greedy unless draft_sample_method is "probabilistic": then each request's token is the
+        target sampler's own draw (its temperature and filters, noise keyed by (seed,
+        position)) over the draft's logits, which is what makes it match the target's token
+        whenever the two distributions agree (see the rejection sampler). positions = true
+        sequence position of the token being drafted."""
+        if self.draft_sample_method != "probabilistic":
+            return logits.argmax(-1)
+        return sampling.sample(logits, positions)
 
 
 def _attn_layer_names(model: nn.Module) -> set[str]:
