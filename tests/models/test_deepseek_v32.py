@@ -400,3 +400,60 @@ def test_mtp_greedy_lossless_pp2(variants, no_spec, name) -> None:
         assert _generate_ids(llm) == no_spec(path)
     finally:
         llm.shutdown()
+
+
+# ---- top-k ties: the selection must not depend on the batch layout ------------------------------
+
+
+def test_topk_breaks_ties_toward_the_lower_position() -> None:
+    from vllm.models.deepseek_v32.model import topk_lowest_position_first
+
+    g = torch.Generator().manual_seed(0)
+    # Few distinct values (many ties, +0.0 and -0.0 among them) and -inf padding.
+    x = torch.randint(-2, 3, (64, 40), generator=g).float()
+    x[x == -2] = float("-inf")
+    x[:, ::7] = -0.0
+    for k in (1, 8, 40):
+        vals, idx = topk_lowest_position_first(x, k)
+        ref = torch.sort(x, dim=-1, descending=True, stable=True)
+        assert torch.equal(idx, ref.indices[:, :k])
+        assert torch.equal(vals, ref.values[:, :k])
+
+
+@pytest.fixture(scope="module")
+def v32_two_index_heads_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """2 indexer heads: a key whose every head the ReLU clips scores exactly 0, so scores tie at
+    the top-k boundary often."""
+    return make_deepseek_v32(
+        tmp_path_factory.mktemp("v32_2heads"),
+        index_n_heads=2,
+        num_nextn_predict_layers=1,
+        index_share_for_mtp_iteration=True,
+    )
+
+
+def test_tied_index_scores_give_the_same_tokens_batched_alone_and_with_mtp(
+    v32_two_index_heads_dir,
+) -> None:
+    path = v32_two_index_heads_dir
+    prompts = make_prompts(512, [30, 45, 12, 60, 25], seed=5)
+    llm = LLM(model=path, **MTP_COMMON)
+    try:
+        alone = [
+            list(
+                llm.generate([{"prompt_token_ids": p}], MTP_GREEDY, use_tqdm=False)[0]
+                .outputs[0]
+                .token_ids
+            )
+            for p in prompts
+        ]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], MTP_GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == alone
+    llm = _mtp_llm(path, 2)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], MTP_GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == alone

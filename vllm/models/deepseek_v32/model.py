@@ -61,6 +61,24 @@ def check_dsa_config(config: Any) -> None:
         )
 
 
+def topk_lowest_position_first(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest scores along the last dim, equal scores ordered by
+    lower index first - the order a stable descending sort gives.
+
+    torch.topk breaks ties arbitrarily (differently for different row lengths, i.e. batch
+    layouts), and ties are common here: with few indexer heads every head can be clipped to 0
+    by the ReLU. Each score is packed with its index into one int64 key (an order-preserving
+    integer image of the float above, the inverted index below), so the keys are distinct."""
+    # + 0.0 turns -0.0 into +0.0, which the integer image would otherwise order below it.
+    s = (scores.float() + 0.0).contiguous()
+    bits = s.view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # negative floats: flip order
+    n = s.shape[-1]
+    inv_index = (n - 1) - torch.arange(n, device=s.device, dtype=torch.int64)
+    _, idx = (ordered * (1 << 32) + inv_index).topk(k, dim=-1)
+    return scores.gather(-1, idx), idx
+
+
 def _rope(config: Any, head_size: int, interleaved: bool) -> RotaryEmbedding:
     theta, scaling = rope_params(config)
     return get_rope(
@@ -88,7 +106,8 @@ class DeepseekV32IndexerCache(AttentionLayerBase):
 class DeepseekV32Indexer(nn.Module):
     """Lightning indexer: score(t, s) = sum_h w_h(t) * relu(q_h(t) . k(s) / sqrt(D)) over the
     causal context; writes each token's top-index_topk positions (TOPK_PAD-padded) to the shared
-    buffer. RoPE covers the first qk_rope_head_dim dims: half-split for DeepSeek-V3.2,
+    buffer, equal scores resolved toward the lower position so the selection never depends on
+    the batch layout (every sparse backend reads this one selection). RoPE covers the first qk_rope_head_dim dims: half-split for DeepSeek-V3.2,
     interleaved pairs for GLM-MoE-DSA (as HF transformers)."""
 
     def __init__(self, config: Any, prefix: str, topk_indices_buffer: torch.Tensor) -> None:
@@ -143,7 +162,7 @@ class DeepseekV32Indexer(nn.Module):
                 scores = torch.einsum("rqhd,rsd->rqhs", q_pad[qi], keys) * self.softmax_scale
                 index = torch.einsum("rqh,rqhs->rqs", w_pad[qi], F.relu(scores))
                 index = index.masked_fill(~g.mask[:, 0, a : a + step], float("-inf"))
-                vals, idx = index.topk(kk, dim=-1)
+                vals, idx = topk_lowest_position_first(index, kk)
                 sel[:, a : a + step] = idx.masked_fill(vals == float("-inf"), TOPK_PAD)
             buf[g.token_index, :kk] = sel.reshape(rows * q_len, kk)[g.valid].to(buf.dtype)
 
