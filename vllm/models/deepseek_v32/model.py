@@ -107,8 +107,9 @@ class DeepseekV32Indexer(nn.Module):
     """Lightning indexer: score(t, s) = sum_h w_h(t) * relu(q_h(t) . k(s) / sqrt(D)) over the
     causal context; writes each token's top-index_topk positions (TOPK_PAD-padded) to the shared
     buffer, equal scores resolved toward the lower position so the selection never depends on
-    the batch layout (every sparse backend reads this one selection). RoPE covers the first qk_rope_head_dim dims: half-split for DeepSeek-V3.2,
-    interleaved pairs for GLM-MoE-DSA (as HF transformers)."""
+    the batch layout (every sparse backend reads this one selection). RoPE covers the first
+    qk_rope_head_dim dims: half-split for DeepSeek-V3.2, interleaved pairs for GLM-MoE-DSA (as
+    HF transformers)."""
 
     def __init__(self, config: Any, prefix: str, topk_indices_buffer: torch.Tensor) -> None:
         super().__init__()
