@@ -268,6 +268,55 @@ def test_draft_loading_repoints_topk_buffers_to_the_target(k2_llm) -> None:
     assert len(attns) == 2 and all(a.topk_indices_buffer is target_buf for a in attns)
 
 
+def test_impls_read_the_target_buffer_through_their_indexers(
+    v32_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Draft loading re-points the draft indexers (the buffer's owners); the draft's sparse
+    impls reach the target's buffer only by resolving it through them. An impl that took a
+    snapshot of its buffer at construction (before loading) has none to read: the draft's first
+    sparse attention fails."""
+    from vllm.model_executor.layers.attention.sparse_mla_attention import (
+        SharedTopkIndicesBuffer,
+    )
+
+    init = SharedTopkIndicesBuffer.init_topk_indices_buffer
+
+    def snapshot(self, indexer=None, buffer=None):
+        init(self, None, indexer.topk_indices_buffer if indexer is not None else buffer)
+
+    monkeypatch.setattr(SharedTopkIndicesBuffer, "init_topk_indices_buffer", snapshot)
+    llm = _mtp_llm(v32_dir, 2)
+    try:
+        with pytest.raises(RuntimeError, match="has no top-k indices buffer"):
+            _generate_ids(llm)  # the 30-token prompt's context exceeds index_topk
+    finally:
+        llm.shutdown()
+
+
+def test_the_draft_allocates_no_topk_buffer_of_its_own(
+    v32_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vllm.models.deepseek_v32.model as v32_model
+    import vllm.models.deepseek_v32.mtp as v32_mtp
+
+    made: list[tuple] = []
+    new = v32_model.new_topk_indices_buffer
+
+    def counting(*args):
+        buf = new(*args)
+        made.append(tuple(buf.shape))
+        return buf
+
+    for module in (v32_model, v32_mtp):
+        monkeypatch.setattr(module, "new_topk_indices_buffer", counting, raising=False)
+    llm = _mtp_llm(v32_dir, 2)
+    try:
+        runner = llm.llm_engine.executor.worker.model_runner
+        assert made == [tuple(runner.model.model.topk_indices_buffer.shape)]  # the target's
+    finally:
+        llm.shutdown()
+
+
 def _record_sharing(spec) -> tuple[list, callable]:
     """Record set_skip_topk / compact_topk_indices calls on the real draft (calling through)
     and the skip_topk state every draft forward sees; returns (log, undo)."""

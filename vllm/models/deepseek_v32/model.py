@@ -111,7 +111,7 @@ class DeepseekV32Indexer(nn.Module):
     qk_rope_head_dim dims: half-split for DeepSeek-V3.2, interleaved pairs for GLM-MoE-DSA (as
     HF transformers)."""
 
-    def __init__(self, config: Any, prefix: str, topk_indices_buffer: torch.Tensor) -> None:
+    def __init__(self, config: Any, prefix: str, topk_indices_buffer: torch.Tensor | None) -> None:
         super().__init__()
         h = config.hidden_size
         self.n_heads = int(config.index_n_heads)
@@ -125,8 +125,8 @@ class DeepseekV32Indexer(nn.Module):
         self.softmax_scale = self.head_dim**-0.5
         self.rotary_emb = _rope(config, self.head_dim, interleaved=is_glm_dsa(config))
         self.k_cache = DeepseekV32IndexerCache(self.head_dim, prefix=f"{prefix}.k_cache")
-        # A plain attribute (not a registered buffer): the MTP proposer re-points it to the
-        # target's buffer after loading.
+        # A plain attribute (not a registered buffer): the owner of the buffer, which draft
+        # loading re-points to the target's (None in an MTP draft until then).
         self.topk_indices_buffer = topk_indices_buffer
         self.num_calls = 0  # forwards that computed a selection (tests, benchmarks)
 
@@ -139,6 +139,11 @@ class DeepseekV32Indexer(nn.Module):
             return  # profiling / dummy run
         T = meta.num_tokens
         buf = self.topk_indices_buffer
+        if buf is None:
+            raise RuntimeError(
+                "the indexer has no top-k indices buffer (an MTP draft's is its target's, "
+                "set when the draft is loaded next to it)"
+            )
         if T > buf.shape[0]:
             raise RuntimeError(f"{T} tokens exceed the top-k buffer's {buf.shape[0]} rows")
         self.num_calls += 1
@@ -177,7 +182,7 @@ class DeepseekV32MLAAttention(DeepseekV2MLAAttention):
         config: Any,
         prefix: str,
         layer_idx: int,
-        topk_indices_buffer: torch.Tensor,
+        topk_indices_buffer: torch.Tensor | None,
     ) -> None:
         super().__init__(config, prefix)
         if self.rotary_emb.is_neox_style:  # V3.2 MLA always rotates interleaved pairs
@@ -214,7 +219,7 @@ class DeepseekV32DecoderLayer(DeepseekV2DecoderLayer):
         self,
         config: Any,
         prefix: str,
-        topk_indices_buffer: torch.Tensor,
+        topk_indices_buffer: torch.Tensor | None,
         layer_idx: int | None = None,
     ) -> None:
         if layer_idx is None:

@@ -143,9 +143,11 @@ def load_eagle_model(
     _share_mtp_layer_weights(draft_inner, target_embed, target_head)
     buf = getattr(target_inner, "topk_indices_buffer", None)
     if buf is not None:
-        for m in draft.modules():
-            if hasattr(m, "topk_indices_buffer"):
-                m.topk_indices_buffer = buf
+        from vllm.model_executor.layers.attention.sparse_mla_attention import (
+            share_topk_indices_buffer,
+        )
+
+        share_topk_indices_buffer(draft, buf)
     return draft
 
 
