@@ -196,6 +196,55 @@ def test_mtp_loading_shares_identical_tables(deepseek_v3_mtp2_dir, tmp_path):
             llm.shutdown()
 
 
+def _last_stage_draft(model: str, spec: dict):
+    """(target, draft) as the last of two pipeline stages builds them, in this process."""
+    from vllm.distributed.parallel_state import PPGroup, get_pp_group, set_pp_group
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model
+    from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
+
+    config = EngineArgs(
+        model=model,
+        dtype="float32",
+        max_model_len=128,
+        pipeline_parallel_size=2,
+        speculative_config=spec,
+    ).create_engine_config()
+    old = get_pp_group()
+    set_pp_group(PPGroup(rank=1, world_size=2))
+    try:
+        target = get_model(config)
+        return target, load_eagle_model(target, config)
+    finally:
+        set_pp_group(old)
+
+
+@pytest.mark.parametrize("own_tables", [False, True], ids=["top_level_only", "identical_copies"])
+def test_mtp_layers_keep_one_embedding_table_on_the_last_stage(
+    deepseek_v3_mtp2_dir, tmp_path, own_tables
+):
+    """Under P = 2 the target has no table on the last stage to alias; the two MTP layers,
+    whose tables are the checkpoint's one top-level table (or identical copies of it), keep a
+    single copy between them, holding the checkpoint's values."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    model = (
+        deepseek_v3_mtp2_dir
+        if own_tables
+        else _without_mtp_embed(deepseek_v3_mtp2_dir, tmp_path / "noembed")
+    )
+    target, draft = _last_stage_draft(model, {"method": "mtp", "num_speculative_tokens": 2})
+    assert isinstance(target.model.embed_tokens, PPMissingLayer)
+    tables = [layer.embed_tokens for layer in draft.model.layers.values()]
+    assert len(tables) == 2 and tables[0] is tables[1]
+    top = _weights(deepseek_v3_mtp2_dir)["model.embed_tokens.weight"]
+    assert torch.equal(tables[0].weight, top)
+    vocab_tables = [p for p in draft.parameters() if tuple(p.shape) == tuple(top.shape)]
+    heads = {id(layer.shared_head.head.weight) for layer in draft.model.layers.values()}
+    # One embedding table, plus the shared_head.head matrices of the same shape.
+    assert len({p.data_ptr() for p in vocab_tables}) == 1 + len(heads)
+
+
 # ---- EAGLE3 ----------------------------------------------------------------------------------
 
 
