@@ -204,6 +204,40 @@ def test_mtp_self_draft_keeps_full_acceptance_at_pp2(deepseek_v3_mtp1_dir, tmp_p
     assert drafts > 0 and accepted == draft_tokens, (drafts, draft_tokens, accepted, per_pos)
 
 
+@pytest.fixture(scope="module")
+def top_level_embed_self_drafts(tmp_path_factory) -> dict[str, str]:
+    """DeepSeek-V3 and V3.2 self-drafts whose MTP layer ships no embed_tokens: the draft's
+    table is the checkpoint's top-level model.embed_tokens.weight."""
+    from tests.dsa_checkpoints import make_deepseek_v32
+
+    v3 = checkpoints.make_deepseek_v3(
+        tmp_path_factory.mktemp("v3_top_embed"), num_nextn_predict_layers=1, mtp_own_embed=False
+    )
+    v32 = make_deepseek_v32(
+        tmp_path_factory.mktemp("v32_top_embed"), num_nextn_predict_layers=1, mtp_own_embed=False
+    )
+    return {
+        name: make_mtp_self_draft(tmp_path_factory.mktemp(f"{name}_top_embed_self"), src)
+        for name, src in (("v3", v3), ("v32", v32))
+    }
+
+
+@pytest.mark.parametrize("family", ["v3", "v32"])
+def test_top_level_only_mtp_embedding_at_pp2(top_level_embed_self_drafts, family):
+    """On the last of two stages the target holds no embedding; the MTP layer must load the
+    top-level table from the checkpoint. The self-draft then accepts every draft, at P = 1 and
+    at P = 2 alike (a random or missing table would accept almost none)."""
+    model = top_level_embed_self_drafts[family]
+    prompts = make_prompts(512, LENGTHS, seed=13)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    tokens1, counts1 = _run(model, prompts, spec, 1)
+    tokens2, counts2 = _run(model, prompts, spec, 2)
+    assert tokens2 == tokens1
+    assert counts2 == counts1
+    drafts, draft_tokens, accepted, _ = counts2
+    assert drafts > 0 and accepted == draft_tokens, counts2
+
+
 def test_ray_eagle3_pp2_equals_mp(runs):
     import ray
 
