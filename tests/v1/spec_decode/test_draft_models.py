@@ -245,6 +245,44 @@ def test_mtp_layers_keep_one_embedding_table_on_the_last_stage(
     assert len({p.data_ptr() for p in vocab_tables}) == 1 + len(heads)
 
 
+# MTP draft classes: (module, class name) and a builder of a target checkpoint that has one.
+_MTP_DRAFTS = {
+    "deepseek_v3": ("vllm.model_executor.models.deepseek_mtp", "DeepSeekMTP"),
+    "deepseek_v32": ("vllm.models.deepseek_v32.mtp", "DeepseekV32MTP"),
+    "qwen3_5": ("vllm.model_executor.models.qwen3_5_mtp", "Qwen3_5MTP"),
+}
+
+
+@pytest.fixture(scope="module")
+def mtp_targets(deepseek_v3_mtp1_dir, tmp_path_factory) -> dict[str, str]:
+    from tests import qwen3_5_checkpoints as q35
+    from tests.dsa_checkpoints import make_deepseek_v32
+
+    return {
+        "deepseek_v3": deepseek_v3_mtp1_dir,
+        "deepseek_v32": make_deepseek_v32(
+            tmp_path_factory.mktemp("v32_pp_draft"), num_nextn_predict_layers=1
+        ),
+        "qwen3_5": q35.make_qwen3_5(
+            tmp_path_factory.mktemp("q35_pp_draft"), mtp_num_hidden_layers=1
+        ),
+    }
+
+
+@pytest.mark.parametrize("family", list(_MTP_DRAFTS))
+def test_last_stage_builds_the_mtp_draft_only_if_it_supports_pp(mtp_targets, family, monkeypatch):
+    import importlib
+
+    module, name = _MTP_DRAFTS[family]
+    cls = getattr(importlib.import_module(module), name)
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    _, draft = _last_stage_draft(mtp_targets[family], spec)
+    assert type(draft) is cls
+    monkeypatch.setattr(cls, "supports_pp", False)
+    with pytest.raises(ValueError, match=f"{name} does not support pipeline parallelism"):
+        _last_stage_draft(mtp_targets[family], spec)
+
+
 # ---- EAGLE3 ----------------------------------------------------------------------------------
 
 

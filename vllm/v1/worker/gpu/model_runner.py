@@ -14,7 +14,7 @@ from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import AttentionLayerBase
 from vllm.model_executor.model_loader import get_model
-from vllm.model_executor.models.interfaces import supports_pp
+from vllm.model_executor.models.interfaces import check_supports_pp
 from vllm.sequence import IntermediateTensors
 from vllm.v1.core.kv_cache_manager import cdiv
 from vllm.v1.core.sched.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
@@ -59,12 +59,7 @@ class ModelRunner:
         if self.pp.world_size > 1:
             from vllm.model_executor.models.registry import resolve_model_cls
 
-            cls = resolve_model_cls(self.vllm_config.model_config.architecture)
-            if not supports_pp(cls):
-                raise ValueError(
-                    f"{cls.__name__} does not support pipeline parallelism "
-                    "(Pipeline parallelism is not supported for this model)"
-                )
+            check_supports_pp(resolve_model_cls(self.vllm_config.model_config.architecture))
         self.model = get_model(self.vllm_config, device=self.device)
         if self.vllm_config.speculative_config is not None and self.pp.is_last_rank:
             from vllm.v1.worker.gpu.spec_decode import init_speculator

@@ -103,6 +103,26 @@ class DraftModelSpeculator(BaseSpeculator):
             for n, m in self.model.named_modules()
             if isinstance(m, AttentionLayerBase) and id(m) not in target_ids
         }
+        # The hidden states the draft's first pass reads, in a persistent buffer (the fixed
+        # input a captured graph or compiled forward needs), shaped by the draft itself: its
+        # SupportsPP make_empty_intermediate_tensors gives rows of the hidden size it consumes.
+        rows = max(self.max_num_tokens, self.max_num_reqs)
+        self.hidden_states = self.model.make_empty_intermediate_tensors(
+            rows, self.dtype, self.device
+        )["hidden_states"]
+
+    def stage_hidden_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Copy the first pass's hidden states [T, H] into the persistent buffer; returns the
+        [T, H] view the draft runs on."""
+        n = hidden.shape[0]
+        if n > self.hidden_states.shape[0] or hidden.shape[1:] != self.hidden_states.shape[1:]:
+            raise RuntimeError(
+                f"the draft's hidden-state buffer {tuple(self.hidden_states.shape)} (from its "
+                f"make_empty_intermediate_tensors) cannot take {tuple(hidden.shape)}"
+            )
+        out = self.hidden_states[:n]
+        out.copy_(hidden)
+        return out
 
     def sample_draft(
         self, logits: torch.Tensor, positions: np.ndarray, sampling: SamplingArrays

@@ -196,7 +196,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         h = torch.zeros(T, self.target_hidden_size, dtype=self.dtype, device=self.device)
         n_aux = self._num_aux_hidden_states()
         with torch.inference_mode():
-            hidden = self._prefill_hidden(h, [h] * n_aux if n_aux else None)
+            hidden = self.stage_hidden_states(self._prefill_hidden(h, [h] * n_aux or None))
             self.last_token_indices.zero_()
             self._draft(
                 R,
@@ -243,7 +243,9 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         input_ids[last_idx] = next_tokens
         positions = np.zeros(num_tokens_padded, dtype=np.int64)
         positions[:num_tokens] = b.positions_np
-        hidden = self._prefill_hidden(last_hidden_states, aux_hidden_states)
+        hidden = self.stage_hidden_states(
+            self._prefill_hidden(last_hidden_states, aux_hidden_states)
+        )
         if hidden.shape[0] != num_tokens_padded:
             raise RuntimeError(
                 f"the target's hidden states have {hidden.shape[0]} rows but the batch has "

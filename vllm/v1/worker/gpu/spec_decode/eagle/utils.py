@@ -12,6 +12,8 @@ from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
+from vllm.model_executor.models.interfaces import check_supports_pp
+from vllm.model_executor.models.registry import resolve_model_cls
 from vllm.model_executor.models.utils import PPMissingLayer
 
 logger = init_logger(__name__)
@@ -118,7 +120,13 @@ def load_eagle_model(
     """Build and load the draft of speculative_config, then share the target's embedding and
     LM head where allowed, and its DSA top-k buffer where the draft has one."""
     spec = vllm_config.speculative_config
+    multi_stage = get_pp_group().world_size > 1
+    if multi_stage:
+        # The draft lives on the last stage next to its target: it must be buildable there.
+        check_supports_pp(resolve_model_cls(spec.draft_model_config.architecture))
     draft = get_model(vllm_config, model_config=spec.draft_model_config, device=device)
+    if multi_stage:
+        check_supports_pp(draft)
     target_lm = (
         target_model.get_language_model()
         if hasattr(target_model, "get_language_model")
