@@ -13,8 +13,10 @@ import torch
 from torch import nn
 
 from vllm.config import VllmConfig
+from vllm.distributed.parallel_state import get_pp_group
 from vllm.model_executor.layers.attention import AttentionLayerBase
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
+from vllm.v1.worker.gpu.spec_decode.eagle.utils import should_gather_mm_embeds_for_draft
 
 if TYPE_CHECKING:
     from vllm.v1.worker.gpu.input_batch import InputBatch
@@ -98,6 +100,10 @@ class DraftModelSpeculator(BaseSpeculator):
         target_ids = {id(m) for m in target_model.modules()}
         self.target_hidden_size = int(target_model.config.hidden_size)
         self.model = self.load_draft_model(target_model, self.target_attn_layer_names)
+        # The speculator lives on the last stage; encoder outputs exist only on the first.
+        self.supports_mm_inputs = should_gather_mm_embeds_for_draft(
+            target_model, has_encoder_outputs=get_pp_group().is_first_rank
+        )
         self.draft_attn_layer_names = {
             n
             for n, m in self.model.named_modules()

@@ -159,17 +159,10 @@ def load_eagle_model(
     return draft
 
 
-def should_gather_mm_embeds_for_draft(target_model: nn.Module) -> bool:
-    """SPEC 6.6: a multimodal draft path may gather encoder embeddings only on a rank that
-    holds them (the encoder runs with the embedding, on the first stage), and only for a
-    target that takes multimodal input. Every model here is text-only, so this is False and
-    the draft never touches a gather; a multimodal target on a stage without its encoder
-    outputs is refused rather than drafting from missing embeddings."""
-    if not getattr(target_model, "supports_multimodal", False):
-        return False
-    if not get_pp_group().is_first_rank:
-        raise NotImplementedError(
-            f"{type(target_model).__name__}: multimodal drafting under pipeline parallelism "
-            "needs the encoder embeddings on the drafter's stage"
-        )
-    return True
+def should_gather_mm_embeds_for_draft(target_model: nn.Module, has_encoder_outputs: bool) -> bool:
+    """Whether the draft's first pass should read the target's encoder (multimodal) embeddings:
+    only where this rank holds the encoder outputs (the encoder runs with the embedding, on the
+    first stage) and the target takes multimodal input. Otherwise - a text-only target, or the
+    last of several stages, where no encoder output exists - the draft embeds its input ids
+    itself and never touches a gather."""
+    return has_encoder_outputs and bool(getattr(target_model, "supports_multimodal", False))
