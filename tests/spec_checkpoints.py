@@ -5,6 +5,15 @@
 - make_eagle3_draft: a random EAGLE3 head (`LlamaForCausalLMEagle3` folder: fc, midlayer.*, norm,
   lm_head over a reduced draft vocabulary with d2t/t2d, optionally embed_tokens) for a Llama or
   Qwen2 target folder.
+- make_eagle_draft: an EAGLE-1 head in the public layout (config `architectures:
+  ["LlamaForCausalLM"]`; fc [H, 2H] over concat[embed, target hidden], optional fc.bias;
+  layers.{i}.* Llama decoder layers, layer 0 without input_layernorm; optionally embed_tokens /
+  lm_head), random or "self" (fc = [I | 0], attention and MLP outputs 0: the draft's output is
+  the embedding of its input token).
+- make_llama_bigram_target: a copy of a Llama checkpoint whose attention/MLP outputs are scaled
+  by target_scale, embedding rows rescaled to RMS 1 and final norm weight 1; with
+  target_scale = 0 its last hidden state at a token is that token's embedding, so the "self"
+  EAGLE-1 head predicts it exactly (every greedy draft accepted).
 - make_mtp_self_draft: a copy of a DeepSeek-V3 MTP checkpoint whose MTP layers reproduce the
   target's next-token choice, built analytically (no training):
   the target's attention and MLP outputs are scaled by `target_scale` (0: the target becomes a
@@ -28,7 +37,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-__all__ = ["make_eagle3_draft", "make_mtp_self_draft"]
+__all__ = [
+    "make_eagle3_draft",
+    "make_eagle_draft",
+    "make_llama_bigram_target",
+    "make_mtp_self_draft",
+]
 
 
 def _read_config(folder: str | os.PathLike) -> dict[str, Any]:
@@ -127,6 +141,119 @@ def make_eagle3_draft(
         "dtype": "float32",
     }
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return str(out)
+
+
+def make_eagle_draft(
+    out_dir: str | os.PathLike,
+    target_dir: str | os.PathLike,
+    *,
+    num_layers: int = 1,
+    own_embed: bool = False,
+    own_lm_head: bool = False,
+    fc_bias: bool = False,
+    add_para_norm: bool = False,
+    self_draft: bool = False,
+    model_prefix: bool = False,
+    seed: int = 0,
+) -> str:
+    """Write an EAGLE-1 draft for the Llama target in target_dir; returns out_dir.
+
+    model_prefix writes the names as `model.fc.weight`, `model.layers.0...` (both spellings
+    occur in published heads)."""
+    t = _read_config(target_dir)
+    h = int(t["hidden_size"])
+    vocab = int(t["vocab_size"])
+    heads = int(t["num_attention_heads"])
+    kv_heads = int(t.get("num_key_value_heads") or heads)
+    head_dim = int(t.get("head_dim") or h // heads)
+    inter = int(t["intermediate_size"])
+    gen = torch.Generator().manual_seed(seed)
+
+    def mat(rows: int, cols: int, gain: float = 1.0) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=gen) * (gain / cols**0.5)
+
+    def norm() -> torch.Tensor:
+        return torch.rand(h, generator=gen) + 0.5
+
+    w: dict[str, torch.Tensor] = {}
+    if self_draft:
+        fc = torch.zeros(h, 2 * h)
+        fc[:, :h] = torch.eye(h)
+        w["fc.weight"] = fc
+    else:
+        w["fc.weight"] = mat(h, 2 * h)
+    if fc_bias:
+        w["fc.bias"] = torch.zeros(h) if self_draft else torch.randn(h, generator=gen) * 0.1
+    if add_para_norm:
+        w["embedding_layernorm.weight"] = norm()
+        w["hidden_states_layernorm.weight"] = norm()
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        if i > 0:
+            w[p + "input_layernorm.weight"] = norm()
+        w[p + "post_attention_layernorm.weight"] = norm()
+        w[p + "self_attn.q_proj.weight"] = mat(heads * head_dim, h)
+        w[p + "self_attn.k_proj.weight"] = mat(kv_heads * head_dim, h)
+        w[p + "self_attn.v_proj.weight"] = mat(kv_heads * head_dim, h)
+        w[p + "self_attn.o_proj.weight"] = mat(h, heads * head_dim) * (0.0 if self_draft else 1)
+        w[p + "mlp.gate_proj.weight"] = mat(inter, h)
+        w[p + "mlp.up_proj.weight"] = mat(inter, h)
+        w[p + "mlp.down_proj.weight"] = mat(h, inter) * (0.0 if self_draft else 1.0)
+    if own_embed:
+        w["embed_tokens.weight"] = torch.randn(vocab, h, generator=gen)
+    if model_prefix:
+        w = {f"model.{k}": v for k, v in w.items()}
+    if own_lm_head:
+        w["lm_head.weight"] = mat(vocab, h, gain=4.0)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {k: v.contiguous() for k, v in w.items()}, out / "model.safetensors", {"format": "pt"}
+    )
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab,
+        "rms_norm_eps": float(t.get("rms_norm_eps", 1e-6)),
+        "max_position_embeddings": int(t["max_position_embeddings"]),
+        "rope_parameters": t.get("rope_parameters", {"rope_type": "default", "rope_theta": 1e4}),
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+    }
+    if add_para_norm:
+        cfg["add_para_norm"] = True
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return str(out)
+
+
+@torch.no_grad()
+def make_llama_bigram_target(
+    out_dir: str | os.PathLike, src_dir: str | os.PathLike, *, target_scale: float = 0.0
+) -> str:
+    """Copy the Llama checkpoint src_dir with attention/MLP outputs scaled by target_scale,
+    embedding rows of RMS 1 and a final norm weight of 1 (see the module docstring)."""
+    src, out = Path(src_dir), Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(src, out)
+    for path in _shards(out):
+        with safe_open(str(path), framework="pt") as f:
+            w = {k: f.get_tensor(k) for k in f.keys()}
+        for k, v in w.items():
+            if k.endswith("o_proj.weight") or k.endswith("down_proj.weight"):
+                w[k] = v * target_scale
+            elif k == "model.embed_tokens.weight":
+                w[k] = v / v.pow(2).mean(-1, keepdim=True).sqrt()
+            elif k == "model.norm.weight":
+                w[k] = torch.ones_like(v)
+        save_file({k: v.contiguous() for k, v in w.items()}, path, {"format": "pt"})
     return str(out)
 
 

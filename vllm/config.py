@@ -362,6 +362,8 @@ class SpeculativeConfig:
                     n,
                 )
         else:
+            if self.method == "eagle":
+                _verify_eagle1_draft(draft, target)
             if draft.architecture in ("LlamaForCausalLM", "Qwen2ForCausalLM") and (
                 self.method == "eagle3"
             ):
@@ -376,6 +378,45 @@ class SpeculativeConfig:
                 f"speculative_config.model {draft.model!r} supports {draft.max_model_len} "
                 f"positions, fewer than max_model_len={target.max_model_len}; lower max_model_len"
             )
+
+
+# EAGLE-1 (method "eagle"): draft folder architecture -> the draft class, and the targets whose
+# last hidden state (after the final norm) the public EAGLE-1 heads are trained on.
+EAGLE1_DRAFT_ARCHITECTURES = {
+    "LlamaForCausalLM": "EagleLlamaForCausalLM",
+    "EagleLlamaForCausalLM": "EagleLlamaForCausalLM",
+}
+EAGLE1_TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+def _verify_eagle1_draft(draft: ModelConfig, target: ModelConfig) -> None:
+    """Refuse what the EAGLE-1 layout cannot run; point the draft config at its class."""
+    arch = EAGLE1_DRAFT_ARCHITECTURES.get(draft.architecture)
+    if arch is None:
+        raise ValueError(
+            f"speculative_config.method='eagle' (EAGLE-1) needs a draft whose config.json names "
+            f"architectures {sorted(EAGLE1_DRAFT_ARCHITECTURES)}; {draft.model!r} names "
+            f"{draft.architecture!r}"
+        )
+    if target.architecture not in EAGLE1_TARGET_ARCHITECTURES:
+        raise ValueError(
+            f"speculative_config.method='eagle' (EAGLE-1) supports targets "
+            f"{list(EAGLE1_TARGET_ARCHITECTURES)}, not {target.architecture}"
+        )
+    dc, tc = draft.hf_text_config, target.hf_text_config
+    n = getattr(dc, "num_hidden_layers", None)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(
+            f"speculative_config.model {draft.model!r}: num_hidden_layers must be an integer "
+            f">= 1, got {n!r}"
+        )
+    if int(dc.hidden_size) != int(tc.hidden_size):
+        raise ValueError(
+            f"speculative_config.model {draft.model!r} has hidden_size={dc.hidden_size} but the "
+            f"target's is {tc.hidden_size}: an EAGLE-1 fc reads [embedding; target hidden state] "
+            "of one size"
+        )
+    draft.hf_config.architectures = [arch]
 
 
 @dataclass

@@ -19,7 +19,12 @@ import pytest
 
 from tests import checkpoints
 from tests.engine_utils import make_prompts
-from tests.spec_checkpoints import make_eagle3_draft, make_mtp_self_draft
+from tests.spec_checkpoints import (
+    make_eagle3_draft,
+    make_eagle_draft,
+    make_llama_bigram_target,
+    make_mtp_self_draft,
+)
 from vllm import LLM, SamplingParams
 
 LENGTHS = [21, 6, 34]
@@ -88,12 +93,27 @@ def eagle3_qwen2_dir(qwen2_dir, tmp_path_factory) -> str:
     )
 
 
+@pytest.fixture(scope="module")
+def llama_near_bigram_dir(llama_dir, tmp_path_factory) -> str:
+    return make_llama_bigram_target(
+        tmp_path_factory.mktemp("llama_near_bigram"), llama_dir, target_scale=0.3
+    )
+
+
+@pytest.fixture(scope="module")
+def eagle_self_dir(llama_dir, tmp_path_factory) -> str:
+    """EAGLE-1 head predicting the bigram part of the target: partial acceptance on the
+    near-bigram target (so the per-position counts compared below are not all zero)."""
+    return make_eagle_draft(tmp_path_factory.mktemp("eagle_self"), llama_dir, self_draft=True)
+
+
 # model key -> (target fixture, draft fixture or None, method)
 MODELS = {
     "mtp1": ("deepseek_v3_mtp1_4l_dir", None, "mtp"),
     "mtp2": ("deepseek_v3_mtp2_4l_dir", None, "mtp"),
     "eagle3_llama": ("llama_dir", "eagle3_llama_dir", "eagle3"),
     "eagle3_qwen2": ("qwen2_dir", "eagle3_qwen2_dir", "eagle3"),
+    "eagle_llama": ("llama_near_bigram_dir", "eagle_self_dir", "eagle"),
 }
 P4_DEFAULT = {("eagle3_llama", 3), ("mtp1", 1)}
 

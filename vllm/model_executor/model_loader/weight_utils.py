@@ -34,3 +34,12 @@ def safetensors_weights_iterator(model_dir: str) -> Iterator[tuple[str, torch.Te
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             for name in fh.keys():
                 yield name, fh.get_tensor(name)
+
+
+def safetensors_weight_names(model_dir: str) -> set[str]:
+    """Names of every tensor in the checkpoint (headers only; no tensor is read)."""
+    names: set[str] = set()
+    for f in safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            names.update(fh.keys())
+    return names
