@@ -143,6 +143,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             short_query_len=self.num_spec + 1 if self.num_spec else 1,
+            num_tokens_padded=self.vllm_config.padded_num_tokens(int(num_sched.sum())),
         )
 
     @torch.inference_mode()
@@ -155,6 +156,13 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {}, []) if self.pp.is_last_rank else None
         batch = self.prepare(so)
+        if intermediate_tensors is not None:
+            rows = intermediate_tensors["hidden_states"].shape[0]
+            if rows != batch.num_tokens_after_padding:
+                raise RuntimeError(
+                    f"stage {self.pp.rank} received {rows} rows of hidden states for a step of "
+                    f"{batch.num_tokens_after_padding} (padded) tokens"
+                )
         with set_forward_context(batch.attn_metadata, self._linear_attn_metadata(batch)):
             out = self.model(
                 batch.input_ids if self.pp.is_first_rank else None,
