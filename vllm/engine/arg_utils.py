@@ -36,7 +36,7 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool | None = None  # None: on unless the model is hybrid
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
@@ -113,6 +113,13 @@ class EngineArgs:
         parser.add_argument("--block-size", type=int, default=d.block_size)
         parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
         parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        parser.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="Reuse the KV cache of shared prompt prefixes (default: on, except for hybrid "
+            "models).",
+        )
         parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
         parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
         parser.add_argument(

@@ -15,7 +15,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 
-def _config(max_num_seqs=8, budget=32, max_model_len=128, block_size=4, k=0):
+def _config(max_num_seqs=8, budget=32, max_model_len=128, block_size=4, k=0, caching=False):
     return SimpleNamespace(
         scheduler_config=SimpleNamespace(
             max_num_seqs=max_num_seqs,
@@ -23,7 +23,7 @@ def _config(max_num_seqs=8, budget=32, max_model_len=128, block_size=4, k=0):
             enable_chunked_prefill=True,
             max_model_len=max_model_len,
         ),
-        cache_config=SimpleNamespace(block_size=block_size),
+        cache_config=SimpleNamespace(block_size=block_size, enable_prefix_caching=caching),
         num_speculative_tokens=k,
     )
 
