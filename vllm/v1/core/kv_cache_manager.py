@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request
 
