@@ -282,7 +282,13 @@ class KVCacheManager:
         return hits + new
 
     def free(self, request: Request) -> None:
-        blocks = self.req_to_blocks.pop(request.request_id, None)
+        """Release a finished or preempted request's blocks. Blocks that became final since the
+        last allocation (with hash_next_token, the one completed by the last sampled token) are
+        registered first, so a preempted request finds all of its prefix again."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks and self.enable_caching:
+            self._cache_full_blocks(request, request.num_computed_tokens)
+        self.req_to_blocks.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.pool.give_back(blocks[::-1])
