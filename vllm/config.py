@@ -164,6 +164,8 @@ class CacheConfig:
     is off; True on a hybrid model is an error."""
     num_gpu_blocks: int | None = None
     """Number of KV blocks (derived from the memory budget by the worker)."""
+    num_gpu_blocks_override: int | None = None
+    """Use this many KV blocks instead of what the memory budget gives (testing, tuning)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -175,6 +177,13 @@ class CacheConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.num_gpu_blocks_override is not None and (
+            not isinstance(self.num_gpu_blocks_override, int) or self.num_gpu_blocks_override < 1
+        ):
+            raise ValueError(
+                "num_gpu_blocks_override must be a positive integer, got "
+                f"{self.num_gpu_blocks_override!r}"
             )
         if self.enable_prefix_caching not in (None, True, False):
             raise ValueError(

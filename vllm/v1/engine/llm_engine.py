@@ -49,6 +49,14 @@ class LLMEngine:
         self.executor = Executor.get_class(vllm_config)(vllm_config)
         try:
             num_blocks = self.executor.determine_num_blocks()
+            override = vllm_config.cache_config.num_gpu_blocks_override
+            if override is not None:
+                logger.info(
+                    "Overriding num_gpu_blocks=%d with num_gpu_blocks_override=%d",
+                    num_blocks,
+                    override,
+                )
+                num_blocks = override
             self.executor.initialize_kv_cache(num_blocks)
         except BaseException:
             self.executor.shutdown()

@@ -65,6 +65,8 @@ class PrometheusStatLogger:
         self.prefix_cache_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
+        for c in (self.prefix_cache_queries, self.prefix_cache_hits):
+            c.labels(**self.labels)  # exported (as 0) even when caching is off
         self.running = PGauge("vllm:num_requests_running", "Running requests.", labels, registry=r)
         self.waiting = PGauge("vllm:num_requests_waiting", "Waiting requests.", labels, registry=r)
         self.kv_usage = PGauge("vllm:kv_cache_usage_perc", "KV cache usage.", labels, registry=r)
