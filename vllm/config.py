@@ -185,7 +185,7 @@ class CacheConfig:
                 "num_gpu_blocks_override must be a positive integer, got "
                 f"{self.num_gpu_blocks_override!r}"
             )
-        if self.enable_prefix_caching not in (None, True, False):
+        if not (self.enable_prefix_caching is None or isinstance(self.enable_prefix_caching, bool)):
             raise ValueError(
                 f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
             )
