@@ -35,13 +35,7 @@ SPEC_METRICS = (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _forkserver():
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "forkserver")
-    mp.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("pp_forkserver")
 
 
 def _prompt_set(vocab: int) -> list[list[int]]:

@@ -8,11 +8,11 @@ every KV position a step reads holds what its own tokens would have written."""
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 
-from vllm.sampling_params import SamplingParams
+from tests.v1.core.utils import answer as _answer
+from tests.v1.core.utils import make_request, sched_config
 from vllm.v1.core.kv_cache_manager import (
     BlockPool,
     KVCacheManager,
@@ -21,32 +21,15 @@ from vllm.v1.core.kv_cache_manager import (
 )
 from vllm.v1.core.sched.output import ModelRunnerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import RequestStatus
 
 
 def _config(num_seqs=8, budget=64, max_model_len=256, block_size=4, k=0, caching=True):
-    return SimpleNamespace(
-        scheduler_config=SimpleNamespace(
-            max_num_seqs=num_seqs,
-            max_num_batched_tokens=budget,
-            enable_chunked_prefill=True,
-            max_model_len=max_model_len,
-        ),
-        cache_config=SimpleNamespace(block_size=block_size, enable_prefix_caching=caching),
-        num_speculative_tokens=k,
-    )
+    return sched_config(num_seqs, budget, max_model_len, block_size, k, caching)
 
 
 def _req(rid, tokens, max_tokens=4, salt=None, prompt_logprobs=None):
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
-    sp.update_from_tokenizer(None)
-    return Request(rid, list(tokens), sp, seed=0, cache_salt=salt)
-
-
-def _answer(so, token=7, drafts=None):
-    ids = so.req_ids
-    sampled = [[token] for _ in ids]
-    return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled, None, {}, drafts)
+    return make_request(rid, tokens, max_tokens, salt, prompt_logprobs)
 
 
 def _run_to_end(s: Scheduler) -> None:
