@@ -59,11 +59,10 @@ class PrometheusStatLogger:
         )
         self.num_preemptions = counter("vllm:num_preemptions", "Preemptions.")
         self.prefix_cache_queries = counter(
-            "vllm:prefix_cache_queries",
-            "Prefix cache queries, in terms of number of queried tokens.",
+            "vllm:prefix_cache_queries", "Prompt tokens of new requests looked up in the cache."
         )
         self.prefix_cache_hits = counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+            "vllm:prefix_cache_hits", "Prompt tokens of new requests found in the cache."
         )
         for c in (self.prefix_cache_queries, self.prefix_cache_hits):
             c.labels(**self.labels)  # exported (as 0) even when caching is off
