@@ -79,6 +79,9 @@ class ModelConfig:
     """Longest prompt + output; defaults to the model's max_position_embeddings."""
     trust_remote_code: bool = False
     """Passed to transformers when reading the config/tokenizer."""
+    quantization: str | None = None
+    """Weight quantization (vLLM's --quantization): None takes the checkpoint's
+    quantization_config; 'fp8' = block-quantized e4m3 weights as DeepSeek / Qwen publish them."""
     hf_config: Any = field(default=None, repr=False)
     """The checkpoint's config (filled in __post_init__)."""
 
@@ -91,6 +94,8 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.hf_config is None:
             self.hf_config = load_hf_config(self.model, self.trust_remote_code)
+        # Parsed here so a checkpoint we cannot run fails at construction, naming the field.
+        self.quantization = self._resolve_quantization()[0]
         text = self.hf_text_config
         max_pos = getattr(text, "max_position_embeddings", None) or 2048
         if self.max_model_len is None:
@@ -108,6 +113,15 @@ class ModelConfig:
     @property
     def hf_text_config(self) -> Any:
         return get_text_config(self.hf_config)
+
+    def _resolve_quantization(self):
+        from vllm.model_executor.layers.quantization import resolve_quantization
+
+        return resolve_quantization(self.quantization, self.hf_config, self.model)
+
+    def get_quant_config(self):
+        """The parsed QuantizationConfig the model is built with, or None (unquantized)."""
+        return self._resolve_quantization()[1]
 
     @property
     def architecture(self) -> str:
