@@ -37,10 +37,6 @@ class LinearMethodBase:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Convert the loaded weights into the form apply() computes with."""
 
-    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
-        """The weight as a [out, in] tensor in the compute dtype."""
-        return layer.weight
-
     def dequantize_(self, layer: nn.Module) -> None:
         """Turn the layer into a plain unquantized one (no-op when it already is)."""
 
@@ -99,12 +95,6 @@ class ReplicatedLinear(nn.Module):
     def extra_repr(self) -> str:
         method = type(self.quant_method).__name__
         return f"in_features={self.in_features}, out_features={self.out_features}, {method}"
-
-
-def dense_linear_weight(layer: nn.Module) -> torch.Tensor:
-    """A linear layer's weight [out, in] in the compute dtype, whatever its storage."""
-    method = getattr(layer, "quant_method", None)
-    return layer.weight if method is None else method.dense_weight(layer)
 
 
 def dequantize_linear_(layer: nn.Module) -> None:

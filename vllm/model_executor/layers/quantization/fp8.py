@@ -78,23 +78,7 @@ def dequantize_fp8_block(
     lead = w.shape[:-2]
     w = w.view(*lead, gn, bn, gk, bk)
     w.mul_(scale_inv.to(torch.float32).view(*lead, gn, 1, gk, 1))
-    return w.view(*lead, gn * bn, gk * bk)[..., :n, :k].to(dtype)
-
-
-def quantize_fp8_block(
-    weight: torch.Tensor, block: tuple[int, int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The publishers' recipe: per-block scale_inv = amax / 448 (1 for an all-zero block),
-    fp8 = weight / scale_inv. Returns (fp8 [N, K], scale_inv float32 [ceil(N/bn), ceil(K/bk)])."""
-    bn, bk = block
-    n, k = weight.shape
-    gn, gk = block_grid(n, k, block)
-    w = F.pad(weight.to(torch.float32), (0, gk * bk - k, 0, gn * bn - n))
-    blocks = w.view(gn, bn, gk, bk)
-    amax = blocks.abs().amax(dim=(1, 3))
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(gn * bn, gk * bk)[:n, :k].contiguous(), scale
+    return w.view(*lead, gn * bn, gk * bk)[..., :n, :k].to(dtype).contiguous()
 
 
 def _parse_block(value: Any) -> tuple[int, int]:
@@ -253,8 +237,7 @@ class Fp8LinearMethod(LinearMethodBase):
                 )
                 layer.fp8_stored = False
                 return True
-            _check_fp8_tensor(name, tensor)
-            layer.weight.data.copy_(tensor)
+            load_fp8_tensor(layer.weight.data, tensor, name)
             layer.fp8_stored = True
             return True
         if leaf == "weight_scale_inv":
@@ -265,7 +248,7 @@ class Fp8LinearMethod(LinearMethodBase):
                     f"scale {name!r} has shape {tuple(tensor.shape)} but weight {weight_name!r} "
                     f"{shape} in weight_block_size {list(self.block)} blocks needs {grid}"
                 )
-            _load_scale(layer.weight_scale_inv.data, name, tensor)
+            load_fp8_tensor(layer.weight_scale_inv.data, tensor, name)
             return True
         return False
 
@@ -297,13 +280,11 @@ class Fp8LinearMethod(LinearMethodBase):
         if _dense_mode(device) == "load":
             self.dequantize_(layer)
 
-    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
-        return dequantize_fp8_block(
+    def dequantize_(self, layer: nn.Module) -> None:
+        dense = dequantize_fp8_block(
             layer.weight, layer.weight_scale_inv, self.block, layer.params_dtype
         )
-
-    def dequantize_(self, layer: nn.Module) -> None:
-        layer.weight = nn.Parameter(self.dense_weight(layer), requires_grad=False)
+        layer.weight = nn.Parameter(dense, requires_grad=False)
         del layer.weight_scale_inv
         layer.fp8_gemm_scale = None
         layer.quant_method = UnquantizedLinearMethod()
