@@ -68,7 +68,7 @@ class ReplicatedLinear(nn.Module):
         self,
         input_size: int,
         output_size: int,
-        bias: bool = False,
+        bias: bool = True,
         params_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()

@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 
 import torch
 from torch import nn
@@ -55,6 +57,8 @@ def get_model(
         with torch.no_grad():
             model.load_weights(weights)
             process_weights_after_loading(model)
+        if quant_config is not None and device.type == "cpu":
+            _release_freed_heap()
         if weights.loaded_tensors:
             stored = f"weights {_mib(weights.loaded_bytes)} as stored ->"
     quant = f", {model_config.quantization} checkpoint" if quant_config is not None else ""
@@ -74,6 +78,18 @@ def get_model(
 def parameter_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights (parameters, tied ones once) as they sit in memory."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _release_freed_heap() -> None:
+    """Hand the heap pages freed by dequantizing at load (FP8 storage, float32 temporaries)
+    back to the OS: glibc keeps them otherwise (measured: ~+25% resident on a bf16 model)."""
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None  # not glibc
+    if trim is not None:
+        trim(0)
 
 
 def _mib(n: int) -> str:
