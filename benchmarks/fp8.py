@@ -129,8 +129,11 @@ def main() -> None:
 
     paths = build(args.layers, args.hidden)
     results: dict[str, list[dict]] = {name: [] for name in VARIANTS}
+    names = list(VARIANTS)
     for r in range(args.repeats):
-        for name, (kind, mode) in VARIANTS.items():
+        # Rotate the order each round so no variant always runs first (shared, noisy machine).
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            kind, mode = VARIANTS[name]
             env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
             env.pop("VLLM_FP8_DEQUANT", None)
             if mode is not None:

@@ -72,7 +72,7 @@ def dequantize_fp8_block(
             f"scale grid {tuple(scale_inv.shape)} does not match a {tuple(weight.shape)} weight "
             f"in {list(block)} blocks (expected [..., {gn}, {gk}])"
         )
-    w = weight.to(torch.float32)
+    w = weight.to(torch.float32, memory_format=torch.contiguous_format)
     if gn * bn != n or gk * bk != k:
         w = F.pad(w, (0, gk * bk - k, 0, gn * bn - n))
     lead = w.shape[:-2]
@@ -350,8 +350,15 @@ class Fp8MoEMethod:
                 return
         if _dense_mode(device) == "load":
             dtype = layer.params_dtype
-            w13 = self._dense_w13(layer.w13_weight, layer.w13_weight_scale_inv, dtype)
-            w2 = dequantize_fp8_block(layer.w2_weight, layer.w2_weight_scale_inv, self.block, dtype)
+            w13 = torch.empty(layer.w13_weight.shape, dtype=dtype, device=device)
+            w2 = torch.empty(layer.w2_weight.shape, dtype=dtype, device=device)
+            # One expert at a time: a whole stack's float32 temporary would be the size of the
+            # layer (tens of GB for DeepSeek-V3's 256 experts).
+            for e in range(w13.shape[0]):
+                w13[e] = self._dense_w13(layer.w13_weight[e], layer.w13_weight_scale_inv[e], dtype)
+                w2[e] = dequantize_fp8_block(
+                    layer.w2_weight[e], layer.w2_weight_scale_inv[e], self.block, dtype
+                )
             layer.w13_weight = nn.Parameter(w13, requires_grad=False)
             layer.w2_weight = nn.Parameter(w2, requires_grad=False)
             del layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
