@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -90,6 +91,27 @@ def test_loads_with_fp8_weights_and_scales(fp8_v3: Path) -> None:
     assert attn.kv_a_proj_with_mqa.weight.dtype == torch.float32
     assert not hasattr(attn.kv_a_proj_with_mqa, "weight_scale_inv")
     assert model.model.layers[1].mlp.experts.w13_weight.dtype == torch.float32
+
+
+def test_load_log_reports_bytes_as_stored_and_in_memory(fp8_v3: Path) -> None:
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("vllm.model_executor.model_loader")
+    logger.addHandler(handler)
+    try:
+        model = _load(str(fp8_v3))
+    finally:
+        logger.removeHandler(handler)
+    stored = sum(
+        t.numel() * t.element_size() for t in load_file(fp8_v3 / "model.safetensors").values()
+    )
+    in_memory = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert stored < in_memory  # FP8 + float32 scales vs float32 after dequantizing at load
+    expected = (
+        f"weights {stored / 2**20:.2f} MiB as stored -> {in_memory / 2**20:.2f} MiB in memory"
+    )
+    assert any(expected in r.getMessage() for r in records), [r.getMessage() for r in records]
 
 
 def test_forward_mode_keeps_fp8_resident(fp8_v3: Path, monkeypatch) -> None:
