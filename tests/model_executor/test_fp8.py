@@ -129,6 +129,32 @@ def test_forward_mode_keeps_fp8_resident(fp8_v3: Path, monkeypatch) -> None:
         _load(str(fp8_v3))
 
 
+def test_fused_fp8_experts_load_like_per_expert(fp8_v3: Path, tmp_path: Path) -> None:
+    """HF's in-memory layout: mlp.experts.gate_up_proj [E, 2I, H] / down_proj [E, H, I] with
+    `_scale_inv` twins (I a block multiple here, so gate and up grids stack)."""
+
+    def fuse(t):
+        for layer in (1, 2):
+            p = f"model.layers.{layer}.mlp.experts"
+            names = sorted({k.split(".")[5] for k in t if k.startswith(p + ".")}, key=int)
+            for suffix in ("weight", "weight_scale_inv"):
+                gate_up = [
+                    torch.cat(
+                        [t.pop(f"{p}.{e}.gate_proj.{suffix}"), t.pop(f"{p}.{e}.up_proj.{suffix}")]
+                    )
+                    for e in names
+                ]
+                down = [t.pop(f"{p}.{e}.down_proj.{suffix}") for e in names]
+                tail = "" if suffix == "weight" else "_scale_inv"
+                t[f"{p}.gate_up_proj{tail}"] = torch.stack(gate_up)
+                t[f"{p}.down_proj{tail}"] = torch.stack(down)
+
+    ref = _load(str(fp8_v3)).model.layers[1].mlp.experts
+    got = _load(_variant(fp8_v3, tmp_path / "fused", edit=fuse)).model.layers[1].mlp.experts
+    assert torch.equal(got.w13_weight, ref.w13_weight)
+    assert torch.equal(got.w2_weight, ref.w2_weight)
+
+
 def _drop(name: str):
     return lambda t: t.pop(name)
 
