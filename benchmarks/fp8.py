@@ -74,6 +74,7 @@ def child(path: str, device: str, prompts: int, input_len: int, output_len: int)
 
     from tests.engine_utils import make_prompts
     from vllm import LLM, SamplingParams
+    from vllm.model_executor.model_loader import parameter_bytes
 
     proc = psutil.Process()
     rss0 = proc.memory_info().rss
@@ -91,7 +92,7 @@ def child(path: str, device: str, prompts: int, input_len: int, output_len: int)
     resident = proc.memory_info().rss - rss0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
     model = llm.llm_engine.executor.worker.model_runner.model
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = parameter_bytes(model)
     ids = make_prompts(llm.llm_engine.model_config.vocab_size, [input_len] * prompts, seed=0)
     batch = [{"prompt_token_ids": p} for p in ids]
     sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)

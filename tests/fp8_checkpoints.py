@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from tests.checkpoints import _read_safetensors, _split_fused_experts, _write_shards
+from tests.spec_checkpoints import _shards
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -37,14 +38,6 @@ _UNQUANTIZED = re.compile(
     r"(embed_tokens|lm_head|shared_head\.head|norm|mlp\.gate\.weight$|shared_expert_gate"
     r"|eh_proj|mtp\.fc|weights_proj|in_proj_a|in_proj_b|conv1d)"
 )
-
-
-def _shards(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / n for n in names]
-    return sorted(folder.glob("*.safetensors"))
 
 
 def quantizable(name: str, tensor: torch.Tensor) -> bool:

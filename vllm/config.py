@@ -8,9 +8,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.quantization import QuantizationConfig
 
 logger = init_logger(__name__)
 
@@ -114,12 +117,12 @@ class ModelConfig:
     def hf_text_config(self) -> Any:
         return get_text_config(self.hf_config)
 
-    def _resolve_quantization(self):
+    def _resolve_quantization(self) -> tuple[str | None, QuantizationConfig | None]:
         from vllm.model_executor.layers.quantization import resolve_quantization
 
         return resolve_quantization(self.quantization, self.hf_config, self.model)
 
-    def get_quant_config(self):
+    def get_quant_config(self) -> QuantizationConfig | None:
         """The parsed QuantizationConfig the model is built with, or None (unquantized)."""
         return self._resolve_quantization()[1]
 

@@ -110,9 +110,9 @@ def load_params_strict(
             continue
         owner_name, _, leaf = name.rpartition(".")
         owner = modules.get(owner_name)
-        method = getattr(owner, "quant_method", None)
+        load_weight = getattr(getattr(owner, "quant_method", None), "load_weight", None)
         with torch.no_grad():
-            if method is not None and method.load_weight(owner, leaf, tensor, ckpt_name):
+            if load_weight is not None and load_weight(owner, leaf, tensor, ckpt_name):
                 loaded.add(name)
                 continue
         param = params.get(name)
