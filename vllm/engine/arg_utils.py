@@ -46,6 +46,7 @@ class EngineArgs:
     disable_log_stats: bool = True
     trust_remote_code: bool = False
     device: str = "auto"
+    quantization: str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -69,6 +70,7 @@ class EngineArgs:
             seed=self.seed,
             max_model_len=self.max_model_len,
             trust_remote_code=self.trust_remote_code,
+            quantization=self.quantization,
         )
         spec = self.speculative_config
         if isinstance(spec, str):
@@ -138,6 +140,13 @@ class EngineArgs:
         parser.add_argument("--disable-log-stats", action="store_true")
         parser.add_argument("--trust-remote-code", action="store_true")
         parser.add_argument("--device", type=str, default="auto")
+        parser.add_argument(
+            "-q",
+            "--quantization",
+            type=str,
+            default=None,
+            help="Weight quantization; default: the checkpoint's quantization_config (fp8)",
+        )
         return parser
 
     @classmethod
