@@ -33,9 +33,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(scope="module")
-def forkserver_stages():
-    """Pipeline stages of this module fork from one fork server that imported torch and the
-    worker once (much faster stage start than spawn); no layer partition override."""
+def pp_forkserver():
+    """Pipeline-stage processes of a module start from one fork server (it imports torch
+    once), with the default layer partition."""
     mp = pytest.MonkeyPatch()
     mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "forkserver")
     mp.delenv("VLLM_PP_LAYER_PARTITION", raising=False)

@@ -19,7 +19,7 @@ from vllm import LLM, SamplingParams
 from vllm.config import CompilationConfig
 from vllm.engine.arg_utils import EngineArgs
 
-pytestmark = pytest.mark.usefixtures("forkserver_stages")
+pytestmark = pytest.mark.usefixtures("pp_forkserver")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
 # A 32-token budget: prompts arrive in chunks and decode/verify steps mix with them.

@@ -19,7 +19,7 @@ from tests.engine_utils import make_prompts
 from tests.spec_checkpoints import make_mtp_self_draft
 from vllm import LLM, SamplingParams
 
-pytestmark = pytest.mark.usefixtures("forkserver_stages")
+pytestmark = pytest.mark.usefixtures("pp_forkserver")
 
 SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=123, max_tokens=24, ignore_eos=True)
 COMMON = dict(dtype="float32", max_model_len=128, max_num_seqs=16, disable_log_stats=False)

@@ -38,7 +38,7 @@ METRICS = (
 )
 
 
-pytestmark = pytest.mark.usefixtures("forkserver_stages")
+pytestmark = pytest.mark.usefixtures("pp_forkserver")
 
 
 def _near_mtp(tmp_path_factory, n_mtp: int) -> str:
