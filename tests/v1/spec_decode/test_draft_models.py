@@ -4,7 +4,8 @@
 
 The references recompute, for the exact contexts the engine drafted from, what the draft should
 propose: HF transformers runs the target (final hidden states / aux hidden states) and the MTP
-block (HF's DeepseekV3DecoderLayer); the EAGLE3 layer is written out in plain torch. Draft step s
+block (HF's DeepseekV3DecoderLayer), the EAGLE-1 layers (HF's LlamaDecoderLayer); the EAGLE3
+layer is written out in plain torch. Draft step s
 queries position last + s over the draft's KV of every earlier position, so a match also checks
 the draft's KV cache bookkeeping across steps, rejections and requests.
 """
@@ -23,7 +24,7 @@ from safetensors.torch import save_file
 
 from tests.checkpoints import _fuse_experts
 from tests.engine_utils import hf_model, make_prompts
-from tests.spec_checkpoints import make_eagle3_draft
+from tests.spec_checkpoints import make_eagle3_draft, make_eagle_draft
 from vllm import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -196,6 +197,93 @@ def test_mtp_loading_shares_identical_tables(deepseek_v3_mtp2_dir, tmp_path):
             llm.shutdown()
 
 
+def _last_stage_draft(model: str, spec: dict):
+    """(target, draft) as the last of two pipeline stages builds them, in this process."""
+    from vllm.distributed.parallel_state import PPGroup, get_pp_group, set_pp_group
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model
+    from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
+
+    config = EngineArgs(
+        model=model,
+        dtype="float32",
+        max_model_len=128,
+        pipeline_parallel_size=2,
+        speculative_config=spec,
+    ).create_engine_config()
+    old = get_pp_group()
+    set_pp_group(PPGroup(rank=1, world_size=2))
+    try:
+        target = get_model(config)
+        return target, load_eagle_model(target, config)
+    finally:
+        set_pp_group(old)
+
+
+@pytest.mark.parametrize("own_tables", [False, True], ids=["top_level_only", "identical_copies"])
+def test_mtp_layers_keep_one_embedding_table_on_the_last_stage(
+    deepseek_v3_mtp2_dir, tmp_path, own_tables
+):
+    """Under P = 2 the target has no table on the last stage to alias; the two MTP layers,
+    whose tables are the checkpoint's one top-level table (or identical copies of it), keep a
+    single copy between them, holding the checkpoint's values."""
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    model = (
+        deepseek_v3_mtp2_dir
+        if own_tables
+        else _without_mtp_embed(deepseek_v3_mtp2_dir, tmp_path / "noembed")
+    )
+    target, draft = _last_stage_draft(model, {"method": "mtp", "num_speculative_tokens": 2})
+    assert isinstance(target.model.embed_tokens, PPMissingLayer)
+    tables = [layer.embed_tokens for layer in draft.model.layers.values()]
+    assert len(tables) == 2 and tables[0] is tables[1]
+    top = _weights(deepseek_v3_mtp2_dir)["model.embed_tokens.weight"]
+    assert torch.equal(tables[0].weight, top)
+    vocab_tables = [p for p in draft.parameters() if tuple(p.shape) == tuple(top.shape)]
+    heads = {id(layer.shared_head.head.weight) for layer in draft.model.layers.values()}
+    # One embedding table, plus the shared_head.head matrices of the same shape.
+    assert len({p.data_ptr() for p in vocab_tables}) == 1 + len(heads)
+
+
+# MTP draft classes: (module, class name) and a builder of a target checkpoint that has one.
+_MTP_DRAFTS = {
+    "deepseek_v3": ("vllm.model_executor.models.deepseek_mtp", "DeepSeekMTP"),
+    "deepseek_v32": ("vllm.models.deepseek_v32.mtp", "DeepseekV32MTP"),
+    "qwen3_5": ("vllm.model_executor.models.qwen3_5_mtp", "Qwen3_5MTP"),
+}
+
+
+@pytest.fixture(scope="module")
+def mtp_targets(deepseek_v3_mtp1_dir, tmp_path_factory) -> dict[str, str]:
+    from tests import qwen3_5_checkpoints as q35
+    from tests.dsa_checkpoints import make_deepseek_v32
+
+    return {
+        "deepseek_v3": deepseek_v3_mtp1_dir,
+        "deepseek_v32": make_deepseek_v32(
+            tmp_path_factory.mktemp("v32_pp_draft"), num_nextn_predict_layers=1
+        ),
+        "qwen3_5": q35.make_qwen3_5(
+            tmp_path_factory.mktemp("q35_pp_draft"), mtp_num_hidden_layers=1
+        ),
+    }
+
+
+@pytest.mark.parametrize("family", list(_MTP_DRAFTS))
+def test_last_stage_builds_the_mtp_draft_only_if_it_supports_pp(mtp_targets, family, monkeypatch):
+    import importlib
+
+    module, name = _MTP_DRAFTS[family]
+    cls = getattr(importlib.import_module(module), name)
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    _, draft = _last_stage_draft(mtp_targets[family], spec)
+    assert type(draft) is cls
+    monkeypatch.setattr(cls, "supports_pp", False)
+    with pytest.raises(ValueError, match=f"{name} does not support pipeline parallelism"):
+        _last_stage_draft(mtp_targets[family], spec)
+
+
 # ---- EAGLE3 ----------------------------------------------------------------------------------
 
 
@@ -313,5 +401,114 @@ def test_eagle3_loading_shares_target_embedding(llama_dir, tmp_path):
             assert shared is (not own)
             assert d.lm_head is not target.lm_head  # the draft's own (random) head is kept
             assert target.model.aux_hidden_state_layers == (1, 2, 3)
+        finally:
+            llm.shutdown()
+
+
+# ---- EAGLE-1 ---------------------------------------------------------------------------------
+
+
+class _EagleReference:
+    """EAGLE-1 draft chain from HF's target (its last hidden state, after the final norm) and
+    HF's LlamaDecoderLayer (the first with an identity input_layernorm)."""
+
+    def __init__(self, target_dir: str, draft_dir: str) -> None:
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        self.hf = hf_model(target_dir)
+        self.cfg = json.loads((Path(draft_dir) / "config.json").read_text())
+        w = {k.removeprefix("model."): v for k, v in _weights(draft_dir).items()}
+        self.w = w
+        self.embed = w.get("embed_tokens.weight", self.hf.model.embed_tokens.weight)
+        self.head = w.get("lm_head.weight", self.hf.lm_head.weight)
+        cfg = LlamaConfig(**{k: v for k, v in self.cfg.items() if k != "architectures"})
+        cfg._attn_implementation = "eager"
+        self.layers = []
+        for i in range(self.cfg["num_hidden_layers"]):
+            layer = LlamaDecoderLayer(cfg, layer_idx=i).eval()
+            if i == 0:
+                layer.input_layernorm = torch.nn.Identity()
+            prefix = f"layers.{i}."
+            layer.load_state_dict(
+                {k[len(prefix) :]: v for k, v in w.items() if k.startswith(prefix)}, strict=True
+            )
+            self.layers.append(layer)
+
+    def _stream(self, embeds: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        if self.cfg.get("add_para_norm"):
+            embeds = _rms(embeds, w["embedding_layernorm.weight"])
+            feats = _rms(feats, w["hidden_states_layernorm.weight"])
+        x = torch.cat([embeds, feats], -1) @ w["fc.weight"].T
+        if "fc.bias" in w:
+            x = x + w["fc.bias"]
+        n = x.shape[0]
+        pos = torch.arange(n)[None]
+        cos_sin = self.hf.model.rotary_emb(x[None], pos)
+        h = x[None]
+        for layer in self.layers:
+            h = layer(h, attention_mask=_causal(n), position_ids=pos, position_embeddings=cos_sin)
+        return h[0]
+
+    @torch.no_grad()
+    def drafts(self, context: list[int], k: int) -> list[int]:
+        ids = torch.tensor(context)
+        last = len(context) - 2
+        feats = self.hf.model(input_ids=ids[None, : last + 1]).last_hidden_state[0]
+        embeds = self.embed[ids[1:]]
+        out = []
+        for _ in range(k):
+            stream = self._stream(embeds, feats)
+            tok = int((stream[-1] @ self.head.T).argmax())
+            out.append(tok)
+            embeds = torch.cat([embeds, self.embed[tok][None]])
+            feats = torch.cat([feats, stream[-1][None]])
+        return out
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(num_layers=2, fc_bias=True),
+        dict(own_embed=True, own_lm_head=True, add_para_norm=True, model_prefix=True),
+    ],
+    ids=["2layers_fcbias_shared_embed_head", "own_embed_head_hass_prefixed"],
+)
+def test_eagle_drafts_match_reference(llama_dir, tmp_path, layout):
+    draft = make_eagle_draft(tmp_path / "d", llama_dir, seed=5, **layout)
+    k = 3
+    prompts = make_prompts(512, [11, 4, 19], seed=14)
+    records = _drafted(
+        llama_dir,
+        prompts,
+        {"method": "eagle", "model": draft, "num_speculative_tokens": k},
+        max_num_batched_tokens=8,  # chunked prefill
+    )
+    ref = _EagleReference(llama_dir, draft)
+    checked = _sample(records)
+    assert len(checked) >= 4
+    for context, drafts in checked:
+        assert drafts == ref.drafts(context, k), f"context of {len(context)} tokens"
+
+
+def test_eagle_loading_shares_what_the_draft_lacks(llama_dir, tmp_path):
+    for own in (False, True):
+        draft = make_eagle_draft(
+            tmp_path / f"d{own}", llama_dir, own_embed=own, own_lm_head=own, fc_bias=own
+        )
+        llm = LLM(
+            model=llama_dir,
+            **COMMON,
+            speculative_config={"method": "eagle", "model": draft, "num_speculative_tokens": 1},
+        )
+        try:
+            runner = _runner(llm)
+            target, d = runner.model, runner.speculator.model
+            assert type(d).__name__ == "EagleLlamaForCausalLM"
+            assert (d.model.embed_tokens is target.model.embed_tokens) is (not own)
+            assert (d.lm_head is target.lm_head) is (not own)
+            assert (d.model.fc.bias is not None) is own
+            assert not hasattr(d.model.layers[0].input_layernorm, "weight")
         finally:
             llm.shutdown()

@@ -36,6 +36,15 @@ def safetensors_weights_iterator(model_dir: str) -> Iterator[tuple[str, torch.Te
                 yield name, fh.get_tensor(name)
 
 
+def safetensors_weight_names(model_dir: str) -> set[str]:
+    """Names of every tensor in the checkpoint (headers only; no tensor is read)."""
+    names: set[str] = set()
+    for f in safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            names.update(fh.keys())
+    return names
+
+
 class WeightLoadError(ValueError):
     """A checkpoint that does not fit the model: a missing, unexpected or misshaped weight."""
 

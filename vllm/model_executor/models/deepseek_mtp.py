@@ -200,7 +200,9 @@ class DeepSeekMTP(nn.Module, SupportsPP, SupportsEagleBase):
         loaded = load_params_strict(self, weights, rename, custom=custom)
         experts.finish(self, loaded)
         params = dict(self.named_parameters())
-        for idx in self.model.layers:
+        # Layers without a table of their own share one copy of the top-level table.
+        top_table: nn.Embedding | None = None
+        for idx, layer in self.model.layers.items():
             name = f"model.layers.{idx}.embed_tokens.weight"
             if name in loaded:
                 continue
@@ -214,8 +216,26 @@ class DeepSeekMTP(nn.Module, SupportsPP, SupportsEagleBase):
                     f"weight 'model.embed_tokens.weight' has shape {tuple(top_embed[0].shape)} "
                     f"but {name!r} expects {tuple(params[name].shape)}"
                 )
-            with torch.no_grad():
-                params[name].copy_(top_embed[0].to(params[name].dtype))
+            if top_table is None:
+                with torch.no_grad():
+                    params[name].copy_(top_embed[0].to(params[name].dtype))
+                top_table = layer.embed_tokens
+            else:
+                layer.embed_tokens = top_table
             loaded.add(name)
+        _dedupe_embeddings(list(self.model.layers.values()))
         check_all_loaded(self, loaded)
         return {n for n in loaded if n in params}
+
+
+def _dedupe_embeddings(layers: list[nn.Module]) -> None:
+    """Alias MTP layers whose embedding tables are equal to one module: one copy in memory
+    (under pipeline parallelism nothing else shares them; see load_eagle_model)."""
+    kept: list[nn.Embedding] = []
+    for layer in layers:
+        table = layer.embed_tokens
+        same = next((k for k in kept if k is table or torch.equal(k.weight, table.weight)), None)
+        if same is None:
+            kept.append(table)
+        else:
+            layer.embed_tokens = same

@@ -36,6 +36,16 @@ def supports_pp(model: object) -> bool:
     return "intermediate_tensors" in inspect.signature(cls.forward).parameters
 
 
+def check_supports_pp(model: object) -> None:
+    """Refuse a model class (or instance) that cannot run under pipeline parallelism."""
+    if not supports_pp(model):
+        cls = model if isinstance(model, type) else type(model)
+        raise ValueError(
+            f"{cls.__name__} does not support pipeline parallelism "
+            "(Pipeline parallelism is not supported for this model)"
+        )
+
+
 # ---- speculative decoding (EAGLE / EAGLE3 / MTP drafts and the targets that feed them) --------
 
 

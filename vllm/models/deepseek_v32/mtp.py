@@ -16,16 +16,12 @@ from vllm.model_executor.models.deepseek_mtp import (
     DeepSeekMultiTokenPredictor,
     DeepSeekMultiTokenPredictorLayer,
 )
-from vllm.models.deepseek_v32.model import (
-    DeepseekV32DecoderLayer,
-    check_dsa_config,
-    new_topk_indices_buffer,
-)
+from vllm.models.deepseek_v32.model import DeepseekV32DecoderLayer, check_dsa_config
 
 
 class DeepseekV32MultiTokenPredictorLayer(DeepSeekMultiTokenPredictorLayer):
     def __init__(
-        self, config: Any, prefix: str, layer_idx: int, topk_indices_buffer: torch.Tensor
+        self, config: Any, prefix: str, layer_idx: int, topk_indices_buffer: torch.Tensor | None
     ) -> None:
         block = DeepseekV32DecoderLayer(
             config, f"{prefix}.mtp_block", topk_indices_buffer, layer_idx=layer_idx
@@ -34,18 +30,19 @@ class DeepseekV32MultiTokenPredictorLayer(DeepSeekMultiTokenPredictorLayer):
 
 
 class DeepseekV32MultiTokenPredictor(DeepSeekMultiTokenPredictor):
-    """MTP layers sharing one top-k buffer (re-pointed to the target's after loading), so a
-    later draft step can read the selection step 0 left there."""
+    """MTP layers whose indexers all write the target's top-k buffer, so a later draft step can
+    read the selection step 0 left there. The draft allocates none of its own: draft loading
+    points the indexers (the buffer's owners) at the target's, and the sparse attention impls
+    see it through them (SharedTopkIndicesBuffer)."""
 
-    def __init__(self, config: Any, prefix: str, max_num_batched_tokens: int) -> None:
+    def __init__(self, config: Any, prefix: str) -> None:
         check_dsa_config(config)
-        buf = new_topk_indices_buffer(config, max_num_batched_tokens)
         super().__init__(
             config,
             prefix,
-            layer_fn=lambda p, i: DeepseekV32MultiTokenPredictorLayer(config, p, i, buf),
+            layer_fn=lambda p, i: DeepseekV32MultiTokenPredictorLayer(config, p, i, None),
         )
-        self.topk_indices_buffer = buf
+        self.topk_indices_buffer: torch.Tensor | None = None
 
     def _attentions(self) -> list[nn.Module]:
         return [layer.mtp_block.self_attn for layer in self.layers.values()]
@@ -73,6 +70,4 @@ class DeepseekV32MTP(DeepSeekMTP):
     and spec-layer weight names by inheritance from DeepSeekMTP)."""
 
     def _init_model(self, vllm_config: VllmConfig, config: Any, prefix: str) -> nn.Module:
-        return DeepseekV32MultiTokenPredictor(
-            config, prefix, vllm_config.scheduler_config.max_num_batched_tokens
-        )
+        return DeepseekV32MultiTokenPredictor(config, prefix)

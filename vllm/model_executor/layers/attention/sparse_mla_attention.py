@@ -171,6 +171,9 @@ class SparseMLAAttention(MLAAttention):
             topk_indices_buffer=topk_indices_buffer,
         )
 
+        # Whether the impl reads its indexer's buffer (else the explicit one it was given).
+        self.reads_indexer_buffer = indexer is not None
+
     @property
     def topk_indices_buffer(self) -> torch.Tensor | None:
         return self.impl.topk_indices_buffer
@@ -178,6 +181,25 @@ class SparseMLAAttention(MLAAttention):
     @topk_indices_buffer.setter
     def topk_indices_buffer(self, buffer: torch.Tensor | None) -> None:
         self.impl.topk_indices_buffer = buffer
+
+
+def share_topk_indices_buffer(model: nn.Module, buffer: torch.Tensor) -> int:
+    """Make every sparse MLA layer of `model` read `buffer` (a draft reading its target's).
+
+    The owners of the buffer are re-pointed: the indexers, and any module keeping the
+    model-wide buffer as a plain attribute. A layer built with an indexer then sees the new
+    buffer through it, as SharedTopkIndicesBuffer resolves; only layers without an indexer (that
+    reuse another layer's selection) get the buffer assigned explicitly. Returns how many
+    owners were re-pointed."""
+    owners = 0
+    for m in model.modules():
+        if isinstance(m, SparseMLAAttention):
+            if not m.reads_indexer_buffer:
+                m.topk_indices_buffer = buffer
+        elif "topk_indices_buffer" in m.__dict__:
+            m.topk_indices_buffer = buffer
+            owners += 1
+    return owners
 
 
 # ---- registry of sparse MLA impls ---------------------------------------------------------

@@ -14,13 +14,13 @@ from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import AttentionLayerBase
 from vllm.model_executor.model_loader import get_model
-from vllm.model_executor.models.interfaces import supports_pp
+from vllm.model_executor.models.interfaces import check_supports_pp
 from vllm.sequence import IntermediateTensors
 from vllm.v1.core.kv_cache_manager import cdiv
 from vllm.v1.core.sched.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
 from vllm.v1.worker.gpu.input_batch import InputBatch, prepare_inputs
 from vllm.v1.worker.gpu.linear_attn_states import LinearAttnStates
-from vllm.v1.worker.gpu.sample.sampler import compute_logprobs, sample_tokens
+from vllm.v1.worker.gpu.sample.sampler import SamplingArrays, compute_logprobs
 from vllm.v1.worker.gpu.states import RequestStates
 
 logger = init_logger(__name__)
@@ -59,12 +59,7 @@ class ModelRunner:
         if self.pp.world_size > 1:
             from vllm.model_executor.models.registry import resolve_model_cls
 
-            cls = resolve_model_cls(self.vllm_config.model_config.architecture)
-            if not supports_pp(cls):
-                raise ValueError(
-                    f"{cls.__name__} does not support pipeline parallelism "
-                    "(Pipeline parallelism is not supported for this model)"
-                )
+            check_supports_pp(resolve_model_cls(self.vllm_config.model_config.architecture))
         self.model = get_model(self.vllm_config, device=self.device)
         if self.vllm_config.speculative_config is not None and self.pp.is_last_rank:
             from vllm.v1.worker.gpu.spec_decode import init_speculator
@@ -148,6 +143,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             short_query_len=self.num_spec + 1 if self.num_spec else 1,
+            num_tokens_padded=self.vllm_config.padded_num_tokens(int(num_sched.sum())),
         )
 
     @torch.inference_mode()
@@ -160,6 +156,13 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {}, []) if self.pp.is_last_rank else None
         batch = self.prepare(so)
+        if intermediate_tensors is not None:
+            rows = intermediate_tensors["hidden_states"].shape[0]
+            if rows != batch.num_tokens_after_padding:
+                raise RuntimeError(
+                    f"stage {self.pp.rank} received {rows} rows of hidden states for a step of "
+                    f"{batch.num_tokens_after_padding} (padded) tokens"
+                )
         with set_forward_context(batch.attn_metadata, self._linear_attn_metadata(batch)):
             out = self.model(
                 batch.input_ids if self.pp.is_first_rank else None,
@@ -215,21 +218,11 @@ class ModelRunner:
             # Position of the token each logits row predicts.
             positions = batch.positions_np[batch.logits_indices_np] + 1
             self._apply_min_tokens(logits, rslots, positions)
-            tokens = sample_tokens(
-                logits,
-                st.temperature[rslots],
-                st.top_k[rslots],
-                st.top_p[rslots],
-                st.min_p[rslots],
-                st.seed[rslots],
-                positions,
-            )
+            tokens = SamplingArrays.of(st, rslots).sample(logits, positions)
             if batch.has_drafts:
                 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import rejection_sample
 
-                sampled_lists, keep_rows = rejection_sample(
-                    self, batch, logits, tokens, rows, positions
-                )
+                sampled_lists, keep_rows = rejection_sample(self, batch, tokens)
             else:
                 keep_rows = np.arange(len(rows))
                 tok_list = tokens.tolist()

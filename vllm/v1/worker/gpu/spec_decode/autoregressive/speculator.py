@@ -21,6 +21,7 @@ import torch
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.torch_paged import AttentionMetadata, build_attn_metadata
+from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
 if TYPE_CHECKING:
@@ -120,19 +121,21 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         attn_metadata: AttentionMetadata,
         last_token_indices: np.ndarray,
         block_table: np.ndarray,
-        temperature: np.ndarray,
-        seeds: np.ndarray,
-        slots: np.ndarray,
+        sampling: SamplingArrays,
     ) -> np.ndarray:
         """Run the prefill pass and K - 1 decode passes; returns drafts [num_reqs, K].
 
         input_ids / positions cover num_tokens_padded rows (the forward runs on all of them);
-        the hooks see the real num_reqs."""
+        the hooks see the real num_reqs. sampling: the requests' parameters (probabilistic
+        drafts draw with them)."""
         K = self.num_speculative_steps
         dev = self.device
         lti = torch.from_numpy(last_token_indices).to(dev)
         self.last_token_indices[:num_reqs] = lti
         pos = positions[last_token_indices].copy()
+        # The last row's input is the token at pos + 1, so draft step s proposes the token at
+        # pos + 2 + s: the position the verifier keys its sample of that token by.
+        draft_pos = pos + 2
         drafts = self.draft_tokens[:num_reqs]
         with self._hooked(self.on_prefill_begin, self.on_prefill_end, num_reqs):
             logits_h, feedback = self._run_model(
@@ -143,7 +146,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                 0,
             )
             logits = self._compute_logits(logits_h[lti], 0)
-            tok = self.sample_draft(logits, pos + 1, temperature, seeds, slots, 0)
+            tok = self.sample_draft(logits, draft_pos, sampling)
             hidden = feedback[lti]
         drafts[:, 0] = tok.cpu().numpy()
         if K == 1:
@@ -166,7 +169,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                     tok, torch.from_numpy(pos).to(dev), hidden, meta, step
                 )
                 logits = self._compute_logits(logits_h, step)
-                tok = self.sample_draft(logits, pos + 1, temperature, seeds, slots, step)
+                tok = self.sample_draft(logits, draft_pos + step, sampling)
                 drafts[:, step] = tok.cpu().numpy()
         return drafts.copy()
 
@@ -193,7 +196,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         h = torch.zeros(T, self.target_hidden_size, dtype=self.dtype, device=self.device)
         n_aux = self._num_aux_hidden_states()
         with torch.inference_mode():
-            hidden = self._prefill_hidden(h, [h] * n_aux if n_aux else None)
+            hidden = self.stage_hidden_states(self._prefill_hidden(h, [h] * n_aux or None))
             self.last_token_indices.zero_()
             self._draft(
                 R,
@@ -203,9 +206,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                 meta,
                 qsl[1:] - 1,
                 block_table,
-                np.zeros(R, dtype=np.float32),
-                np.zeros(R, dtype=np.int64),
-                np.zeros(0, dtype=np.int64),
+                SamplingArrays.greedy(R),
             )
 
     def propose(
@@ -242,7 +243,9 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         input_ids[last_idx] = next_tokens
         positions = np.zeros(num_tokens_padded, dtype=np.int64)
         positions[:num_tokens] = b.positions_np
-        hidden = self._prefill_hidden(last_hidden_states, aux_hidden_states)
+        hidden = self.stage_hidden_states(
+            self._prefill_hidden(last_hidden_states, aux_hidden_states)
+        )
         if hidden.shape[0] != num_tokens_padded:
             raise RuntimeError(
                 f"the target's hidden states have {hidden.shape[0]} rows but the batch has "
@@ -256,9 +259,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             b.attn_metadata,
             last_idx,
             st.block_table[slots],
-            st.temperature[slots],
-            st.seed[slots],
-            slots,
+            SamplingArrays.of(st, slots),
         )
         K = self.num_speculative_steps
         st.draft_tokens[slots, :K] = drafts
