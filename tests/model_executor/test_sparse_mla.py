@@ -17,14 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from vllm.model_executor.layers.attention.sparse_mla_attention import (
+from vllm.v1.attention.backends.mla.sparse_common import (
     TOPK_PAD,
     SharedTopkIndicesBuffer,
     SparseMLACommonImpl,
-    get_sparse_mla_impl_cls,
-    sparse_mla_impl_names,
 )
 from vllm.v1.attention.backends.mla.torch_mla import TorchMLAImpl
+from vllm.v1.attention.backends.registry import get_sparse_mla_impl_cls, sparse_mla_impl_names
 from vllm.v1.attention.backends.torch_paged import build_attn_metadata, padded_attention
 
 H, NOPE, ROPE, V, RANK = 4, 16, 8, 16, 32

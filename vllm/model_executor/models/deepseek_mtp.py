@@ -14,17 +14,15 @@ from torch import nn
 from vllm.config import ModelConfig, VllmConfig, num_mtp_layers
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.models.base import DraftModelBase
 from vllm.model_executor.models.deepseek_v2 import (
     DeepseekV2DecoderLayer,
-    ExpertWeightLoader,
     get_spec_layer_idx_from_weight_name,
 )
-from vllm.model_executor.models.interfaces import SupportsEagleBase, SupportsPP
 from vllm.model_executor.models.utils import (
     WeightLoadError,
     check_all_loaded,
     load_params_strict,
-    make_empty_intermediate_tensors_factory,
     maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
@@ -112,7 +110,9 @@ class DeepSeekMultiTokenPredictor(nn.Module):
         )
 
     def layer_for_step(self, spec_step_idx: int) -> DeepSeekMultiTokenPredictorLayer:
-        return self.layers[str(self.mtp_start_layer_idx + spec_step_idx % self.num_mtp_layers)]
+        layer = self.layers[str(self.mtp_start_layer_idx + spec_step_idx % self.num_mtp_layers)]
+        assert isinstance(layer, DeepSeekMultiTokenPredictorLayer)
+        return layer
 
     def forward(
         self,
@@ -130,13 +130,12 @@ class DeepSeekMultiTokenPredictor(nn.Module):
         return head.head(head(hidden_states)).float()
 
 
-class DeepSeekMTP(nn.Module, SupportsPP, SupportsEagleBase):
-    """DeepSeek-V2/V3 MTP draft model. It never runs split over stages, but implements
-    SupportsPP so a pipeline-parallel engine can build it on its last stage."""
+class DeepSeekMTP(DraftModelBase):
+    """DeepSeek-V2/V3 MTP draft model: each MTP layer has its own embedding and head."""
 
-    supports_pp = True
     has_own_embed_tokens = True
     has_own_lm_head = True
+    model: DeepSeekMultiTokenPredictor
 
     def __init__(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
@@ -145,11 +144,10 @@ class DeepSeekMTP(nn.Module, SupportsPP, SupportsEagleBase):
         config = model_config.hf_text_config
         self.config = config
         self.model = self._init_model(vllm_config, config, maybe_prefix(prefix, "model"))
-        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states", "residual"], config.hidden_size
-        )
 
-    def _init_model(self, vllm_config: VllmConfig, config: Any, prefix: str) -> nn.Module:
+    def _init_model(
+        self, vllm_config: VllmConfig, config: Any, prefix: str
+    ) -> DeepSeekMultiTokenPredictor:
         """The predictor; subclasses with a different MTP block (V3.2) override this."""
         return DeepSeekMultiTokenPredictor(config, prefix=prefix)
 
@@ -189,16 +187,13 @@ class DeepSeekMTP(nn.Module, SupportsPP, SupportsEagleBase):
                 return name
             return f"{prefix}mtp_block.{rest}"
 
-        experts = ExpertWeightLoader()
-
         def custom(name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> bool:
             if name == "model.embed_tokens.weight":
                 top_embed.append(tensor)
                 return True
-            return experts.load_layer_weight(name, tensor, params)
+            return False
 
         loaded = load_params_strict(self, weights, rename, custom=custom)
-        experts.finish(self, loaded)
         params = dict(self.named_parameters())
         # Layers without a table of their own share one copy of the top-level table.
         top_table: nn.Embedding | None = None
@@ -231,7 +226,7 @@ class DeepSeekMTP(nn.Module, SupportsPP, SupportsEagleBase):
 def _dedupe_embeddings(layers: list[nn.Module]) -> None:
     """Alias MTP layers whose embedding tables are equal to one module: one copy in memory
     (under pipeline parallelism nothing else shares them; see load_eagle_model)."""
-    kept: list[nn.Embedding] = []
+    kept: list[nn.Module] = []
     for layer in layers:
         table = layer.embed_tokens
         same = next((k for k in kept if k is table or torch.equal(k.weight, table.weight)), None)

@@ -69,5 +69,7 @@ class DeepseekV32MTP(DeepSeekMTP):
     """MTP draft for DeepSeek-V3.2 and GLM-MoE-DSA checkpoints (SupportsPP, own embed_tokens
     and spec-layer weight names by inheritance from DeepSeekMTP)."""
 
-    def _init_model(self, vllm_config: VllmConfig, config: Any, prefix: str) -> nn.Module:
+    def _init_model(
+        self, vllm_config: VllmConfig, config: Any, prefix: str
+    ) -> DeepseekV32MultiTokenPredictor:
         return DeepseekV32MultiTokenPredictor(config, prefix)
