@@ -94,7 +94,7 @@ class UnquantizedFusedMoEMethod:
 
     def apply(
         self,
-        layer: nn.Module,
+        layer: FusedMoE,
         hidden_states: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
@@ -107,6 +107,9 @@ class FusedMoE(nn.Module):
     w13_weight [E, 2I, H] (gate rows, then up) and w2_weight [E, H, I] and stored as the quant
     config of the model being built says (e.g. FP8 with per-block scales). Routing is the
     caller's (select_experts): forward takes the chosen experts and their weights."""
+
+    w13_weight: nn.Parameter
+    w2_weight: nn.Parameter
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -153,6 +156,8 @@ def select_experts(
         raise ValueError(f"scoring_func must be 'softmax' or 'sigmoid', got {scoring_func!r}")
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if num_expert_group is not None and num_expert_group > 1:
+        if topk_group is None:
+            raise ValueError(f"num_expert_group={num_expert_group} needs topk_group")
         num_tokens, num_experts = choice.shape
         grouped = choice.view(num_tokens, num_expert_group, num_experts // num_expert_group)
         if correction_bias is not None:

@@ -43,6 +43,34 @@ def tie_word_embeddings(model_config: ModelConfig) -> bool:
     return bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
 
 
+class DecoderLayerBase(nn.Module):
+    """A pre-norm decoder block on the fused residual stream: input_layernorm, the token mixer
+    (attention), post_attention_layernorm, the MLP. forward(positions, hidden_states, residual)
+    returns (mlp output, residual); their sum is the stream after the block. Subclasses build
+    the norms and the MLP, and self_attn or their own mix()."""
+
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+    mlp: nn.Module
+    self_attn: nn.Module
+
+    def mix(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The block's token mixer over the normed stream (default: self_attn)."""
+        return self.self_attn(positions, hidden_states)
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.mix(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
 class DecoderModelBase(nn.Module, EagleModelMixin):
     """One pipeline stage of a pre-norm decoder with a fused residual stream.
 
@@ -148,7 +176,20 @@ class DecoderModelBase(nn.Module, EagleModelMixin):
         return hidden
 
 
-class CausalLMBase(nn.Module, SupportsPP):
+class ModelBase(nn.Module):
+    """What the loader builds: from the engine config and this model's own config (a draft's
+    differs from its target's), with the name prefix of its parameters."""
+
+    config: Any
+
+    def __init__(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
+    ) -> None:
+        super().__init__()
+        self.config = model_config.hf_text_config
+
+
+class CausalLMBase(ModelBase, SupportsPP):
     """A decoder (`self.model`, a DecoderModelBase built from model_cls) plus the LM head: an
     nn.Linear on the last stage (sharing embed_tokens' weight when tied), PPMissingLayer
     elsewhere; supports pipeline parallelism.
@@ -167,7 +208,6 @@ class CausalLMBase(nn.Module, SupportsPP):
     # Checkpoint prefix -> parameter prefix (e.g. a multimodal checkpoint's language model).
     hf_to_vllm_prefix: ClassVar[dict[str, str]] = {}
 
-    config: Any
     model: DecoderModelBase
     lm_head: nn.Linear | PPMissingLayer
     tied: bool
@@ -175,9 +215,8 @@ class CausalLMBase(nn.Module, SupportsPP):
     def __init__(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
     ) -> None:
-        super().__init__()
-        config = model_config.hf_text_config
-        self.config = config
+        super().__init__(vllm_config, model_config, prefix)
+        config = self.config
         self.tied = tie_word_embeddings(model_config)
         self.model = self._init_model(
             vllm_config,
@@ -244,7 +283,7 @@ class CausalLMBase(nn.Module, SupportsPP):
         return {n for n in loaded if n in params}
 
 
-class DraftModelBase(nn.Module, SupportsPP, SupportsEagleBase):
+class DraftModelBase(ModelBase, SupportsPP, SupportsEagleBase):
     """A speculative-decoding draft (MTP, EAGLE) the speculator runs on the last pipeline
     stage. It never runs split over stages, but implements SupportsPP so a pipeline-parallel
     engine can build it there; its intermediate tensors are shaped like the hidden states it
@@ -252,7 +291,6 @@ class DraftModelBase(nn.Module, SupportsPP, SupportsEagleBase):
 
     supports_pp: ClassVar[bool] = True
 
-    config: Any
     model: nn.Module
     lm_head: nn.Module
 
@@ -265,7 +303,7 @@ class DraftModelBase(nn.Module, SupportsPP, SupportsEagleBase):
         return make(batch_size, dtype, device)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+        return self.model.get_submodule("embed_tokens")(input_ids)
 
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
         return self.lm_head(hidden_states).float()

@@ -46,6 +46,9 @@ class SharedHead(nn.Module):
 class DeepSeekMultiTokenPredictorLayer(nn.Module):
     """x = eh_proj([enorm(embed(next token)), hnorm(h_prev)]); h = block(x) incl. residual."""
 
+    # Its own table, or one shared with another MTP layer / the target after loading.
+    embed_tokens: nn.Module
+
     def __init__(
         self, config: Any, prefix: str, layer_idx: int, mtp_block: nn.Module | None = None
     ) -> None:
@@ -109,6 +112,9 @@ class DeepSeekMultiTokenPredictor(nn.Module):
             }
         )
 
+    def mtp_layers(self) -> list[DeepSeekMultiTokenPredictorLayer]:
+        return [self.layer_for_step(s) for s in range(self.num_mtp_layers)]
+
     def layer_for_step(self, spec_step_idx: int) -> DeepSeekMultiTokenPredictorLayer:
         layer = self.layers[str(self.mtp_start_layer_idx + spec_step_idx % self.num_mtp_layers)]
         assert isinstance(layer, DeepSeekMultiTokenPredictorLayer)
@@ -140,10 +146,8 @@ class DeepSeekMTP(DraftModelBase):
     def __init__(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
     ) -> None:
-        super().__init__()
-        config = model_config.hf_text_config
-        self.config = config
-        self.model = self._init_model(vllm_config, config, maybe_prefix(prefix, "model"))
+        super().__init__(vllm_config, model_config, prefix)
+        self.model = self._init_model(vllm_config, self.config, maybe_prefix(prefix, "model"))
 
     def _init_model(
         self, vllm_config: VllmConfig, config: Any, prefix: str
@@ -196,8 +200,9 @@ class DeepSeekMTP(DraftModelBase):
         loaded = load_params_strict(self, weights, rename, custom=custom)
         params = dict(self.named_parameters())
         # Layers without a table of their own share one copy of the top-level table.
-        top_table: nn.Embedding | None = None
+        top_table: nn.Module | None = None
         for idx, layer in self.model.layers.items():
+            assert isinstance(layer, DeepSeekMultiTokenPredictorLayer)
             name = f"model.layers.{idx}.embed_tokens.weight"
             if name in loaded:
                 continue
@@ -218,18 +223,21 @@ class DeepSeekMTP(DraftModelBase):
             else:
                 layer.embed_tokens = top_table
             loaded.add(name)
-        _dedupe_embeddings(list(self.model.layers.values()))
+        _dedupe_embeddings(self.model.mtp_layers())
         check_all_loaded(self, loaded)
         return {n for n in loaded if n in params}
 
 
-def _dedupe_embeddings(layers: list[nn.Module]) -> None:
+def _dedupe_embeddings(layers: list[DeepSeekMultiTokenPredictorLayer]) -> None:
     """Alias MTP layers whose embedding tables are equal to one module: one copy in memory
     (under pipeline parallelism nothing else shares them; see load_eagle_model)."""
     kept: list[nn.Module] = []
     for layer in layers:
         table = layer.embed_tokens
-        same = next((k for k in kept if k is table or torch.equal(k.weight, table.weight)), None)
+        weight = table.get_parameter("weight")
+        same = next(
+            (k for k in kept if k is table or torch.equal(k.get_parameter("weight"), weight)), None
+        )
         if same is None:
             kept.append(table)
         else:

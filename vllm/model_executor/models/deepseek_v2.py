@@ -14,7 +14,7 @@ from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params, yarn_get_mscale
-from vllm.model_executor.models.base import CausalLMBase, DecoderModelBase
+from vllm.model_executor.models.base import CausalLMBase, DecoderLayerBase, DecoderModelBase
 from vllm.model_executor.models.llama import LlamaMLP
 
 
@@ -227,7 +227,7 @@ class DeepseekV2MLAAttention(nn.Module):
         return q_nope, q_pe, kv_c, k_pe, q_c
 
 
-class DeepseekV2DecoderLayer(nn.Module):
+class DeepseekV2DecoderLayer(DecoderLayerBase):
     """One decoder block; layer_idx may be an MTP layer's (>= num_hidden_layers)."""
 
     def __init__(
@@ -258,18 +258,6 @@ class DeepseekV2DecoderLayer(nn.Module):
             )
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm block with the fused residual stream: returns (mlp output, residual)."""
-        if residual is None:
-            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        attn_out = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(attn_out, residual)
-        return self.mlp(hidden_states), residual
 
 
 class DeepseekV2Model(DecoderModelBase):

@@ -81,9 +81,8 @@ class EagleLlamaForCausalLM(DraftModelBase):
     def __init__(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
     ) -> None:
-        super().__init__()
-        config = model_config.hf_text_config
-        self.config = config
+        super().__init__(vllm_config, model_config, prefix)
+        config = self.config
         if int(getattr(config, "num_hidden_layers", 0) or 0) < 1:
             raise ValueError(
                 f"EAGLE draft {model_config.model!r}: num_hidden_layers must be >= 1, got "

@@ -26,7 +26,7 @@ from vllm.model_executor.layers.mamba.ops.gated_delta_rule import (
     l2norm,
 )
 from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params
-from vllm.model_executor.models.base import CausalLMBase, DecoderModelBase
+from vllm.model_executor.models.base import CausalLMBase, DecoderLayerBase, DecoderModelBase
 from vllm.model_executor.models.llama import LlamaMLP
 
 logger = init_logger(__name__)
@@ -236,7 +236,7 @@ class Qwen3_5MoeSparseMoeBlock(nn.Module):
         return out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
 
 
-class Qwen3_5DecoderLayer(nn.Module):
+class Qwen3_5DecoderLayer(DecoderLayerBase):
     def __init__(self, config: Any, layer_type: str, prefix: str, moe: bool = False) -> None:
         super().__init__()
         eps = getattr(config, "rms_norm_eps", 1e-6)
@@ -255,20 +255,10 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.input_layernorm = Qwen3_5RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = Qwen3_5RMSNorm(config.hidden_size, eps)
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+    def mix(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.layer_type == LINEAR_ATTENTION:
-            hidden_states = self.linear_attn(hidden_states)
-        else:
-            hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+            return self.linear_attn(hidden_states)
+        return self.self_attn(positions, hidden_states)
 
 
 class Qwen3_5Model(DecoderModelBase):

@@ -103,9 +103,8 @@ class Qwen3_5MTP(DraftModelBase):
     def __init__(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
     ) -> None:
-        super().__init__()
-        config = model_config.hf_text_config
-        self.config = config
+        super().__init__(vllm_config, model_config, prefix)
+        config = self.config
         self.tied = tie_word_embeddings(model_config)
         self.model = self.predictor_cls(config, prefix=maybe_prefix(prefix, "model"))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -180,6 +180,8 @@ class DeepseekV32MLAAttention(DeepseekV2MLAAttention):
     """V3 MLA whose attention is sparse over the indexer's selection (its own indexer, or, for
     GLM "shared" layers, whatever the previous indexer left in the model-wide buffer)."""
 
+    attn: SparseMLAAttention
+
     def __init__(
         self,
         config: Any,
