@@ -43,6 +43,15 @@ def tie_word_embeddings(model_config: ModelConfig) -> bool:
     return bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
 
 
+def build_lm_head(config: Any, tie_to: nn.Module | None = None) -> nn.Linear:
+    """The vocabulary projection (an nn.Linear: never quantized), sharing tie_to's weight
+    when given (tied word embeddings)."""
+    head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    if tie_to is not None:
+        head.weight = tie_to.get_parameter("weight")
+    return head
+
+
 class DecoderLayerBase(nn.Module):
     """A pre-norm decoder block on the fused residual stream: input_layernorm, the token mixer
     (attention), post_attention_layernorm, the MLP. forward(positions, hidden_states, residual)
@@ -107,6 +116,7 @@ class DecoderModelBase(nn.Module, EagleModelMixin):
         keep_embed: build embed_tokens on the last stage for a draft that shares it (see
         spec_decode_needs_target_embed)."""
         super().__init__()
+        self.validate_config(config)
         self.config = config
         if tied is None:
             tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -122,6 +132,9 @@ class DecoderModelBase(nn.Module, EagleModelMixin):
         )
         eps = getattr(config, "rms_norm_eps", 1e-6)
         self.norm = self.norm_cls(config.hidden_size, eps) if pp.is_last_rank else PPMissingLayer()
+
+    def validate_config(self, config: Any) -> None:
+        """Raise ValueError naming what this decoder cannot run (before any layer is built)."""
 
     def make_layer(self, layer_idx: int, prefix: str) -> nn.Module:
         """Decoder layer layer_idx (global index) named prefix."""
@@ -216,7 +229,6 @@ class CausalLMBase(ModelBase, SupportsPP):
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
     ) -> None:
         super().__init__(vllm_config, model_config, prefix)
-        config = self.config
         self.tied = tie_word_embeddings(model_config)
         self.model = self._init_model(
             vllm_config,
@@ -224,11 +236,9 @@ class CausalLMBase(ModelBase, SupportsPP):
             keep_embed=spec_decode_needs_target_embed(vllm_config),
         )
         if get_pp_group().is_last_rank:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-            if self.tied:
-                embed = self.model.embed_tokens
-                assert isinstance(embed, nn.Embedding), "a tied last stage holds embed_tokens"
-                self.lm_head.weight = embed.weight
+            self.lm_head = build_lm_head(
+                self.config, self.model.embed_tokens if self.tied else None
+            )
         else:
             self.lm_head = PPMissingLayer()
 

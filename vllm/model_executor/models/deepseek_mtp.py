@@ -14,7 +14,7 @@ from torch import nn
 from vllm.config import ModelConfig, VllmConfig, num_mtp_layers
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
-from vllm.model_executor.models.base import DraftModelBase
+from vllm.model_executor.models.base import DraftModelBase, build_lm_head
 from vllm.model_executor.models.deepseek_v2 import (
     DeepseekV2DecoderLayer,
     get_spec_layer_idx_from_weight_name,
@@ -37,7 +37,7 @@ class SharedHead(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6))
-        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head = build_lm_head(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden_states)

@@ -24,7 +24,7 @@ from torch import nn
 from vllm.config import ModelConfig, VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.model_loader.weight_utils import safetensors_weight_names
-from vllm.model_executor.models.base import DraftModelBase
+from vllm.model_executor.models.base import DraftModelBase, build_lm_head
 from vllm.model_executor.models.llama import LlamaDecoderLayer
 from vllm.model_executor.models.utils import check_all_loaded, load_params_strict, maybe_prefix
 from vllm.sequence import IntermediateTensors
@@ -92,7 +92,7 @@ class EagleLlamaForCausalLM(DraftModelBase):
         self.model = EagleLlamaModel(
             config, fc_bias="fc.bias" in names, prefix=maybe_prefix(prefix, "model")
         )
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = build_lm_head(config)
         # Set from the checkpoint by load_weights; what it lacks is shared from the target.
         self.has_own_embed_tokens = False
         self.has_own_lm_head = False

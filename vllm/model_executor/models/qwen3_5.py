@@ -265,16 +265,8 @@ class Qwen3_5Model(DecoderModelBase):
     moe: ClassVar[bool] = False
     norm_cls = Qwen3_5RMSNorm
 
-    def __init__(
-        self,
-        config: Any,
-        prefix: str = "model",
-        *,
-        tied: bool | None = None,
-        keep_embed: bool = False,
-    ) -> None:
+    def validate_config(self, config: Any) -> None:
         _check_config(config)
-        super().__init__(config, prefix, tied=tied, keep_embed=keep_embed)
 
     def make_layer(self, layer_idx: int, prefix: str) -> nn.Module:
         return Qwen3_5DecoderLayer(

@@ -18,7 +18,7 @@ from torch import nn
 
 from vllm.config import ModelConfig, VllmConfig, num_mtp_layers
 from vllm.model_executor.layers.linear import ReplicatedLinear
-from vllm.model_executor.models.base import DraftModelBase, tie_word_embeddings
+from vllm.model_executor.models.base import DraftModelBase, build_lm_head, tie_word_embeddings
 from vllm.model_executor.models.qwen3_5 import (
     FULL_ATTENTION,
     Qwen3_5DecoderLayer,
@@ -107,9 +107,7 @@ class Qwen3_5MTP(DraftModelBase):
         config = self.config
         self.tied = tie_word_embeddings(model_config)
         self.model = self.predictor_cls(config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = build_lm_head(config, self.model.embed_tokens if self.tied else None)
 
     def forward(
         self,

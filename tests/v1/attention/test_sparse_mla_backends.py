@@ -246,8 +246,8 @@ def test_triton_matches_torch_reference() -> None:
         _triton_vs_torch("cuda")
         return
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "from tests.model_executor.test_sparse_mla import _triton_vs_torch as f; f('cpu')"
-    root = Path(__file__).resolve().parents[2]
+    code = "from tests.v1.attention.test_sparse_mla_backends import _triton_vs_torch as f; f('cpu')"
+    root = Path(__file__).resolve().parents[3]
     res = subprocess.run(
         [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True
     )
