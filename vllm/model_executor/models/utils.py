@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -48,13 +49,15 @@ def get_pp_missing_layer_names(model: nn.Module) -> list[str]:
     return [name + "." for name, m in model.named_modules() if isinstance(m, PPMissingLayer)]
 
 
+_PP_MISSING_NAMES: weakref.WeakKeyDictionary[nn.Module, list[str]] = weakref.WeakKeyDictionary()
+
+
 def is_pp_missing_parameter(name: str, model: nn.Module) -> bool:
     """True when the weight belongs to a layer this stage does not hold."""
-    names: list[str] | None = getattr(model, "_pp_missing_names", None)
+    names = _PP_MISSING_NAMES.get(model)
     if names is None:
-        names = get_pp_missing_layer_names(model)
-        # Cached on the model: which layers a stage holds never changes after it is built.
-        setattr(model, "_pp_missing_names", names)  # noqa: B010
+        # Which layers a stage holds never changes once it is built.
+        names = _PP_MISSING_NAMES[model] = get_pp_missing_layer_names(model)
     return any(name.startswith(p) for p in names)
 
 
