@@ -114,7 +114,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             parts.append("the request body is not valid JSON")
             param = None
         else:
-            parts.append(f"{where}: {msg}" if where else msg)
+            # A validator's own message may already start with the field's name.
+            parts.append(f"{where}: {msg}" if where and not msg.startswith(where) else msg)
     return "; ".join(parts) or "invalid request", param
 
 
@@ -448,7 +449,10 @@ class OpenAIServing:
         tok = self.tokenizer
         if req.continue_final_message and req.add_generation_prompt:
             raise APIError("continue_final_message and add_generation_prompt are exclusive")
-        kwargs = check_template_kwargs(req.chat_template_kwargs)
+        try:
+            kwargs = check_template_kwargs(req.chat_template_kwargs)
+        except ValueError as e:
+            raise APIError(str(e), 400, "chat_template_kwargs") from None
         limit = self.llm.max_prompt_bytes
         size = _text_bytes(conversation) + _text_bytes(kwargs)
         if size > limit:
