@@ -65,7 +65,7 @@ async def _load(
                     await resp.aread()
                     continue
                 async for line in resp.aiter_lines():
-                    if line.startswith("data: {") and '"error"' in line:
+                    if line.startswith("data: {") and "error" in json.loads(line[6:]):
                         stats["errors"] += 1
             stats["requests"] += 1
             stats["tokens"] += args.output_len
@@ -91,14 +91,20 @@ def soak(args: argparse.Namespace, code_dir: str | None, label: str) -> dict:
         spec = {"method": "mtp", "num_speculative_tokens": args.spec_k}
         serve_args += ["--speculative-config", json.dumps(spec)]
     env = {"OMP_NUM_THREADS": "1"}
+    cwd = None
     if code_dir:
-        env["PYTHONPATH"] = str(Path(code_dir).resolve())
-    log = Path(tempfile.gettempdir()) / f"vllm-soak-{label}.log"
-    srv = RemoteServer(model, serve_args, log, env=env)  # "" = the bundled default model
+        # `python -m` puts the working directory first on sys.path: run from the checkout.
+        cwd = str(Path(code_dir).resolve())
+        env["PYTHONPATH"] = cwd
+    log = Path(tempfile.gettempdir()) / f"vllm-soak-{label.replace(' ', '-')}.log"
+    srv = RemoteServer(model, serve_args, log, env=env, cwd=cwd)  # "" = the bundled model
     try:
         srv.wait_ready(timeout=600)
-        names = json.loads(__import__("httpx").get(srv.url("/v1/models")).text)
-        served = names["data"][0]["id"]
+        import httpx
+
+        served = httpx.get(srv.url("/v1/models")).json()["data"][0]["id"]
+        code = httpx.get(srv.url("/version")).json()
+        print(f"[{label}] serving {served} ({code}) from {cwd or 'this checkout'}", flush=True)
         stats = {"requests": 0, "tokens": 0, "errors": 0}
         samples: list = []
         t0 = time.monotonic()

@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.engine_utils import resume_and_kill
 from tests.entrypoints.utils import RemoteServer
 from vllm.config import DEFAULT_MODEL_DIR
 
@@ -651,10 +652,5 @@ def test_stopped_stage_fails_requests_and_server_exits(llama_dir, tmp_path):
         _, alive = psutil.wait_procs(stages, timeout=30)
         assert not alive, f"orphans left behind: {alive}"
     finally:
-        for p in stages:
-            try:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-            except psutil.Error:
-                pass
+        resume_and_kill(stages)
         srv.stop(timeout=30)

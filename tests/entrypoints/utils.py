@@ -35,6 +35,7 @@ class RemoteServer:
         args: list[str] | tuple[str, ...] = (),
         log_path: str | os.PathLike | None = None,
         env: dict[str, str] | None = None,
+        cwd: str | os.PathLike | None = None,
     ) -> None:
         self.port = free_port()
         self.host = "127.0.0.1"
@@ -53,7 +54,9 @@ class RemoteServer:
         ]
         full_env = {**os.environ, **(env or {})}
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd
+        )
         self._children: list[psutil.Process] = []
         self._stage_pids: list[int] = []
 

@@ -13,7 +13,7 @@ import signal
 import psutil
 import pytest
 
-from tests.engine_utils import make_prompts
+from tests.engine_utils import make_prompts, resume_and_kill
 from vllm import LLM, SamplingParams
 from vllm.v1.worker.gpu.pp_utils import SENDS_PER_BATCH
 
@@ -51,10 +51,5 @@ def test_pending_sends_bounded_and_idle_hang_detected(deepseek_v3_mtp1_dir, monk
         _, alive = psutil.wait_procs(procs, timeout=30)
         assert not alive, f"stage processes left behind: {alive}"
     finally:
-        for p in procs:
-            try:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-            except psutil.Error:
-                pass
+        resume_and_kill(procs)
         llm.shutdown()
