@@ -147,6 +147,13 @@ class ModelConfig:
         return int(self.hf_text_config.vocab_size)
 
     @property
+    def is_hybrid(self) -> bool:
+        """Whether the model mixes attention with linear-attention (per-request state) layers."""
+        from vllm.model_executor.models.registry import resolve_model_cls
+
+        return bool(getattr(resolve_model_cls(self.architecture), "is_hybrid", False))
+
+    @property
     def num_hidden_layers(self) -> int:
         return int(self.hf_text_config.num_hidden_layers)
 
@@ -161,10 +168,14 @@ class CacheConfig:
     """Bytes for the KV cache; overrides gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.9
     """Fraction of device memory the engine may use on CUDA."""
-    enable_prefix_caching: bool = False
-    """Reuse KV blocks of shared prompt prefixes (not built yet; must be False)."""
+    enable_prefix_caching: bool | None = None
+    """Reuse the KV blocks of shared prompt prefixes across requests. None (the default): on,
+    except for hybrid models (linear-attention states are per request, not per block), where it
+    is off; True on a hybrid model is an error."""
     num_gpu_blocks: int | None = None
     """Number of KV blocks (derived from the memory budget by the worker)."""
+    num_gpu_blocks_override: int | None = None
+    """Use this many KV blocks instead of what the memory budget gives (testing, tuning)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -177,8 +188,17 @@ class CacheConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
-        if self.enable_prefix_caching:
-            raise ValueError("enable_prefix_caching=True is not supported yet")
+        if self.num_gpu_blocks_override is not None and (
+            not isinstance(self.num_gpu_blocks_override, int) or self.num_gpu_blocks_override < 1
+        ):
+            raise ValueError(
+                "num_gpu_blocks_override must be a positive integer, got "
+                f"{self.num_gpu_blocks_override!r}"
+            )
+        if not (self.enable_prefix_caching is None or isinstance(self.enable_prefix_caching, bool)):
+            raise ValueError(
+                f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )
 
 
 @dataclass
@@ -420,6 +440,7 @@ class VllmConfig:
     def __post_init__(self) -> None:
         mc, sc = self.model_config, self.scheduler_config
         sc.max_model_len = mc.max_model_len
+        self._resolve_prefix_caching()
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < mc.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={sc.max_num_batched_tokens} is smaller than "
@@ -443,6 +464,28 @@ class VllmConfig:
                 trust_remote_code=mc.trust_remote_code,
             )
             spec.verify_with_target(mc)
+
+    def _resolve_prefix_caching(self) -> None:
+        cc = self.cache_config
+        if cc.enable_prefix_caching is False:
+            return
+        arch = self.model_config.architecture
+        if not self.model_config.is_hybrid:
+            cc.enable_prefix_caching = True
+        elif cc.enable_prefix_caching is None:
+            logger.info(
+                "Prefix caching is disabled for the hybrid model %s: its linear-attention "
+                "states are kept per request, not per KV block",
+                arch,
+            )
+            cc.enable_prefix_caching = False
+        else:
+            raise ValueError(
+                f"enable_prefix_caching=True is not supported for the hybrid model {arch} "
+                "(its linear-attention states are kept per request, not per KV block, so a "
+                "cached prefix cannot be resumed); leave it unset or pass "
+                "enable_prefix_caching=False (--no-enable-prefix-caching)"
+            )
 
     @property
     def num_speculative_tokens(self) -> int:

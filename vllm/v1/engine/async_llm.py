@@ -217,10 +217,10 @@ class AsyncLLM:
         self._check_running()
         # Tokenising and checking the prompt run on the tokenizer thread: neither the event
         # loop (other clients, /health) nor the engine thread (every running stream) waits.
-        text, ids = await self.in_tokenizer_thread(self.engine.process_prompt, prompt)
+        text, ids, salt = await self.in_tokenizer_thread(self.engine.preprocess, prompt)
         stream = RequestStream(self, request_id, params.output_kind)
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._send(("add", request_id, text, ids, params, stream, fut))
+        self._send(("add", request_id, text, ids, salt, params, stream, fut))
         try:
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -309,11 +309,11 @@ class AsyncLLM:
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, text, ids, params, stream, fut = cmd
+            _, rid, text, ids, salt, params, stream, fut = cmd
             if not fut.set_running_or_notify_cancel():
                 return
             try:
-                self.engine.add_processed_request(rid, text, ids, params)
+                self.engine.add_processed_request(rid, text, ids, params, cache_salt=salt)
             except Exception as e:  # noqa: BLE001 - a bad request fails only its caller
                 fut.set_exception(e)
                 return
