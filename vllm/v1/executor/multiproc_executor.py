@@ -169,6 +169,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
         self.world_size = vllm_config.parallel_config.pipeline_parallel_size
+        self.step_timeout_s = envs.VLLM_PP_STEP_TIMEOUT_S  # read now: a bad value fails at start
         self._failed: str | None = None
         self._inflight = 0
         self._stash: list[deque] = [deque() for _ in range(self.world_size)]
@@ -341,7 +342,7 @@ class MultiprocExecutor(Executor):
         self._check_alive()
         if not self._inflight:
             raise RuntimeError("get_output() with no step in flight")
-        out = self._wait_for(self.world_size - 1, envs.VLLM_PP_STEP_TIMEOUT_S, "a step")
+        out = self._wait_for(self.world_size - 1, self.step_timeout_s, "a step")
         self._inflight -= 1
         return out
 
@@ -360,7 +361,7 @@ class MultiprocExecutor(Executor):
             if not p.is_alive():
                 self._fail(f"pipeline stage {r} (pid {p.pid}) is not running")
         if not self._inflight:
-            self.collective_rpc("check_health", timeout=envs.VLLM_PP_STEP_TIMEOUT_S)
+            self.collective_rpc("check_health", timeout=self.step_timeout_s)
 
     def shutdown(self) -> None:
         self._inflight = 0

@@ -108,6 +108,7 @@ class RayExecutor(Executor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.world_size = P = vllm_config.parallel_config.pipeline_parallel_size
+        self.step_timeout_s = envs.VLLM_PP_STEP_TIMEOUT_S  # read now: a bad value fails at start
         self._failed: str | None = None
         self._inflight: deque[list] = deque()
         self._unchecked: list = []  # finished-or-not refs of non-last stages, checked for errors
@@ -271,7 +272,7 @@ class RayExecutor(Executor):
         # or raises upstream leaves the last stage waiting, so its error must surface instead.
         watch = [last, *refs[:-1], *self._unchecked]
         self._unchecked = []
-        timeout = envs.VLLM_PP_STEP_TIMEOUT_S
+        timeout = self.step_timeout_s
         last_progress = time.monotonic()
         while True:
             ready, watch = self._ray.wait(watch, num_returns=1, timeout=_POLL_S)
@@ -296,7 +297,7 @@ class RayExecutor(Executor):
     def check_health(self) -> None:
         self._check_alive()
         if not self._inflight:
-            self.collective_rpc("check_health", timeout=envs.VLLM_PP_STEP_TIMEOUT_S)
+            self.collective_rpc("check_health", timeout=self.step_timeout_s)
 
     def shutdown(self) -> None:
         self._inflight.clear()
