@@ -8,9 +8,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.quantization import QuantizationConfig
 
 logger = init_logger(__name__)
 
@@ -81,6 +84,9 @@ class ModelConfig:
     """Passed to transformers when reading the config/tokenizer."""
     served_model_name: str | list[str] | None = None
     """Name(s) the server answers to and labels metrics with; defaults to the model path."""
+    quantization: str | None = None
+    """Weight quantization (vLLM's --quantization): None takes the checkpoint's
+    quantization_config; 'fp8' = block-quantized e4m3 weights as DeepSeek / Qwen publish them."""
     hf_config: Any = field(default=None, repr=False)
     """The checkpoint's config (filled in __post_init__)."""
 
@@ -93,6 +99,8 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.hf_config is None:
             self.hf_config = load_hf_config(self.model, self.trust_remote_code)
+        # Parsed here so a checkpoint we cannot run fails at construction, naming the field.
+        self.quantization = self._resolve_quantization()[0]
         text = self.hf_text_config
         max_pos = getattr(text, "max_position_embeddings", None) or 2048
         if self.max_model_len is None:
@@ -118,6 +126,15 @@ class ModelConfig:
     @property
     def hf_text_config(self) -> Any:
         return get_text_config(self.hf_config)
+
+    def _resolve_quantization(self) -> tuple[str | None, QuantizationConfig | None]:
+        from vllm.model_executor.layers.quantization import resolve_quantization
+
+        return resolve_quantization(self.quantization, self.hf_config, self.model)
+
+    def get_quant_config(self) -> QuantizationConfig | None:
+        """The parsed QuantizationConfig the model is built with, or None (unquantized)."""
+        return self._resolve_quantization()[1]
 
     @property
     def architecture(self) -> str:

@@ -47,6 +47,7 @@ class EngineArgs:
     trust_remote_code: bool = False
     device: str = "auto"
     served_model_name: str | list[str] | None = None
+    quantization: str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -71,6 +72,7 @@ class EngineArgs:
             max_model_len=self.max_model_len,
             trust_remote_code=self.trust_remote_code,
             served_model_name=self.served_model_name,
+            quantization=self.quantization,
         )
         spec = self.speculative_config
         if isinstance(spec, str):
@@ -140,6 +142,13 @@ class EngineArgs:
         parser.add_argument("--disable-log-stats", action="store_true")
         parser.add_argument("--trust-remote-code", action="store_true")
         parser.add_argument("--device", type=str, default="auto")
+        parser.add_argument(
+            "-q",
+            "--quantization",
+            type=str,
+            default=None,
+            help="Weight quantization; default: the checkpoint's quantization_config (fp8)",
+        )
         return parser
 
     @classmethod
