@@ -275,9 +275,7 @@ def test_impls_read_the_target_buffer_through_their_indexers(
     impls reach the target's buffer only by resolving it through them. An impl that took a
     snapshot of its buffer at construction (before loading) has none to read: the draft's first
     sparse attention fails."""
-    from vllm.model_executor.layers.attention.sparse_mla_attention import (
-        SharedTopkIndicesBuffer,
-    )
+    from vllm.v1.attention.backends.mla.sparse_common import SharedTopkIndicesBuffer
 
     init = SharedTopkIndicesBuffer.init_topk_indices_buffer
 

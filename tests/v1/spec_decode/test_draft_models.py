@@ -22,10 +22,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.checkpoints import _fuse_experts
 from tests.engine_utils import hf_model, make_prompts
 from tests.spec_checkpoints import make_eagle3_draft, make_eagle_draft
 from vllm import LLM, SamplingParams
+from vllm.model_executor.layers.fused_moe import fuse_experts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 COMMON = dict(dtype="float32", max_model_len=256, max_num_seqs=4)
@@ -104,8 +104,8 @@ class _MTPReference:
         block_cfg = copy.deepcopy(cfg)
         block_cfg.first_k_dense_replace = 0  # MTP blocks are MoE
         self.block = DeepseekV3DecoderLayer(block_cfg, layer_idx=n).eval()
-        block_w = _fuse_experts({"b." + k: v for k, v in mine.items() if not k.startswith(parts)})
-        self.block.load_state_dict({k[2:]: v for k, v in block_w.items()}, strict=True)
+        block_w = fuse_experts({k: v for k, v in mine.items() if not k.startswith(parts)})
+        self.block.load_state_dict(block_w, strict=True)
         self.embed = self.w.get("embed_tokens.weight", w["model.embed_tokens.weight"])
 
     @torch.no_grad()

@@ -24,14 +24,9 @@ from torch import nn
 from vllm.config import ModelConfig, VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.model_loader.weight_utils import safetensors_weight_names
-from vllm.model_executor.models.interfaces import SupportsEagleBase, SupportsPP
+from vllm.model_executor.models.base import DraftModelBase, build_lm_head
 from vllm.model_executor.models.llama import LlamaDecoderLayer
-from vllm.model_executor.models.utils import (
-    check_all_loaded,
-    load_params_strict,
-    make_empty_intermediate_tensors_factory,
-    maybe_prefix,
-)
+from vllm.model_executor.models.utils import check_all_loaded, load_params_strict, maybe_prefix
 from vllm.sequence import IntermediateTensors
 
 
@@ -78,20 +73,16 @@ class EagleLlamaModel(nn.Module):
         return hidden + residual
 
 
-class EagleLlamaForCausalLM(nn.Module, SupportsPP, SupportsEagleBase):
-    """EAGLE-1 draft (draft folder `architectures: ["LlamaForCausalLM"]`, method "eagle").
+class EagleLlamaForCausalLM(DraftModelBase):
+    """EAGLE-1 draft (draft folder `architectures: ["LlamaForCausalLM"]`, method "eagle")."""
 
-    It never runs split over stages (the draft lives on the last one), but implements SupportsPP
-    so a pipeline-parallel engine can build it there."""
-
-    supports_pp = True
+    model: EagleLlamaModel
 
     def __init__(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
     ) -> None:
-        super().__init__()
-        config = model_config.hf_text_config
-        self.config = config
+        super().__init__(vllm_config, model_config, prefix)
+        config = self.config
         if int(getattr(config, "num_hidden_layers", 0) or 0) < 1:
             raise ValueError(
                 f"EAGLE draft {model_config.model!r}: num_hidden_layers must be >= 1, got "
@@ -101,16 +92,10 @@ class EagleLlamaForCausalLM(nn.Module, SupportsPP, SupportsEagleBase):
         self.model = EagleLlamaModel(
             config, fc_bias="fc.bias" in names, prefix=maybe_prefix(prefix, "model")
         )
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = build_lm_head(config)
         # Set from the checkpoint by load_weights; what it lacks is shared from the target.
         self.has_own_embed_tokens = False
         self.has_own_lm_head = False
-        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states", "residual"], config.hidden_size
-        )
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
 
     def forward(
         self,
@@ -123,9 +108,6 @@ class EagleLlamaForCausalLM(nn.Module, SupportsPP, SupportsEagleBase):
         """(stream for the LM head, stream fed back to the next draft step): the same tensor."""
         out = self.model(input_ids, positions, hidden_states, inputs_embeds)
         return out, out
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str) -> str | None:

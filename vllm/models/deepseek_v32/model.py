@@ -180,6 +180,8 @@ class DeepseekV32MLAAttention(DeepseekV2MLAAttention):
     """V3 MLA whose attention is sparse over the indexer's selection (its own indexer, or, for
     GLM "shared" layers, whatever the previous indexer left in the model-wide buffer)."""
 
+    attn: SparseMLAAttention
+
     def __init__(
         self,
         config: Any,
@@ -244,15 +246,20 @@ class DeepseekV32Model(DeepseekV2Model):
     """The decoder; owns the model-wide `topk_indices_buffer` its indexers write and its sparse
     MLA layers read."""
 
-    def __init__(self, config: Any, prefix: str, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        config: Any,
+        prefix: str,
+        max_num_batched_tokens: int,
+        *,
+        tied: bool | None = None,
+        keep_embed: bool = False,
+    ) -> None:
         check_dsa_config(config)
-        buf = new_topk_indices_buffer(config, max_num_batched_tokens)
-        super().__init__(
-            config,
-            prefix,
-            layer_fn=lambda p: DeepseekV32DecoderLayer(config, p, topk_indices_buffer=buf),
-        )
-        self.topk_indices_buffer = buf
+        # Before the base builds the layers, which are handed the buffer (a plain tensor
+        # attribute, so it may be set before nn.Module.__init__).
+        self.topk_indices_buffer = new_topk_indices_buffer(config, max_num_batched_tokens)
+        super().__init__(config, prefix, tied=tied, keep_embed=keep_embed)
         if self.start_layer < self.end_layer and not layer_has_indexer(config, self.start_layer):
             raise ValueError(
                 f"pipeline stage {get_pp_group().rank} starts at layer {self.start_layer}, whose "
@@ -260,12 +267,25 @@ class DeepseekV32Model(DeepseekV2Model):
                 "stage); choose VLLM_PP_LAYER_PARTITION so every stage starts at a 'full' layer"
             )
 
+    def make_layer(self, layer_idx: int, prefix: str) -> nn.Module:
+        return DeepseekV32DecoderLayer(
+            self.config, prefix, topk_indices_buffer=self.topk_indices_buffer, layer_idx=layer_idx
+        )
+
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V3.2 causal LM (DSA sparse MLA + MoE); supports pipeline parallelism."""
 
-    def _init_model(self, vllm_config: VllmConfig, config: Any, prefix: str) -> nn.Module:
-        return DeepseekV32Model(config, prefix, vllm_config.scheduler_config.max_num_batched_tokens)
+    def _init_model(
+        self, vllm_config: VllmConfig, prefix: str, keep_embed: bool
+    ) -> DeepseekV32Model:
+        return DeepseekV32Model(
+            self.config,
+            prefix,
+            vllm_config.scheduler_config.max_num_batched_tokens,
+            tied=self.tied,
+            keep_embed=keep_embed,
+        )
 
 
 class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from vllm.config import VllmConfig
 from vllm.model_executor.models.deepseek_mtp import (
@@ -16,7 +15,11 @@ from vllm.model_executor.models.deepseek_mtp import (
     DeepSeekMultiTokenPredictor,
     DeepSeekMultiTokenPredictorLayer,
 )
-from vllm.models.deepseek_v32.model import DeepseekV32DecoderLayer, check_dsa_config
+from vllm.models.deepseek_v32.model import (
+    DeepseekV32DecoderLayer,
+    DeepseekV32MLAAttention,
+    check_dsa_config,
+)
 
 
 class DeepseekV32MultiTokenPredictorLayer(DeepSeekMultiTokenPredictorLayer):
@@ -44,8 +47,8 @@ class DeepseekV32MultiTokenPredictor(DeepSeekMultiTokenPredictor):
         )
         self.topk_indices_buffer: torch.Tensor | None = None
 
-    def _attentions(self) -> list[nn.Module]:
-        return [layer.mtp_block.self_attn for layer in self.layers.values()]
+    def _attentions(self) -> list[DeepseekV32MLAAttention]:
+        return [m for m in self.modules() if isinstance(m, DeepseekV32MLAAttention)]
 
     def set_skip_topk(self, skip: bool) -> None:
         """skip=True: the MTP layers' indexers do not run; attention reads the buffer as is."""
@@ -69,5 +72,7 @@ class DeepseekV32MTP(DeepSeekMTP):
     """MTP draft for DeepSeek-V3.2 and GLM-MoE-DSA checkpoints (SupportsPP, own embed_tokens
     and spec-layer weight names by inheritance from DeepSeekMTP)."""
 
-    def _init_model(self, vllm_config: VllmConfig, config: Any, prefix: str) -> nn.Module:
+    def _init_model(
+        self, vllm_config: VllmConfig, config: Any, prefix: str
+    ) -> DeepseekV32MultiTokenPredictor:
         return DeepseekV32MultiTokenPredictor(config, prefix)

@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLACommonImpl
+from vllm.v1.attention.backends.mla.sparse_common import SparseMLACommonImpl
 
 try:
     import triton
