@@ -19,8 +19,8 @@ from vllm.v1.core.kv_cache_manager import (
     hash_block_tokens,
     root_block_hash,
 )
-from vllm.v1.core.sched.output import ModelRunnerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 

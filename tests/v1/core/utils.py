@@ -9,7 +9,8 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 
 from vllm.sampling_params import SamplingParams
-from vllm.v1.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 

@@ -17,7 +17,8 @@ from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.interfaces import check_supports_pp
 from vllm.sequence import IntermediateTensors
 from vllm.v1.core.kv_cache_manager import cdiv
-from vllm.v1.core.sched.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.worker.gpu.input_batch import InputBatch, prepare_inputs
 from vllm.v1.worker.gpu.linear_attn_states import LinearAttnStates
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays, compute_logprobs
