@@ -21,6 +21,6 @@ class ModelRunnerOutput:
     req_ids: list[str]
     req_id_to_index: dict[str, int]
     sampled_token_ids: list[list[int]]
-    logprobs: list[list[LogprobsLists]] | None = None
+    logprobs: list[list[LogprobsLists | None]] | None = None
     prompt_logprobs: dict[str, list[LogprobsLists | None]] = field(default_factory=dict)
     draft_token_ids: list[list[int]] | None = None

@@ -66,7 +66,7 @@ def test_cache_salt_separates_requests():
 
 
 def test_next_token_hashing_needs_the_token_after_the_block():
-    m = KVCacheManager(64, 4, enable_caching=True, hash_next_token=True)
+    m = KVCacheManager(64, 4, enable_caching=True, num_lookahead_tokens=1)
     # 8 tokens: block 1 has no next token yet, so only block 0 is hashable.
     assert len(m._block_hashes(_req("a", range(1, 9)), 2)) == 1
     # Same block, different next token: different hash (the draft's KV there differs).

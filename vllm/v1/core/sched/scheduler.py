@@ -48,7 +48,11 @@ class Scheduler:
             num_state_slots,
             enable_caching=self.enable_prefix_caching,
             # A draft writes its own KV into the target's blocks (see KVCacheManager).
-            hash_next_token=self.num_spec_tokens > 0,
+            num_lookahead_tokens=(
+                vllm_config.speculative_config.num_lookahead_tokens
+                if vllm_config.speculative_config is not None
+                else 0
+            ),
         )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
