@@ -32,6 +32,7 @@ def sched_config(
         ),
         cache_config=SimpleNamespace(block_size=block_size, enable_prefix_caching=caching),
         num_speculative_tokens=k,
+        speculative_config=SimpleNamespace(num_lookahead_tokens=1) if k else None,
     )
 
 
