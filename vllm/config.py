@@ -82,6 +82,8 @@ class ModelConfig:
     """Longest prompt + output; defaults to the model's max_position_embeddings."""
     trust_remote_code: bool = False
     """Passed to transformers when reading the config/tokenizer."""
+    served_model_name: str | list[str] | None = None
+    """Name(s) the server answers to and labels metrics with; defaults to the model path."""
     quantization: str | None = None
     """Weight quantization (vLLM's --quantization): None takes the checkpoint's
     quantization_config; 'fp8' = block-quantized e4m3 weights as DeepSeek / Qwen publish them."""
@@ -112,6 +114,14 @@ class ModelConfig:
                 f"max_model_len={self.max_model_len} exceeds the model's "
                 f"max_position_embeddings={max_pos}"
             )
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """served_model_name as a list (the first is the reported one), else [model]."""
+        names = self.served_model_name
+        if isinstance(names, str):
+            names = [names]
+        return list(names) if names else [self.model]
 
     @property
     def hf_text_config(self) -> Any:

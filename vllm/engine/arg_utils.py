@@ -48,6 +48,7 @@ class EngineArgs:
     disable_log_stats: bool = True
     trust_remote_code: bool = False
     device: str = "auto"
+    served_model_name: str | list[str] | None = None
     quantization: str | None = None
 
     @classmethod
@@ -72,6 +73,7 @@ class EngineArgs:
             seed=self.seed,
             max_model_len=self.max_model_len,
             trust_remote_code=self.trust_remote_code,
+            served_model_name=self.served_model_name,
             quantization=self.quantization,
         )
         spec = self.speculative_config

@@ -33,6 +33,8 @@ from vllm.v1.worker.gpu.states import RequestStates, StepResult, apply_step_resu
 if TYPE_CHECKING:
     from vllm.v1.worker.gpu.input_batch import InputBatch
 
+SENDS_PER_BATCH = 3  # sampled tokens, counts, drafts
+
 
 def compute_need_sampled_mask(input_batch: InputBatch) -> np.ndarray | None:
     """Rows that produce a sample this step; None when no row does (then nothing is sent)."""
@@ -94,8 +96,10 @@ class PPHandler:
         self.broadcast_group = pp_group.broadcast_group
         # Receives posted, in batch order (non-last ranks).
         self.queue: deque[PendingRecv] = deque()
-        # Sends posted and not yet known complete (last rank): keeps their tensors alive.
+        # Sends posted and not yet reaped (last rank): keeps their tensors alive. At most
+        # three per batch and world_size batches in flight (the engine's limit).
         self._sends: deque[tuple[Any, torch.Tensor]] = deque()
+        self.max_pending_sends = SENDS_PER_BATCH * pp_group.world_size
         # Bumped when a slot is freed: results addressed to its previous owner are dropped.
         self.req_idx_gen_np = np.zeros(max_num_reqs, dtype=np.int64)
         self.recv_wait_s = 0.0  # time spent blocked on broadcasts not yet arrived (benchmarks)
@@ -136,9 +140,19 @@ class PPHandler:
 
     # ---- last rank -------------------------------------------------------------------------
     def _post_send(self, tensor: torch.Tensor) -> None:
-        while self._sends and self._sends[0][0].is_completed():
-            self._sends.popleft()
-        self._sends.append((self._bcast(tensor), tensor))
+        # gloo's is_completed() stays False until wait() is called, so waiting on completion
+        # alone would keep every batch's tensors forever. A send older than the batches in
+        # flight has been received (its batch's output reached the engine before this batch
+        # was started), so waiting on it returns at once and frees it.
+        sends = self._sends
+        while sends and (len(sends) >= self.max_pending_sends or sends[0][0].is_completed()):
+            sends.popleft()[0].wait()
+        sends.append((self._bcast(tensor), tensor))
+
+    @property
+    def num_pending_sends(self) -> int:
+        """Broadcasts posted and not reaped yet (bounded by max_pending_sends)."""
+        return len(self._sends)
 
     def broadcast(self, result: StepResult, input_batch: InputBatch) -> bool:
         """Send this batch's result (sampled tokens, counts, drafts); False when the batch
