@@ -380,6 +380,16 @@ class SpeculativeConfig:
     def use_eagle(self) -> bool:
         return self.method in ("eagle", "eagle3")
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """How many tokens after a position the draft's KV at that position depends on: 1 for
+        a draft that reads the next token there (EAGLE, one MTP layer); with n chained MTP
+        layers, layer s at position t reads token t + s + 1, so min(K, n)."""
+        if self.method == "mtp" and self.draft_model_config is not None:
+            n = num_mtp_layers(self.draft_model_config.hf_text_config)
+            return max(1, min(self.num_speculative_tokens, n))
+        return 1
+
     def verify_with_target(self, target: ModelConfig) -> None:
         """Check the draft against the target and point the draft config at the draft
         architecture (the MTP head of the target checkpoint, or the EAGLE head class)."""

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tests.engine_utils import hf_model, make_prompts
-from tests.spec_checkpoints import make_eagle3_draft, make_eagle_draft
+from tests.spec_checkpoints import make_eagle3_draft, make_eagle_draft, make_mtp_self_draft
 from vllm import LLM, SamplingParams
 from vllm.model_executor.layers.fused_moe import fuse_experts
 
@@ -52,17 +52,20 @@ def _runner(llm: LLM):
 
 
 def _record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
-    """(context, drafts) of every proposal for a request that sampled this step."""
-    spec = _runner(llm).speculator
+    """(context, drafts) of every proposal for a request that sampled this step; the context
+    is the request's tokens including the ones sampled this step."""
+    runner = _runner(llm)
+    spec = runner.speculator
     orig = spec.propose
     records: list[tuple[list[int], list[int]]] = []
 
-    def propose(runner, batch, hidden, aux, sampled, num_sampled, num_rejected):
-        drafts = orig(runner, batch, hidden, aux, sampled, num_sampled, num_rejected)
+    def propose(batch, hidden, aux, sampled, num_sampled, *args):
+        drafts = orig(batch, hidden, aux, sampled, num_sampled, *args)
         st = runner.states
         for i, s in enumerate(batch.idx_mapping_np.tolist()):
             if num_sampled[i]:
-                records.append((st.token_ids[s, : st.num_tokens[s]].tolist(), list(drafts[i])))
+                history = st.token_ids[s, : st.num_tokens[s]].tolist()
+                records.append((history + sampled[i, : num_sampled[i]].tolist(), list(drafts[i])))
         return drafts
 
     spec.propose = propose
@@ -88,53 +91,73 @@ def _sample(records, n: int = 6):
 
 
 class _MTPReference:
-    """Draft chain of one DeepSeek MTP layer (SPEC section 2), from HF's target and block."""
+    """Draft chain of DeepSeek MTP layers (SPEC section 2), from HF's target and block: layer s
+    at target position t combines layer s-1's output at t (the target's for s = 0) with the
+    embedding of token t + s + 1 (zeroed at position 0), attending causally over its own rows,
+    as the layers are trained. Draft step s uses layer s mod n: steps s < n are layer s over
+    the whole sequence (the draft after the last position is its last row); a later step of
+    layer l appends n rows (the previous step's last n outputs and the next tokens) after l's
+    rows so far, at the positions after them."""
 
     def __init__(self, model_dir: str) -> None:
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
         self.hf = hf_model(model_dir)
         cfg = self.hf.config
-        self.layer = n = cfg.num_hidden_layers
         w = _weights(model_dir)
-        prefix = f"model.layers.{n}."
-        mine = {k[len(prefix) :]: v for k, v in w.items() if k.startswith(prefix)}
-        parts = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
-        self.w = {k: v for k, v in mine.items() if k.startswith(parts)}
         block_cfg = copy.deepcopy(cfg)
         block_cfg.first_k_dense_replace = 0  # MTP blocks are MoE
-        self.block = DeepseekV3DecoderLayer(block_cfg, layer_idx=n).eval()
-        block_w = fuse_experts({k: v for k, v in mine.items() if not k.startswith(parts)})
-        self.block.load_state_dict(block_w, strict=True)
-        self.embed = self.w.get("embed_tokens.weight", w["model.embed_tokens.weight"])
+        parts = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
+        self.layers = []
+        for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+            prefix = f"model.layers.{i}."
+            mine = {k[len(prefix) :]: v for k, v in w.items() if k.startswith(prefix)}
+            lw = {k: v for k, v in mine.items() if k.startswith(parts)}
+            block = DeepseekV3DecoderLayer(block_cfg, layer_idx=i).eval()
+            bw = fuse_experts({k: v for k, v in mine.items() if not k.startswith(parts)})
+            block.load_state_dict(bw, strict=True)
+            lw.setdefault("embed_tokens.weight", w["model.embed_tokens.weight"])
+            self.layers.append((lw, block))
+
+    def _x(self, lw: dict, tokens: torch.Tensor, h: torch.Tensor, first_pos: int) -> torch.Tensor:
+        e = lw["embed_tokens.weight"][tokens].clone()
+        if first_pos == 0:
+            e[0] = 0  # position 0
+        cat = torch.cat([_rms(e, lw["enorm.weight"]), _rms(h, lw["hnorm.weight"])], -1)
+        return cat @ lw["eh_proj.weight"].T
+
+    def _block(self, block, xs: torch.Tensor) -> torch.Tensor:
+        n = xs.shape[0]
+        pos = torch.arange(n)[None]
+        cos_sin = self.hf.model.rotary_emb(xs[None], pos)
+        out = block(
+            xs[None], attention_mask=_causal(n), position_ids=pos, position_embeddings=cos_sin
+        )
+        return out[0]
 
     @torch.no_grad()
     def drafts(self, context: list[int], k: int) -> list[int]:
         """K greedy drafts after context (its last token is the one just sampled)."""
-        ids = torch.tensor(context)
+        n = len(self.layers)
         last = len(context) - 2
-        h_target = self.hf.model(input_ids=ids[None, : last + 1]).last_hidden_state[0]
-        e = self.embed[ids[1:]].clone()
-        e[0] = 0  # position 0
-        w = self.w
-
-        def x_of(e_rows: torch.Tensor, h_rows: torch.Tensor) -> torch.Tensor:
-            cat = torch.cat([_rms(e_rows, w["enorm.weight"]), _rms(h_rows, w["hnorm.weight"])], -1)
-            return cat @ w["eh_proj.weight"].T
-
-        xs = x_of(e, h_target)
-        out = []
-        for _ in range(k):
-            n = xs.shape[0]
-            pos = torch.arange(n)[None]
-            cos_sin = self.hf.model.rotary_emb(xs[None], pos)
-            h = self.block(
-                xs[None], attention_mask=_causal(n), position_ids=pos, position_embeddings=cos_sin
-            )[0]
-            logits = _rms(h[-1], w["shared_head.norm.weight"]) @ w["shared_head.head.weight"].T
-            tok = int(logits.argmax())
-            out.append(tok)
-            xs = torch.cat([xs, x_of(self.embed[tok][None], h[-1][None])])
+        assert last >= n - 1
+        seq = torch.tensor(context)
+        h = self.hf.model(input_ids=seq[None, : last + 1]).last_hidden_state[0]
+        xs: list[torch.Tensor | None] = [None] * n  # each layer's rows so far
+        out: list[int] = []
+        for s in range(k):
+            lw, block = self.layers[s % n]
+            if s < n:
+                t = torch.arange(last + 1)  # every target position
+                xs[s] = self._x(lw, seq[t + s + 1], h, 0)
+                h = self._block(block, xs[s])
+            else:
+                t = torch.arange(last - n + 1, last + 1)
+                xs[s % n] = torch.cat([xs[s % n], self._x(lw, seq[t + s + 1], h[-n:], 1)])
+                h = self._block(block, xs[s % n])[-n:]
+            logits = _rms(h[-1], lw["shared_head.norm.weight"]) @ lw["shared_head.head.weight"].T
+            out.append(int(logits.argmax()))
+            seq = torch.cat([seq, torch.tensor(out[-1:])])
         return out
 
 
@@ -154,6 +177,66 @@ def test_mtp_drafts_match_reference(deepseek_v3_mtp1_dir):
     assert len(checked) >= 4
     for context, drafts in checked:
         assert drafts == ref.drafts(context, k), f"context of {len(context)} tokens"
+
+
+@pytest.fixture(scope="module")
+def mtp2_near_dir(deepseek_v3_mtp2_dir, tmp_path_factory) -> str:
+    """Two MTP layers that often agree with the target (steps accept 0..K drafts) and keep
+    their own attention, so their drafts depend on each layer's KV cache."""
+    return make_mtp_self_draft(
+        tmp_path_factory.mktemp("mtp2_near"),
+        deepseek_v3_mtp2_dir,
+        target_scale=0.3,
+        draft_block_scale=0.5,
+    )
+
+
+@pytest.mark.parametrize(
+    "ckpt, k",
+    [("deepseek_v3_mtp2_dir", 2), ("deepseek_v3_mtp2_dir", 3), ("mtp2_near_dir", 2)],
+    ids=["random_k2", "random_k3", "near_k2"],
+)
+def test_chained_mtp_drafts_match_reference(request, ckpt, k):
+    """Two chained MTP layers: the second layer's drafts (and, K = 3, the first layer's reuse)
+    equal the full-sequence chain the layers are trained as, through chunked prefill,
+    rejections and several requests (so its KV holds every position it attends to)."""
+    model = request.getfixturevalue(ckpt)
+    prompts = make_prompts(512, [13, 5, 22], seed=11)
+    records = _drafted(
+        model, prompts, {"method": "mtp", "num_speculative_tokens": k}, max_num_batched_tokens=8
+    )
+    ref = _MTPReference(model)
+    checked = _sample(records, 8)
+    assert len(checked) >= 6
+    for context, drafts in checked:
+        assert drafts == ref.drafts(context, k), f"context of {len(context)} tokens"
+
+
+def test_chained_mtp_drafts_do_not_depend_on_old_kv(mtp2_near_dir):
+    """The same requests again after every KV cache was filled with garbage propose the same
+    drafts: no MTP layer reads a position of its cache it has not written for this request."""
+    prompts = make_prompts(512, [13, 5, 22, 9], seed=12)
+    llm = LLM(
+        model=mtp2_near_dir,
+        **COMMON,
+        max_num_batched_tokens=8,
+        enable_prefix_caching=False,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+    )
+    try:
+        records = _record_drafts(llm)
+        batch = [{"prompt_token_ids": p} for p in prompts]
+        first = llm.generate(batch, GREEDY, use_tqdm=False)
+        n = len(records)
+        gen = torch.Generator().manual_seed(0)
+        for cache in _runner(llm).kv_caches.values():
+            cache.copy_(torch.randn(cache.shape, generator=gen) * 30)
+        again = llm.generate(batch, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    assert records[n:] == records[:n]
+    assert n >= 10
 
 
 def _without_mtp_embed(src: str, dst: Path) -> str:

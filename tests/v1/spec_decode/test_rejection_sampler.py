@@ -24,6 +24,12 @@ Q0 = torch.tensor([0.10, 0.50, 0.05, 0.30, 0.05])
 Q1 = torch.tensor([0.30, 0.30, 0.10, 0.20, 0.10])
 
 
+def _verify(target_tokens, cu_num_logits, drafts) -> list[list[int]]:
+    """rejection_sample_tokens' output as one token list per request."""
+    sampled, num_sampled = rejection_sample_tokens(target_tokens, cu_num_logits, drafts)
+    return [row[:n].tolist() for row, n in zip(sampled, num_sampled)]
+
+
 def _chi2(samples: np.ndarray, p: torch.Tensor) -> float:
     counts = np.bincount(samples, minlength=V).astype(np.float64)
     expected = p.double().numpy() * len(samples)
@@ -65,7 +71,7 @@ def _run(num_drafts: int, drafts_kind: str, seed0: int = 0, n: int = N):
         else:
             qd = q.double().numpy()
             drafts[j::per] = rng.choice(V, size=n, p=qd / qd.sum())
-    out = rejection_sample_tokens(target_tokens, np.arange(n + 1, dtype=np.int64) * per, drafts)
+    out = _verify(target_tokens, np.arange(n + 1, dtype=np.int64) * per, drafts)
     return out, drafts, target_tokens
 
 
@@ -128,7 +134,7 @@ def test_sampled_drafts_from_the_target_distribution_are_always_accepted():
     target_tokens = s.sample(torch.stack([P0, P1] * n).log(), positions).numpy()
     drafts = np.full(2 * n, -1, dtype=np.int64)
     drafts[0::2] = _sampling(n, seeds).sample(P0.log().expand(n, V), positions[0::2]).numpy()
-    out = rejection_sample_tokens(target_tokens, np.arange(n + 1) * 2, drafts)
+    out = _verify(target_tokens, np.arange(n + 1) * 2, drafts)
     assert all(len(t) == 2 for t in out)
 
 
@@ -153,12 +159,16 @@ def test_greedy_prefix_match_and_bonus():
     target_tokens = np.array([5, 6, 7, 1, 9, 4])
     cu = np.array([0, 3, 5, 6])
     drafts = np.array([5, 6, -1, 2, -1, -1])
-    assert rejection_sample_tokens(target_tokens, cu, drafts) == [[5, 6, 7], [1], [4]]
+    assert _verify(target_tokens, cu, drafts) == [[5, 6, 7], [1], [4]]
     # Mismatch in the middle: the target's token replaces the first wrong draft.
-    out = rejection_sample_tokens(np.array([3, 8, 2, 0]), np.array([0, 4]), np.array([3, 4, 2, -1]))
+    out = _verify(np.array([3, 8, 2, 0]), np.array([0, 4]), np.array([3, 4, 2, -1]))
     assert out == [[3, 8]]
     # A request without logits rows (a non-final prefill chunk) emits nothing.
-    assert rejection_sample_tokens(np.array([3]), np.array([0, 0, 1]), np.array([-1])) == [
+    assert _verify(np.array([3]), np.array([0, 0, 1]), np.array([-1])) == [
         [],
         [3],
     ]
+    # The arrays themselves: fixed width, PAD_TOKEN_ID after each request's tokens.
+    sampled, num_sampled = rejection_sample_tokens(target_tokens, cu, drafts, width=4)
+    assert num_sampled.tolist() == [3, 1, 1]
+    assert sampled.tolist() == [[5, 6, 7, -1], [1, -1, -1, -1], [4, -1, -1, -1]]

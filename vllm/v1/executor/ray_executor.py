@@ -20,7 +20,7 @@ from typing import Any
 from vllm import envs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.v1.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.executor.multiproc_executor import (
     WorkerFailure,
@@ -28,6 +28,7 @@ from vllm.v1.executor.multiproc_executor import (
     get_open_port,
     vllm_env,
 )
+from vllm.v1.outputs import ModelRunnerOutput
 
 logger = init_logger(__name__)
 

@@ -35,9 +35,11 @@ class InputBatch:
     # the last known token and each draft token after it (1 + num_drafts rows).
     logits_indices: torch.Tensor
     logits_indices_np: np.ndarray
+    logits_req_np: np.ndarray  # [N] batch row of each logits row
     cu_num_logits_np: np.ndarray  # [R + 1]
     num_draft_tokens_np: np.ndarray  # [R]
     need_sample_np: np.ndarray  # [R] bool: not a non-final prefill chunk
+    block_table_np: np.ndarray  # [R, max_blocks] each row's KV block ids
     attn_metadata: AttentionMetadata
 
     @property
@@ -86,9 +88,8 @@ def prepare_inputs(
     cu = np.zeros(len(slots) + 1, dtype=np.int64)
     np.cumsum(num_logits, out=cu[1:])
     # The logits rows of a request are the last num_logits rows of its query.
-    logits_idx = np.repeat(qsl[1:] - num_logits, num_logits) + (
-        np.arange(int(cu[-1])) - np.repeat(cu[:-1], num_logits)
-    )
+    logits_req = np.repeat(np.arange(len(slots)), num_logits)
+    logits_idx = (qsl[1:] - num_logits)[logits_req] + (np.arange(int(cu[-1])) - cu[:-1][logits_req])
     block_table = states.block_table[slots]
     slot_mapping = block_table[row, positions // block_size] * block_size + positions % block_size
     meta = build_attn_metadata(
@@ -118,9 +119,11 @@ def prepare_inputs(
         positions=torch.from_numpy(_pad(positions, T_pad)).to(device),
         logits_indices=torch.from_numpy(logits_idx).to(device),
         logits_indices_np=logits_idx,
+        logits_req_np=logits_req,
         cu_num_logits_np=cu,
         num_draft_tokens_np=num_drafts,
         need_sample_np=need_sample,
+        block_table_np=block_table,
         attn_metadata=meta,
     )
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm.v1.core.sched.output import LogprobsLists
+from vllm.v1.outputs import LogprobsLists
 
 _MASK = 0x7FFF_FFFF_FFFF_FFFF
 

@@ -21,20 +21,29 @@ sum_i 1 / sum_k max(p_k / p_i, q_k / q_i), equal to 1 when q = p.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+from vllm.v1.worker.gpu.states import PAD_TOKEN_ID
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.gpu.input_batch import InputBatch
 
 
 def rejection_sample_tokens(
-    target_tokens: np.ndarray, cu_num_logits: np.ndarray, draft_token_ids: np.ndarray
-) -> list[list[int]]:
-    """Output tokens per request (1 to d + 1 each; none for a request without logits rows).
+    target_tokens: np.ndarray,
+    cu_num_logits: np.ndarray,
+    draft_token_ids: np.ndarray,
+    width: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Output tokens per request: (sampled [R, width] int64, padded with PAD_TOKEN_ID;
+    num_sampled [R]: 1 to d + 1 each, 0 for a request without logits rows).
 
     target_tokens [N]: the target's keyed sample of every logits row. cu_num_logits [R + 1]:
     request r owns rows cu[r] .. cu[r+1] - 1. draft_token_ids [N]: the draft each row verifies
-    (a request's last row verifies none; its value is ignored).
+    (a request's last row verifies none; its value is ignored). width: at least the most rows
+    of any request (default: exactly that).
     """
     tokens = np.asarray(target_tokens, dtype=np.int64)
     drafts = np.asarray(draft_token_ids, dtype=np.int64)
@@ -50,45 +59,35 @@ def rejection_sample_tokens(
     nonempty = n_rows > 0
     if nonempty.any():
         accepted[nonempty] = np.minimum.reduceat(first_bad, cu[:-1][nonempty])
-    accepted = np.minimum(accepted, d)
-    tok_l, cu_l, a_l = tokens.tolist(), cu.tolist(), accepted.tolist()
-    return [tok_l[cu_l[r] : cu_l[r] + a_l[r] + 1] if n_rows[r] else [] for r in range(R)]
+    num_sampled = np.where(nonempty, np.minimum(accepted, d) + 1, 0)
+    W = int(n_rows.max(initial=0)) if width is None else width
+    cols = np.arange(W)
+    keep = cols < num_sampled[:, None]
+    src = np.minimum(cu[:-1, None] + cols, max(len(tokens) - 1, 0))
+    picked = tokens[src] if len(tokens) else np.zeros(src.shape, dtype=np.int64)
+    sampled = np.where(keep, picked, PAD_TOKEN_ID)
+    return sampled, num_sampled
 
 
 class RejectionSampler:
-    """Verifies one step's drafts against the target's sampled tokens (module docstring)."""
+    """Verifies one step's drafts against the target's sampled tokens (module docstring).
+    Built once by the model runner of the last stage; without drafts it degenerates to one
+    token per request that has a logits row."""
 
-    def __init__(self, spec_config: Any = None, device: torch.device | str = "cpu") -> None:
-        self.spec_config = spec_config
-        self.device = torch.device(device)
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.max_sample_len = num_speculative_tokens + 1
 
     def __call__(
-        self, input_batch: Any, target_tokens: torch.Tensor
-    ) -> tuple[list[list[int]], np.ndarray]:
-        """(output tokens per batch row, the logits rows they came from, for logprobs).
-
-        target_tokens [N] are the sampler's tokens for the batch's logits rows."""
+        self, input_batch: InputBatch, target_tokens: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(sampled [R, K + 1], num_sampled [R]) for the batch; target_tokens [N] are the
+        sampler's tokens for its logits rows (per request: its last known token, then each of
+        its drafts)."""
         b = input_batch
-        cu = b.cu_num_logits_np
         # The draft verified by a row is the input token of the request's next logits row.
         inputs = b.input_ids_np[b.logits_indices_np]
         drafts = np.full(len(inputs), -1, dtype=np.int64)
         drafts[:-1] = inputs[1:]
-        sampled = rejection_sample_tokens(target_tokens.cpu().numpy(), cu, drafts)
-        keep = np.concatenate(
-            [np.arange(cu[r], cu[r] + len(t)) for r, t in enumerate(sampled)] or [np.zeros(0)]
-        ).astype(np.int64)
-        return sampled, keep
-
-
-def rejection_sample(
-    runner: Any, input_batch: Any, target_tokens: torch.Tensor
-) -> tuple[list[list[int]], np.ndarray]:
-    """The model runner's entry point: verify this step's drafts (see RejectionSampler)."""
-    spec = runner.speculator
-    sampler = getattr(spec, "rejection_sampler", None)
-    if sampler is None:
-        sampler = RejectionSampler(runner.vllm_config.speculative_config, runner.device)
-        if spec is not None:
-            spec.rejection_sampler = sampler
-    return sampler(input_batch, target_tokens)
+        return rejection_sample_tokens(
+            target_tokens, b.cu_num_logits_np, drafts, self.max_sample_len
+        )

@@ -6,7 +6,7 @@ speculator that runs a draft model (its config, buffers, loading and draft-token
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,31 +31,37 @@ class BaseSpeculator(ABC):
     def load_model(self, target_model: nn.Module) -> None:
         """Build the drafter next to the (already loaded) target model."""
 
-    def init_cudagraph_manager(self, cudagraph_mode: Any = None) -> None:  # noqa: B027
-        """CUDA graphs are not captured yet: capture() warms up eagerly on every device."""
-
     @abstractmethod
     def capture(self) -> None:
-        """Warm-up (and, where graphs are used, capture) at max_num_reqs before serving."""
+        """Warm-up (and, where graphs are used, capture) at max_num_reqs, once the KV caches
+        exist and before serving."""
 
-    def warmup(self, runner: Any) -> None:
-        """Called by the runner once the KV caches exist."""
-        self.runner = runner
-        self.capture()
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Known tokens after each request's last position that propose() reads (the width of
+        its next_prefill_token_ids)."""
+        return 1
 
     @abstractmethod
     def propose(
         self,
-        runner: Any,
         input_batch: InputBatch,
         last_hidden_states: torch.Tensor,
         aux_hidden_states: list[torch.Tensor] | None,
-        sampled_token_ids: list[list[int]],
+        sampled_token_ids: np.ndarray,
         num_sampled: np.ndarray,
         num_rejected: np.ndarray,
-    ) -> list[list[int]]:
-        """Draft tokens [num_reqs][K] for the rows of input_batch, also written to
-        runner.states.draft_tokens so the next step's inputs carry them."""
+        next_prefill_token_ids: np.ndarray,
+        sampling: SamplingArrays,
+        new_req_mask: np.ndarray,
+    ) -> np.ndarray:
+        """Draft tokens [num_reqs, K] int64 for the rows of input_batch.
+
+        last_hidden_states [num_tokens_after_padding, H] (and, EAGLE3, aux_hidden_states) are
+        the target's for this step; sampled_token_ids [R, K + 1] / num_sampled / num_rejected
+        what the verifier kept; next_prefill_token_ids [R, num_lookahead_tokens] the known
+        tokens after each row's chunk (read where nothing was sampled); sampling the rows'
+        sampling parameters; new_req_mask the rows whose request entered its slot this step."""
 
 
 class DraftModelSpeculator(BaseSpeculator):
@@ -81,8 +87,8 @@ class DraftModelSpeculator(BaseSpeculator):
         self.vocab_size = vllm_config.model_config.vocab_size
         self.dtype = vllm_config.model_config.torch_dtype(self.device.type)
         self.draft_sample_method = spec.draft_sample_method
-        self.model = None
-        self.runner = None
+        self.model: nn.Module | None = None
+        self.supports_mm_inputs = False
         self.target_hidden_size = 0
         K = self.num_speculative_steps
         # Draft tokens of the current batch, one row per batch row.
