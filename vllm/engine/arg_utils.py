@@ -12,6 +12,7 @@ from typing import Any
 
 from vllm.config import (
     CacheConfig,
+    CompilationConfig,
     DeviceConfig,
     ModelConfig,
     ParallelConfig,
@@ -36,15 +37,19 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = False
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool | None = None  # None: on unless the model is hybrid
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     speculative_config: dict[str, Any] | str | None = None
+    compilation_config: dict[str, Any] | str | None = None
     enforce_eager: bool = False
     disable_log_stats: bool = True
     trust_remote_code: bool = False
     device: str = "auto"
+    served_model_name: str | list[str] | None = None
+    quantization: str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -68,11 +73,16 @@ class EngineArgs:
             seed=self.seed,
             max_model_len=self.max_model_len,
             trust_remote_code=self.trust_remote_code,
+            served_model_name=self.served_model_name,
+            quantization=self.quantization,
         )
         spec = self.speculative_config
         if isinstance(spec, str):
             spec = parse_json_arg("speculative_config", spec)
         speculative_config = SpeculativeConfig.from_dict(spec) if spec is not None else None
+        comp = self.compilation_config
+        if isinstance(comp, str):
+            comp = parse_json_arg("compilation_config", comp)
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 2048 if self.enable_chunked_prefill else max(2048, model_config.max_model_len)
@@ -82,6 +92,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler_config=SchedulerConfig(
@@ -96,6 +107,7 @@ class EngineArgs:
             ),
             speculative_config=speculative_config,
             device_config=DeviceConfig(device=self.device),
+            compilation_config=CompilationConfig.from_dict(comp),
             enforce_eager=self.enforce_eager,
             disable_log_stats=self.disable_log_stats,
         )
@@ -113,6 +125,14 @@ class EngineArgs:
         parser.add_argument("--block-size", type=int, default=d.block_size)
         parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
         parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+        parser.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="Reuse the KV cache of shared prompt prefixes (default: on, except for hybrid "
+            "models).",
+        )
         parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
         parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
         parser.add_argument(
@@ -124,10 +144,23 @@ class EngineArgs:
             default=None,
             help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'',
         )
+        parser.add_argument(
+            "--compilation-config",
+            type=lambda s: parse_json_arg("--compilation-config", s),
+            default=None,
+            help="JSON, e.g. '{\"cudagraph_capture_sizes\": [1, 2, 4, 8, 16, 32]}'",
+        )
         parser.add_argument("--enforce-eager", action="store_true")
         parser.add_argument("--disable-log-stats", action="store_true")
         parser.add_argument("--trust-remote-code", action="store_true")
         parser.add_argument("--device", type=str, default="auto")
+        parser.add_argument(
+            "-q",
+            "--quantization",
+            type=str,
+            default=None,
+            help="Weight quantization; default: the checkpoint's quantization_config (fp8)",
+        )
         return parser
 
     @classmethod

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -34,3 +34,52 @@ def safetensors_weights_iterator(model_dir: str) -> Iterator[tuple[str, torch.Te
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             for name in fh.keys():
                 yield name, fh.get_tensor(name)
+
+
+def safetensors_weight_names(model_dir: str) -> set[str]:
+    """Names of every tensor in the checkpoint (headers only; no tensor is read)."""
+    names: set[str] = set()
+    for f in safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            names.update(fh.keys())
+    return names
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint that does not fit the model: a missing, unexpected or misshaped weight."""
+
+
+# Every 8-bit float a checkpoint could hold: one reaching a layer that is not FP8 is an error.
+FP8_DTYPES = frozenset(
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, n)
+)
+
+
+def reject_quantized_tensor(ckpt_name: str, tensor: torch.Tensor, param_name: str) -> None:
+    """A quantized (FP8) checkpoint tensor may only fill a quantized layer: cast into a plain
+    parameter it would silently lose its scale."""
+    if tensor.dtype in FP8_DTYPES:
+        raise WeightLoadError(
+            f"checkpoint weight {ckpt_name!r} is stored quantized ({tensor.dtype}) but "
+            f"{param_name!r} is not a quantized parameter (does config.json lack its "
+            "quantization_config, or is this layer never quantized?)"
+        )
+
+
+class TrackedWeights:
+    """Checkpoint tensors, counting those a model's loader used (its weights as stored: FP8
+    data plus scales for a quantized checkpoint) for the load log."""
+
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._weights = weights
+        self.loaded_bytes = 0
+        self.loaded_tensors = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._weights)
+
+    def note_loaded(self, tensor: torch.Tensor) -> None:
+        self.loaded_bytes += tensor.numel() * tensor.element_size()
+        self.loaded_tensors += 1

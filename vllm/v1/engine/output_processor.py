@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from vllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.v1.core.sched.output import LogprobsLists
-from vllm.v1.core.sched.scheduler import EngineCoreOutput
+from vllm.v1.engine import EngineCoreOutput
+from vllm.v1.outputs import LogprobsLists
 
 
 @dataclass
@@ -43,6 +43,7 @@ class RequestState:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first sample)
 
     @property
     def finished(self) -> bool:
@@ -105,6 +106,8 @@ class OutputProcessor:
             if child.finish_reason is not None:
                 continue
             touched[rid] = st
+            if child.index == 0:
+                st.num_cached_tokens = out.num_cached_tokens
             if out.prompt_logprobs is not None and child.index == 0:
                 if st.prompt_logprobs is None:
                     st.prompt_logprobs = []
@@ -230,4 +233,5 @@ class OutputProcessor:
             finished=finished,
             prompt_logprobs=st.prompt_logprobs,
             metrics=metrics,
+            num_cached_tokens=st.num_cached_tokens,
         )
