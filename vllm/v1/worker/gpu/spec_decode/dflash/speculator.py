@@ -54,6 +54,11 @@ class DFlashSpeculator(DraftModelSpeculator):
         self.confidence_sum = np.zeros(K, dtype=np.float64)
         self.confidence_blocks = 0
         self._blocks_since_log = 0
+        # The last block's anchor positions, and per draft position its logits over the
+        # draft vocabulary (DSpark: with the Markov bias) and confidence estimates.
+        self.last_anchor_pos = np.zeros(0, dtype=np.int64)
+        self.last_logits: list[torch.Tensor] = []
+        self.last_confidence: list[torch.Tensor] = []
 
     def load_draft_model(
         self, target_model: nn.Module, target_attn_layer_names: set[str]
@@ -115,10 +120,13 @@ class DFlashSpeculator(DraftModelSpeculator):
         draft_pos = anchor_pos + 1
         first = self.first_draft_slot
         drafts = self.draft_tokens[:R]
+        self.last_anchor_pos = anchor_pos
+        self.last_logits, self.last_confidence = [], []
         if not self.sequential:
             logits = m.compute_draft_logits(hidden[:, first : first + K].reshape(R * K, -1))
             logits = logits.view(R, K, -1)
             for k in range(K):
+                self.last_logits.append(logits[:, k])
                 drafts[:, k] = self._sample(logits[:, k], draft_pos + k, sampling).cpu().numpy()
             return drafts.copy()
         anchor_t = torch.from_numpy(np.asarray(anchor_tokens, dtype=np.int64)).to(dev)
@@ -138,7 +146,9 @@ class DFlashSpeculator(DraftModelSpeculator):
                 logits = logits + bias.float()
             tok = self._sample(logits, draft_pos + k, sampling)
             drafts[:, k] = tok.cpu().numpy()
+            self.last_logits.append(logits)
             if conf is not None:
+                self.last_confidence.append(conf)
                 has_conf = True
                 conf_sum[k] = float(conf.double().sum())
             prev = tok
