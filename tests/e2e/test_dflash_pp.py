@@ -188,8 +188,8 @@ CASES = [
     ("qwen2", "dflash", 7, 2),
     ("llama", "dspark", 7, 4),
     ("qwen2", "dspark", 3, 4),
-    pytest.param("llama", "dflash", 3, 4, marks=pytest.mark.slow),
-    pytest.param("qwen2", "dflash", 7, 4, marks=pytest.mark.slow),
+    ("llama", "dflash", 3, 4),
+    ("qwen2", "dflash", 7, 4),
 ]
 
 
