@@ -168,7 +168,6 @@ class DFlashReference:
         slots drafted, in order (DSpark's Markov head reads them as previous tokens)."""
         m, B = self.model, self.block_size
         a = len(context) - 1
-        first = 0 if self.sample_from_anchor else 1
         block = [context[-1]] + [0] * (B - 1)
         # Slot s's previous token (DSpark) is block[s]: the anchor, then the drafts.
         for i, d in enumerate(drafts[: B - 1]):
