@@ -51,13 +51,15 @@ def _record(llm: LLM) -> list[tuple[list[int], list[int], list[torch.Tensor]]]:
 
     records = []
 
-    def propose(runner, batch, hidden, aux, sampled, num_sampled, num_rejected):
+    def propose(batch, hidden, aux, sampled, num_sampled, *rest):
         steps.clear()
-        drafts = orig_propose(runner, batch, hidden, aux, sampled, num_sampled, num_rejected)
-        st = runner.states
+        drafts = orig_propose(batch, hidden, aux, sampled, num_sampled, *rest)
+        # The states get this step's sampled tokens after propose returns.
+        st = _runner(llm).states
         for i, s in enumerate(batch.idx_mapping_np.tolist()):
             if num_sampled[i]:
                 ctx = st.token_ids[s, : st.num_tokens[s]].tolist()
+                ctx += sampled[i, : num_sampled[i]].tolist()
                 records.append((ctx, list(drafts[i]), [x[i].clone() for x in steps]))
         return drafts
 
