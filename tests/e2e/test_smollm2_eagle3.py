@@ -31,11 +31,14 @@ from vllm.model_zoo import SMOLLM2_EAGLE3_DIR
 HEAD = str(SMOLLM2_EAGLE3_DIR)
 NUM_PROMPTS = 3
 MAX_TOKENS = 40
-# Floors on the mean acceptance length (1 + accepted / drafts) over these prompts, a little below
-# what was measured on them (fp32, 3 held-out prompts x 40 tokens): K=1 FILL, K=3 FILL.
-FLOOR_K1 = 1.0
-FLOOR_K3 = 1.0
-# Engine vs speculators draft logits (fp32; the head's weights are bf16 values in both).
+# Floors on the mean acceptance length (1 + accepted / drafts) over these prompts, below what was
+# measured on them (fp32, 3 held-out prompts x 40 tokens, greedy, deterministic): K=1 1.42
+# (35 of 83 drafts accepted), K=3 1.76 (51 of 201 draft tokens; per position 31, 17, 3 of 67).
+# The same head with its taps shifted by one measured 1.63 at K=3, under the K=3 floor.
+FLOOR_K1 = 1.35
+FLOOR_K3 = 1.65
+# Engine vs speculators draft logits (fp32; the head's weights are bf16 values in both):
+# measured 2e-5; with the taps shifted by one, 3.4.
 ATOL = 2e-3
 
 pytestmark = pytest.mark.slow
@@ -136,7 +139,6 @@ def test_metrics_identical_at_p1_and_p2(runs):
 
 def test_acceptance_floors(runs):
     k1, k3 = runs["k1"][1], runs["k3"][1]
-    print("MEASURED", _mean_len(k1), k1, _mean_len(k3), k3)
     assert _mean_len(k1) >= FLOOR_K1, k1
     assert _mean_len(k3) >= FLOOR_K3, k3
     rates = [v / k3["drafts"] for v in k3["per_pos"]]
@@ -170,12 +172,10 @@ def test_draft_logits_match_speculators_and_shifted_taps_do_not(
     _, ref_rows = reference
     records = runs["k1"][2]
     assert len(records) >= NUM_PROMPTS * MAX_TOKENS // 2
-    print("ERR", _max_logit_error(records, ref_rows))
     assert _max_logit_error(records, ref_rows) <= ATOL
     # The engine reading the layers after the configured ones (a few proposals suffice).
     head = _shifted_head(tmp_path / "h", 1)
     shifted = _run(smollm2_dir, 1, head=head, record=True, num_prompts=1, max_tokens=4)
-    print("SHIFTERR", _max_logit_error(shifted[2], ref_rows[:1]))
     assert _max_logit_error(shifted[2], ref_rows[:1]) > 100 * ATOL
 
 
