@@ -10,7 +10,7 @@ mean acceptance length and per-position acceptance, checks the greedy text equal
 plots the per-position acceptance (benchmarks/eagle3_smollm2_acceptance.png).
 
     python benchmarks/eagle3_smollm2.py [--dtype float32 bfloat16] [--pp 1 2] [--k 0 1 2 3 4]
-        [--batch 1 8] [--repeats 3] [--output-len 64] [--profile]
+        [--batch 1 8] [--repeats 3] [--output-len 64] [--profile] [--no-plot]
 
 --profile instead breaks one P=1 run's step time down (target forward, target logits,
 sampling / verification, draft prefill pass, draft decode steps, draft logits and sampling,
@@ -158,6 +158,8 @@ def report(args, results: dict) -> None:
                 print(
                     f"{dtype} batch {batch}: P=2 / P=1 speedup ratio {best[2][0] / best[1][0]:.2f}"
                 )
+    if args.no_plot:
+        return
     try:
         import matplotlib
 
@@ -186,6 +188,7 @@ class _Timers:
     def __init__(self) -> None:
         self.t: dict[str, float] = defaultdict(float)
         self.n: dict[str, int] = defaultdict(int)
+        self.undo: list[tuple[object, str, object]] = []
 
     def wrap(self, obj, attr: str, name, key=None):
         orig = getattr(obj, attr)
@@ -199,30 +202,36 @@ class _Timers:
                 self.t[label] += time.perf_counter() - t0
                 self.n[label] += 1
 
+        self.undo.append((obj, attr, orig))
         setattr(obj, attr, wrapped)
+
+    def restore(self) -> None:
+        for obj, attr, orig in reversed(self.undo):
+            setattr(obj, attr, orig)
+        self.undo.clear()
 
 
 def profile(args) -> None:
     """Per-step time breakdown of P=1 runs (uniproc: the runner is in this process)."""
-    import vllm.v1.worker.gpu.model_runner as mr
-    import vllm.v1.worker.gpu.spec_decode.rejection_sampler as rs
+    from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
 
     model = smollm2()
     dtype = args.dtype[0]
     for batch in args.batch:
         for k in args.k:
             llm = make_llm(model, dtype, 1, k, batch)
+            tm = _Timers()
             try:
                 from vllm import SamplingParams
 
                 llm.chat(heldout_chats(1), SamplingParams(max_tokens=8), use_tqdm=False)
-                tm = _Timers()
                 runner = llm.llm_engine.executor.worker.model_runner
                 tm.wrap(llm.llm_engine, "step", "engine step (total)")
                 tm.wrap(runner.model, "forward", "target forward")
                 tm.wrap(runner.model, "compute_logits", "target logits")
-                tm.wrap(mr, "sample_tokens", "sampling")
-                tm.wrap(rs, "rejection_sample", "verification (rejection sampler)")
+                tm.wrap(runner, "prepare", "input preparation")
+                tm.wrap(SamplingArrays, "sample", "sampling")
+                tm.wrap(runner, "rejection_sampler", "verification (rejection sampler)")
                 spec = runner.speculator
                 if spec is not None:
                     tm.wrap(spec, "propose", "draft propose (total)")
@@ -240,6 +249,7 @@ def profile(args) -> None:
                 inner = sum(
                     tm.t[x]
                     for x in (
+                        "input preparation",
                         "target forward",
                         "target logits",
                         "sampling",
@@ -262,6 +272,7 @@ def profile(args) -> None:
                 rest = 1000 * (total - inner) / steps
                 print(f"    {'host overhead (rest)':34s} {rest:7.1f} ms/step")
             finally:
+                tm.restore()
                 llm.shutdown()
 
 
@@ -275,6 +286,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--num-prompts-b1", type=int, default=4, help="requests run one by one")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-plot", action="store_true", help="leave the acceptance png as it is")
     args = ap.parse_args()
     if args.profile:
         profile(args)

@@ -9,6 +9,8 @@
   (`midlayer.*`, switches at the top level, taps in `eagle_config`).
 - SpeculatorsReference: speculators' `Eagle3DraftModel.forward` over HF transformers' aux hidden
   states, returning the logits of every training-time-test step.
+- record_drafts(llm): what the engine's EAGLE3 speculator proposes, observed (context, drafts and
+  draft-vocabulary logits of each step of every proposal).
 
 Step k of speculators' forward at index t reads the teacher-forced token ids[t + 1 + k] and its
 own step k - 1 output hidden at t, attending to step-0 keys at indices <= t and to its own
@@ -217,3 +219,38 @@ class SpeculatorsReference:
             rows.append(logits)
             out.append(int(self.draft_to_target[int(logits.argmax())]))
         return out, rows
+
+
+def record_drafts(llm) -> list[tuple[list[int], list[int], list[torch.Tensor]]]:
+    """Start recording every proposal of a uniproc LLM's speculator: (context ending with the
+    token just sampled, its drafts, the draft-vocabulary logits row of each draft step).
+    Returns the list the records are appended to."""
+    runner = llm.llm_engine.executor.worker.model_runner
+    spec = runner.speculator
+    draft_ids = spec.model.draft_to_target
+    steps: list[torch.Tensor] = []
+    orig_logits, orig_propose = spec._compute_logits, spec.propose
+
+    def compute_logits(hidden, draft_step):
+        out = orig_logits(hidden, draft_step)
+        # Greedy drafting over a reduced vocabulary stays in draft ids (mapped at sampling).
+        full = draft_ids is not None and out.shape[-1] != len(draft_ids)
+        steps.append(out[:, draft_ids] if full else out)
+        return out
+
+    records: list[tuple[list[int], list[int], list[torch.Tensor]]] = []
+
+    def propose(batch, hidden, aux, sampled, num_sampled, *rest):
+        steps.clear()
+        drafts = orig_propose(batch, hidden, aux, sampled, num_sampled, *rest)
+        # The states get this step's sampled tokens after propose returns.
+        st = runner.states
+        for i, s in enumerate(batch.idx_mapping_np.tolist()):
+            if num_sampled[i]:
+                ctx = st.token_ids[s, : st.num_tokens[s]].tolist()
+                ctx += sampled[i, : num_sampled[i]].tolist()
+                records.append((ctx, list(drafts[i]), [x[i].clone() for x in steps]))
+        return drafts
+
+    spec._compute_logits, spec.propose = compute_logits, propose
+    return records

@@ -15,6 +15,10 @@ Stages (each resumable; outputs under --work-dir):
             model.safetensors in bf16 with d2t / t2d; no embedding: the target's is shared)
 
     python tools/train_eagle3_smollm2.py all [--work-dir DIR] [--out vllm/model_zoo/...]
+        [--num-chunks N] [--epochs E]
+
+The defaults (seed SEED, NUM_CHUNKS, EPOCHS) are the run that produced the shipped head; see its
+model card (vllm/model_zoo/smollm2-135m-eagle3/README.md).
 
 Tap convention (as vLLM and speculators): layer id L is the residual stream entering target
 decoder layer L, which is HF's `output_hidden_states[L]` for L < num_hidden_layers.
@@ -43,6 +47,11 @@ TTT_STEPS = 3
 # forward + backward; step 0 runs everywhere).
 LATER_STEP_FRACTION = 0.35
 MAX_ANSWER_TOKENS = 128
+CHUNK = 128  # prompts per generate / features file
+# The shipped head: the first NUM_CHUNKS chunks of the (seeded, shuffled) training prompts,
+# EPOCHS epochs. More chunks = more data, at ~15 min of this 2-core machine per chunk.
+NUM_CHUNKS = 5
+EPOCHS = 5.0
 DEFAULT_OUT = ROOT / "vllm" / "model_zoo" / "smollm2-135m-eagle3"
 
 # ---------------------------------------------------------------------------- prompts
@@ -217,8 +226,11 @@ def _conversation(prompt: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}]
 
 
-def stage_generate(work: Path, target: str, chunk: int = 128) -> None:
-    """Greedy answers from this engine, in chunks saved as they finish (resumable)."""
+def stage_generate(
+    work: Path, target: str, num_chunks: int | None = None, chunk: int = CHUNK
+) -> None:
+    """Greedy answers from this engine, in chunks saved as they finish (resumable); the
+    first num_chunks chunks of the training prompts (default all)."""
     import torch
 
     from vllm import LLM, SamplingParams
@@ -227,7 +239,8 @@ def stage_generate(work: Path, target: str, chunk: int = 128) -> None:
     prompts = json.loads((work / "prompts.json").read_text())["train"]
     out_dir = work / "gen"
     out_dir.mkdir(exist_ok=True)
-    todo = [i for i in range(0, len(prompts), chunk) if not (out_dir / f"{i:05d}.json").exists()]
+    starts = list(range(0, len(prompts), chunk))[:num_chunks]
+    todo = [i for i in starts if not (out_dir / f"{i:05d}.json").exists()]
     if not todo:
         return
     llm = LLM(model=target, dtype="float32", max_model_len=512, max_num_seqs=64, seed=SEED)
@@ -257,7 +270,9 @@ def stage_generate(work: Path, target: str, chunk: int = 128) -> None:
 # ---------------------------------------------------------------------------- features
 
 
-def stage_features(work: Path, target: str, follow: bool = False) -> None:
+def stage_features(
+    work: Path, target: str, follow: bool = False, num_chunks: int | None = None
+) -> None:
     """One HF forward per sequence -> {aux [T, 3H], final [T, H]} fp16 per generate chunk.
 
     follow: keep polling for chunks while `generate` runs in another process."""
@@ -272,6 +287,8 @@ def stage_features(work: Path, target: str, follow: bool = False) -> None:
     gen_dir, feat_dir = work / "gen", work / "feat"
     feat_dir.mkdir(exist_ok=True)
     total = len(json.loads((work / "prompts.json").read_text())["train"])
+    if num_chunks is not None:
+        total = min(total, num_chunks * CHUNK)
     while True:
         done_any = False
         for g in sorted(gen_dir.glob("*.json")):
@@ -302,7 +319,7 @@ def stage_features(work: Path, target: str, follow: bool = False) -> None:
             print(f"features {g.stem}: {ntok} tokens in {time.time() - t0:.0f}s", flush=True)
             done_any = True
         n_done = len(list(feat_dir.glob("*.pt")))
-        if not follow or n_done * 128 >= total:
+        if not follow or n_done * CHUNK >= total:
             return
         if not done_any:
             time.sleep(20)
@@ -546,7 +563,7 @@ def stage_train(
     work: Path,
     target: str,
     num_chunks: int | None = None,
-    epochs: float = 3.0,
+    epochs: float = EPOCHS,
     tokens_per_batch: int = 2048,
     lr: float = 1e-3,
 ) -> None:
@@ -809,8 +826,13 @@ def main() -> None:
     ap.add_argument("--target", default=None, help="SmolLM2 HF folder (default: convert)")
     ap.add_argument("--out", default=str(DEFAULT_OUT))
     ap.add_argument("--follow", action="store_true", help="features: wait for generate chunks")
-    ap.add_argument("--num-chunks", type=int, default=None, help="train on the first N chunks")
-    ap.add_argument("--epochs", type=float, default=3.0)
+    ap.add_argument(
+        "--num-chunks",
+        type=int,
+        default=NUM_CHUNKS,
+        help="generate / featurize / train on the first N chunks of 128 training prompts",
+    )
+    ap.add_argument("--epochs", type=float, default=EPOCHS)
     args = ap.parse_args()
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -824,9 +846,9 @@ def main() -> None:
         if s == "prompts":
             stage_prompts(work)
         elif s == "generate":
-            stage_generate(work, args.target)
+            stage_generate(work, args.target, num_chunks=args.num_chunks)
         elif s == "features":
-            stage_features(work, args.target, follow=args.follow)
+            stage_features(work, args.target, follow=args.follow, num_chunks=args.num_chunks)
         elif s == "train":
             stage_train(work, args.target, num_chunks=args.num_chunks, epochs=args.epochs)
         elif s == "export":

@@ -22,7 +22,12 @@ import pytest
 import torch
 
 from tests.engine_utils import make_prompts
-from tests.speculators_heads import SpeculatorsReference, make_speculators_eagle3, to_legacy_layout
+from tests.speculators_heads import (
+    SpeculatorsReference,
+    make_speculators_eagle3,
+    record_drafts,
+    to_legacy_layout,
+)
 from vllm import LLM, SamplingParams
 
 pytest.importorskip("speculators", reason="speculators is a test dependency (see README)")
@@ -33,36 +38,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 def _runner(llm: LLM):
     return llm.llm_engine.executor.worker.model_runner
-
-
-def _record(llm: LLM) -> list[tuple[list[int], list[int], list[torch.Tensor]]]:
-    """(context, drafts, per-step draft-vocab logits rows) of every proposal."""
-    spec = _runner(llm).speculator
-    draft_ids = spec.model.draft_to_target
-    steps: list[torch.Tensor] = []
-    orig_logits, orig_propose = spec._compute_logits, spec.propose
-
-    def compute_logits(hidden, draft_step):
-        out = orig_logits(hidden, draft_step)
-        # Greedy drafting over a reduced vocabulary stays in draft ids (mapped at sampling).
-        full = draft_ids is not None and out.shape[-1] != len(draft_ids)
-        steps.append(out[:, draft_ids] if full else out)
-        return out
-
-    records = []
-
-    def propose(runner, batch, hidden, aux, sampled, num_sampled, num_rejected):
-        steps.clear()
-        drafts = orig_propose(runner, batch, hidden, aux, sampled, num_sampled, num_rejected)
-        st = runner.states
-        for i, s in enumerate(batch.idx_mapping_np.tolist()):
-            if num_sampled[i]:
-                ctx = st.token_ids[s, : st.num_tokens[s]].tolist()
-                records.append((ctx, list(drafts[i]), [x[i].clone() for x in steps]))
-        return drafts
-
-    spec._compute_logits, spec.propose = compute_logits, propose
-    return records
 
 
 HEADS = {
@@ -97,7 +72,7 @@ def test_draft_logits_match_speculators(name, llama_dir, tmp_path):
         speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": k},
     )
     try:
-        records = _record(llm)
+        records = record_drafts(llm)
         prompts = make_prompts(512, [9, 17, 5], seed=3)
         llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     finally:

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
 from vllm.v1.worker.gpu.spec_decode.autoregressive.speculator import AutoRegressiveSpeculator
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
     set_eagle3_aux_hidden_state_layers,
@@ -20,7 +21,7 @@ class EagleSpeculator(AutoRegressiveSpeculator):
     aux_hidden_state_layers: tuple[int, ...] = ()
     # Greedy drafting with a reduced draft vocabulary: argmax over the draft vocabulary and
     # map the winner through d2t, instead of scattering every row into a -inf target-vocab
-    # tensor each step (the rejection sampler only needs full-vocab q for sampled drafts).
+    # tensor each step (only a probabilistic draft, keyed by target token id, needs that).
     _draft_vocab_argmax = False
 
     def load_draft_model(
@@ -33,7 +34,7 @@ class EagleSpeculator(AutoRegressiveSpeculator):
                 target_model, cfg, draft
             )
         self._draft_vocab_argmax = (
-            self.draft_probs is None
+            self.draft_sample_method != "probabilistic"
             and getattr(draft, "draft_to_target", None) is not None
             and hasattr(draft, "compute_draft_logits")
         )
@@ -45,17 +46,11 @@ class EagleSpeculator(AutoRegressiveSpeculator):
         return super()._compute_logits(hidden, draft_step)
 
     def sample_draft(
-        self,
-        logits: torch.Tensor,
-        positions: np.ndarray,
-        temperature: np.ndarray,
-        seeds: np.ndarray,
-        slots: np.ndarray,
-        draft_step: int,
+        self, logits: torch.Tensor, positions: np.ndarray, sampling: SamplingArrays
     ) -> torch.Tensor:
         if self._draft_vocab_argmax:
             return self.model.draft_to_target[logits.argmax(-1)]
-        return super().sample_draft(logits, positions, temperature, seeds, slots, draft_step)
+        return super().sample_draft(logits, positions, sampling)
 
     def _num_aux_hidden_states(self) -> int:
         return len(self.aux_hidden_state_layers)
