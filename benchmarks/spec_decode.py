@@ -13,6 +13,8 @@ EAGLE3's at the same K.
                                                           # speculation; acceptance ratio P2/P1 last
     python benchmarks/spec_decode.py --mtp-k --dflash-k 2 4 8   # EAGLE3 vs DFlash / DSpark only
 
+--dflash-heads: random, or bigram (constructed heads that draft the near-bigram target's bigram
+map: partial acceptance; DFlash drafts only its first token well, DSpark chains it).
 --mtp-heads: random (the checkpoint's random MTP layer: acceptance near 0, shows the overhead),
 near (the target mostly a bigram model that the MTP head reproduces: partial acceptance),
 self (a bigram target: every draft accepted, the upper bound).
@@ -25,18 +27,32 @@ import argparse
 from benchmarks.common import CACHE, timer
 
 
-def _dflash_heads(llama: str, max_k: int) -> dict[str, str]:
-    """Random speculators-format DFlash and DSpark (vanilla Markov head, confidence head)
-    heads for the Llama target, with blocks large enough for max_k drafts."""
-    from tests.speculators_dflash_heads import make_speculators_dflash
+def _near_bigram_llama(llama: str) -> str:
+    """The Llama target with attention / MLP outputs x0.2: mostly a bigram model."""
+    from tests.spec_checkpoints import make_llama_bigram_target
+
+    out = CACHE / "tiny-llama-near-bigram"
+    if not (out / "config.json").exists():
+        make_llama_bigram_target(str(out), llama, target_scale=0.2)
+    return str(out)
+
+
+def _dflash_heads(llama: str, max_k: int, kind: str) -> dict[str, str]:
+    """Speculators-format DFlash and DSpark heads for the Llama target with blocks large
+    enough for max_k drafts: random (DSpark: vanilla Markov head, confidence head), or the
+    constructed bigram heads of the tests (partial acceptance on the near-bigram target)."""
+    from tests.speculators_dflash_heads import make_bigram_head, make_speculators_dflash
 
     out = {}
     for method in ("dflash", "dspark"):
-        path = CACHE / f"tiny-llama-{method}-b{max_k + 1}"
+        path = CACHE / f"tiny-llama-{method}-{kind}-b{max_k + 1}"
         if not (path / "config.json").exists():
-            make_speculators_dflash(
-                str(path), llama, dspark=method == "dspark", block_size=max_k + 1
-            )
+            if kind == "bigram":
+                make_bigram_head(path, llama, method == "dspark", max_k)
+            else:
+                make_speculators_dflash(
+                    str(path), llama, dspark=method == "dspark", block_size=max_k + 1
+                )
         out[method] = str(path)
     return out
 
@@ -137,6 +153,12 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--mtp-heads", choices=["random", "near", "self"], default="random")
+    ap.add_argument(
+        "--dflash-heads",
+        choices=["random", "bigram"],
+        default="random",
+        help="bigram: constructed heads on a near-bigram Llama target (all Llama rows use it)",
+    )
     ap.add_argument("--mtp-k", type=int, nargs="*", default=[1, 2, 3])
     ap.add_argument("--eagle3-k", type=int, nargs="+", default=[2, 4])
     ap.add_argument(
@@ -154,8 +176,11 @@ def main() -> None:
     prompts = make_prompts(512, [args.input_len] * args.num_prompts, seed=0)
     cases = [("mtp", mtp, None, k) for k in args.mtp_k]
     cases += [("eagle3", llama, draft, k) for k in args.eagle3_k]
+    if args.dflash_heads == "bigram":
+        llama = _near_bigram_llama(llama)
+        cases = [c if c[0] != "eagle3" else (c[0], llama, c[2], c[3]) for c in cases]
     if args.dflash_k:
-        heads = _dflash_heads(llama, max(args.dflash_k))
+        heads = _dflash_heads(llama, max(args.dflash_k), args.dflash_heads)
         cases += [(m, llama, heads[m], k) for k in args.dflash_k for m in ("dflash", "dspark")]
     print(
         f"{args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} tokens, "

@@ -5,6 +5,10 @@
 - make_speculators_dflash(...): a random head for a target folder, constructed with
   speculators' own DFlash / DSpark config and model classes and written by its
   save_pretrained, so the folder is exactly what speculators publishes.
+- make_bigram_head(...): a constructed head whose blocks are known without running it (identity
+  draft layers, the target's embedding and LM head; DSpark: a Markov head that adds
+  BIAS * onehot(b(prev))), for targets whose greedy next token is mostly a function b of the
+  current one (tests/spec_checkpoints.py:make_llama_bigram_target).
 - DFlashReference: speculators' anchored-block forward (`_backbone_forward`, eager attention,
   fp32) over HF transformers' aux hidden states, with a single anchor at the end of a context;
   DSpark's Markov bias and confidence head applied by speculators' own modules to the block's
@@ -18,8 +22,13 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from tests.speculators_heads import SpeculatorsReference
+
+MASK = 3  # the constructed heads' mask token
+BIAS = 100.0  # the constructed DSpark head's Markov logit bias
 
 
 def _target_config(target_dir: str | os.PathLike) -> dict:
@@ -123,6 +132,50 @@ def make_speculators_dflash(
             model.load_vocab_mappings(t2d, ids - torch.arange(dv))
     model.save_pretrained(str(out_dir))
     return str(out_dir)
+
+
+def _weights(folder: str | Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def bigram_map(target_dir: str) -> torch.Tensor:
+    """b[t] = argmax lm_head(rmsnorm(embed[t])): the token an identity draft layer stack
+    predicts from token t (the target's final norm weight is one)."""
+    w = _weights(target_dir)
+    eps = json.loads((Path(target_dir) / "config.json").read_text())["rms_norm_eps"]
+    e = w["model.embed_tokens.weight"].double()
+    e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + eps)
+    head = w.get("lm_head.weight", w["model.embed_tokens.weight"]).double()
+    return (e @ head.T).argmax(-1)
+
+
+def make_bigram_head(out_dir: Path, target_dir: str, dspark: bool, k: int) -> str:
+    vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
+    head = make_speculators_dflash(
+        out_dir,
+        target_dir,
+        dspark=dspark,
+        block_size=k,
+        sample_from_anchor=True,
+        mask_token_id=MASK,
+        markov_rank=vocab,
+        enable_confidence_head=dspark,
+        init="zero",
+    )
+    if dspark:
+        b = bigram_map(target_dir)
+        path = Path(head) / "model.safetensors"
+        w = _weights(head)
+        w["markov_head.markov_w1.weight"] = torch.eye(vocab)
+        w2 = torch.zeros(vocab, vocab)
+        w2[b, torch.arange(vocab)] = BIAS
+        w["markov_head.markov_w2.weight"] = w2
+        save_file(w, str(path), {"format": "pt"})
+    return head
 
 
 class DFlashReference:

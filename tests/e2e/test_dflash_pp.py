@@ -21,17 +21,12 @@ speculation-free seeded sampling at P = 1 and P = 2.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from tests.engine_utils import make_prompts
 from tests.spec_checkpoints import make_llama_bigram_target
-from tests.speculators_dflash_heads import make_speculators_dflash
+from tests.speculators_dflash_heads import MASK, bigram_map, make_bigram_head
 from vllm import LLM, SamplingParams
 
 pytest.importorskip("speculators", reason="speculators is a test dependency (see README)")
@@ -45,52 +40,6 @@ METRICS = (
     "vllm:spec_decode_num_draft_tokens",
     "vllm:spec_decode_num_accepted_tokens",
 )
-MASK = 3
-BIAS = 100.0
-
-
-def _weights(folder: str | Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(Path(folder).glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
-
-
-def bigram_map(target_dir: str) -> torch.Tensor:
-    """b[t] = argmax lm_head(rmsnorm(embed[t])): the token an identity draft layer stack
-    predicts from token t (the target's final norm weight is one)."""
-    w = _weights(target_dir)
-    eps = json.loads((Path(target_dir) / "config.json").read_text())["rms_norm_eps"]
-    e = w["model.embed_tokens.weight"].double()
-    e = e * torch.rsqrt(e.pow(2).mean(-1, keepdim=True) + eps)
-    head = w.get("lm_head.weight", w["model.embed_tokens.weight"]).double()
-    return (e @ head.T).argmax(-1)
-
-
-def make_bigram_head(out_dir: Path, target_dir: str, dspark: bool, k: int) -> str:
-    vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
-    head = make_speculators_dflash(
-        out_dir,
-        target_dir,
-        dspark=dspark,
-        block_size=k,
-        sample_from_anchor=True,
-        mask_token_id=MASK,
-        markov_rank=vocab,
-        enable_confidence_head=dspark,
-        init="zero",
-    )
-    if dspark:
-        b = bigram_map(target_dir)
-        path = Path(head) / "model.safetensors"
-        w = _weights(head)
-        w["markov_head.markov_w1.weight"] = torch.eye(vocab)
-        w2 = torch.zeros(vocab, vocab)
-        w2[b, torch.arange(vocab)] = BIAS
-        w["markov_head.markov_w2.weight"] = w2
-        save_file(w, str(path), {"format": "pt"})
-    return head
 
 
 def expected_counts(ref: list[list[int]], b: torch.Tensor, dspark: bool, k: int) -> tuple:

@@ -45,6 +45,16 @@ HEADS = {
         dspark=True, block_size=3, markov_rank=0, confidence_head_with_markov=False, seed=5
     ),
 }
+# Engine settings of some cases: prompts prefilled in chunks of 8 tokens (the context of a
+# block spans chunks written in earlier steps), and a repeated prompt whose first KV block is a
+# prefix-cache hit (its draft context keys / values come from the other request's writes).
+ENGINE = {
+    "dflash-chunked": ("dflash", dict(max_num_batched_tokens=8)),
+    "dspark-rnn-prefix-hit": (
+        "dspark-rnn-no-anchor",
+        dict(repeat_prompt=True, enable_prefix_caching=True, disable_log_stats=False),
+    ),
+}
 
 
 def _runner(llm: LLM):
@@ -79,7 +89,7 @@ def _record(llm: LLM) -> list[tuple[str, int, list[int], list[torch.Tensor], lis
 
 @pytest.fixture(scope="module")
 def no_spec(llama_dir):
-    prompts = make_prompts(512, [9, 17], seed=3)
+    prompts = make_prompts(512, [9, 17, 20], seed=3)
     llm = LLM(model=llama_dir, **COMMON)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
@@ -88,21 +98,27 @@ def no_spec(llama_dir):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("name", list(HEADS))
+@pytest.mark.parametrize("name", list(HEADS) + list(ENGINE))
 def test_block_logits_match_speculators(name, llama_dir, no_spec, tmp_path):
     prompts, ref_tokens = no_spec
-    head = make_speculators_dflash(tmp_path / name, llama_dir, **HEADS[name])
-    llm = LLM(model=llama_dir, speculative_config={"model": head}, **COMMON)
+    head_name, kw = ENGINE.get(name, (name, {}))
+    if kw.pop("repeat_prompt", False):
+        prompts, ref_tokens = prompts + prompts[2:], ref_tokens + ref_tokens[2:]
+    head = make_speculators_dflash(tmp_path / head_name, llama_dir, **HEADS[head_name])
+    llm = LLM(model=llama_dir, speculative_config={"model": head}, **{**COMMON, **kw})
     try:
         records = _record(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         req_ids = [o.request_id for o in outs]
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         confidence = _runner(llm).speculator.confidence_stats()
+        metrics = {m.name: m for m in llm.get_metrics()}
     finally:
         llm.shutdown()
     assert tokens == ref_tokens
     assert records, "the drafter never fired"
+    if name == "dspark-rnn-prefix-hit":
+        assert metrics["vllm:prefix_cache_hits"].value >= 16
     ref = DFlashReference(head, llama_dir)
     first = 0 if ref.sample_from_anchor else 1
     seqs = {r: p + t for r, p, t in zip(req_ids, prompts, tokens)}
