@@ -133,6 +133,29 @@ def _bool_field(raw: dict[str, Any], name: str, default: bool, where: str) -> bo
     return v
 
 
+def _check_layer_and_vocab(
+    raw: dict[str, Any], layer: dict[str, Any], where: str, what: str
+) -> int:
+    """Refuse decoder layer kinds and tying our heads do not build; returns draft_vocab_size
+    (default: the layer's vocab_size)."""
+    kinds = set(layer.get("layer_types") or []) - {"full_attention"}
+    if kinds:
+        raise ValueError(
+            f"{where}: transformer_layer_config.layer_types {sorted(kinds)} are not supported "
+            f"for {what} (only full_attention)"
+        )
+    if raw.get("tie_word_embeddings"):
+        raise ValueError(f"{where}: tie_word_embeddings=true is not supported for {what}")
+    vocab = layer.get("vocab_size")
+    if not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(f"{where}: transformer_layer_config.vocab_size must be set, got {vocab!r}")
+    dv = raw.get("draft_vocab_size")
+    dv = vocab if dv is None else dv
+    if not isinstance(dv, int) or isinstance(dv, bool) or not 1 <= dv <= vocab:
+        raise ValueError(f"{where}: draft_vocab_size must be an integer in 1..{vocab}, got {dv!r}")
+    return dv
+
+
 def flatten_speculators_config(raw: dict[str, Any], where: str = "") -> dict[str, Any]:
     """The flat config dict (decoder fields + algorithm switches) of a speculators config."""
     where = where or "speculators config"
@@ -183,20 +206,7 @@ def _flatten_eagle3(raw: dict[str, Any], where: str) -> dict[str, Any]:
             f"{where}: transformer_layer_config.model_type {model_type!r} is not supported for "
             f"eagle3 heads; supported: {list(_EAGLE3_LAYER_TYPES)}"
         )
-    kinds = set(layer.get("layer_types") or []) - {"full_attention"}
-    if kinds:
-        raise ValueError(
-            f"{where}: transformer_layer_config.layer_types {sorted(kinds)} are not supported "
-            "(only full_attention)"
-        )
-    if raw.get("tie_word_embeddings"):
-        raise ValueError(f"{where}: tie_word_embeddings=true is not supported for eagle3 heads")
-    vocab = layer.get("vocab_size")
-    dv = raw.get("draft_vocab_size", vocab)
-    if not isinstance(vocab, int) or vocab < 1:
-        raise ValueError(f"{where}: transformer_layer_config.vocab_size must be set, got {vocab!r}")
-    if not isinstance(dv, int) or isinstance(dv, bool) or not 1 <= dv <= vocab:
-        raise ValueError(f"{where}: draft_vocab_size must be an integer in 1..{vocab}, got {dv!r}")
+    dv = _check_layer_and_vocab(raw, layer, where, "eagle3 heads")
     ids = raw.get("eagle_aux_hidden_state_layer_ids")
     if ids is not None and (
         not isinstance(ids, list)
@@ -268,19 +278,9 @@ def _flatten_dflash_family(raw: dict[str, Any], where: str, dspark: bool) -> dic
     target layer L), which is how speculators extracts them for training."""
     _check_fields(raw, _DSPARK_FIELDS if dspark else _DFLASH_FIELDS, where)
     layer = _check_common(raw, where)
-    kinds = set(layer.get("layer_types") or []) - {"full_attention"}
-    if kinds:
-        raise ValueError(
-            f"{where}: transformer_layer_config.layer_types {sorted(kinds)} are not supported "
-            "for DFlash-family heads (only full_attention)"
-        )
-    if raw.get("tie_word_embeddings"):
-        raise ValueError(f"{where}: tie_word_embeddings=true is not supported")
-    vocab = layer.get("vocab_size")
-    if not isinstance(vocab, int) or vocab < 1:
-        raise ValueError(f"{where}: transformer_layer_config.vocab_size must be set, got {vocab!r}")
-    raw = {"draft_vocab_size": vocab, **{k: v for k, v in raw.items() if v is not None}}
-    dv = _int_field(raw, "draft_vocab_size", where, 1, vocab)
+    dv = _check_layer_and_vocab(raw, layer, where, "DFlash-family heads")
+    vocab = int(layer["vocab_size"])
+    raw = {k: v for k, v in raw.items() if v is not None}
     block = _int_field(raw, "block_size", where, 1)
     if raw.get("mask_token_id") is None:
         raise ValueError(

@@ -122,17 +122,19 @@ class DFlashSpeculator(DraftModelSpeculator):
         drafts = self.draft_tokens[:R]
         self.last_anchor_pos = anchor_pos
         self.last_logits, self.last_confidence = [], []
+        # The backbone's logits of every drafted slot in one projection.
+        base = m.compute_draft_logits(hidden[:, first : first + K].reshape(R * K, -1))
+        base = base.view(R, K, -1)
         if not self.sequential:
-            logits = m.compute_draft_logits(hidden[:, first : first + K].reshape(R * K, -1))
-            logits = logits.view(R, K, -1)
+            toks = []
             for k in range(K):
-                self.last_logits.append(logits[:, k])
-                drafts[:, k] = self._sample(logits[:, k], draft_pos + k, sampling).cpu().numpy()
+                self.last_logits.append(base[:, k])
+                toks.append(self._sample(base[:, k], draft_pos + k, sampling))
+            drafts[:] = torch.stack(toks, dim=1).cpu().numpy()
             return drafts.copy()
-        anchor_t = torch.from_numpy(np.asarray(anchor_tokens, dtype=np.int64)).to(dev)
-        prev, state = anchor_t, None
-        conf_sum = np.zeros(K)
-        has_conf = False
+        prev = torch.from_numpy(np.asarray(anchor_tokens, dtype=np.int64)).to(dev)
+        state = None
+        toks, confs = [], []
         for s in range(first + K):
             k = s - first
             if k < 0:
@@ -141,19 +143,16 @@ class DFlashSpeculator(DraftModelSpeculator):
                     _, _, state = m.markov_step(prev, hidden[:, s], state)
                 continue
             bias, conf, state = m.markov_step(prev, hidden[:, s], state)
-            logits = m.compute_draft_logits(hidden[:, s])
-            if bias is not None:
-                logits = logits + bias.float()
-            tok = self._sample(logits, draft_pos + k, sampling)
-            drafts[:, k] = tok.cpu().numpy()
+            logits = base[:, k] if bias is None else base[:, k] + bias.float()
+            prev = self._sample(logits, draft_pos + k, sampling)
+            toks.append(prev)
             self.last_logits.append(logits)
             if conf is not None:
-                self.last_confidence.append(conf)
-                has_conf = True
-                conf_sum[k] = float(conf.double().sum())
-            prev = tok
-        if has_conf:
-            self._note_confidence(conf_sum, R)
+                confs.append(conf)
+        drafts[:] = torch.stack(toks, dim=1).cpu().numpy()
+        if confs:
+            self.last_confidence = confs
+            self._note_confidence(torch.stack(confs, dim=1).double().sum(0).cpu().numpy(), R)
         return drafts.copy()
 
     def _note_confidence(self, conf_sum: np.ndarray, num_blocks: int) -> None:
