@@ -121,9 +121,7 @@ def _measure(case: str, num_prompts: int, input_len: int, output_len: int) -> di
 
 
 def _child(args: argparse.Namespace) -> None:
-    out = {
-        c: _measure(c, args.num_prompts, args.input_len, args.output_len) for c in args.cases
-    }
+    out = {c: _measure(c, args.num_prompts, args.input_len, args.output_len) for c in args.cases}
     print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -173,8 +171,8 @@ def main() -> None:
         for name in order:
             runs[name].append(_run_tree(trees[name], args))
     print(
-        f"{args.num_prompts} prompts x {args.input_len} -> {args.output_len} tokens, greedy, P = 1, "
-        f"one thread; medians of {args.repeats} interleaved fresh processes"
+        f"{args.num_prompts} prompts x {args.input_len} -> {args.output_len} tokens, greedy, "
+        f"P = 1, one thread; medians of {args.repeats} interleaved fresh processes"
     )
     print(f"{'case':10s} {'tree':9s} {'host ms/step':>13s} {'forward ms/step':>16s} {'steps':>6s}")
     med: dict[tuple[str, str], float] = {}
@@ -186,7 +184,9 @@ def main() -> None:
             med[(case, name)] = host
             print(f"{case:10s} {name:9s} {host:13.2f} {fwd:16.2f} {steps:6d}")
     if args.baseline:
-        ratios = ", ".join(f"{c}: {med[(c, 'this')] / med[(c, 'baseline')]:.2f}x" for c in args.cases)
+        ratios = ", ".join(
+            f"{c}: {med[(c, 'this')] / med[(c, 'baseline')]:.2f}x" for c in args.cases
+        )
         print(f"host time per step, this / baseline: {ratios}")
 
 

@@ -76,7 +76,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pp", type=int, default=2, help="pipeline-parallel size")
     ap.add_argument("--k", type=int, default=3, help="EAGLE3 draft tokens per step")
-    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--max-tokens", type=int, default=64)
     args = ap.parse_args()
     model = ensure_smollm2()
     print(f"generating without speculation (pipeline_parallel_size={args.pp}) ...", flush=True)
