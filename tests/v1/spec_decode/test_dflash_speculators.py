@@ -13,6 +13,7 @@ previous tokens - must give the same logits (and DSpark the same confidence esti
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -99,7 +100,22 @@ def no_spec(llama_dir):
 
 
 @pytest.mark.parametrize("name", list(HEADS) + list(ENGINE))
-def test_block_logits_match_speculators(name, llama_dir, no_spec, tmp_path):
+def test_block_logits_match_speculators(name, llama_dir, no_spec, tmp_path, monkeypatch):
+    from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash_speculator
+
+    # The confidence head's estimates are logged every CONFIDENCE_LOG_INTERVAL proposals.
+    monkeypatch.setattr(dflash_speculator, "CONFIDENCE_LOG_INTERVAL", 1)
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    dflash_speculator.logger.addHandler(handler)
+    try:
+        _check_block_logits(name, llama_dir, no_spec, tmp_path, logged)
+    finally:
+        dflash_speculator.logger.removeHandler(handler)
+
+
+def _check_block_logits(name, llama_dir, no_spec, tmp_path, logged) -> None:
     prompts, ref_tokens = no_spec
     head_name, kw = ENGINE.get(name, (name, {}))
     if kw.pop("repeat_prompt", False):
@@ -137,8 +153,11 @@ def test_block_logits_match_speculators(name, llama_dir, no_spec, tmp_path):
     assert checked >= 4
     has_conf = ref.dspark and ref.model.confidence_head is not None
     assert (confidence is not None) == has_conf
+    lines = [r.getMessage() for r in logged if "DSpark confidence head" in r.getMessage()]
+    assert bool(lines) == has_conf
     if has_conf:
         assert len(confidence) == len(records[0][2]) and ((confidence > 0) & (confidence < 1)).all()
+        assert str(round(float(confidence[0]), 3)) in lines[-1]
 
 
 # ---------------------------------------------------------------------------- bad configs
