@@ -156,6 +156,17 @@ def _check_layer_and_vocab(
     return dv
 
 
+def _check_layer_ids(ids: Any, name: str, where: str) -> None:
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)
+    ):
+        raise ValueError(
+            f"{where}: {name} must be a non-empty list of target layer indices, got {ids!r}"
+        )
+
+
 def flatten_speculators_config(raw: dict[str, Any], where: str = "") -> dict[str, Any]:
     """The flat config dict (decoder fields + algorithm switches) of a speculators config."""
     where = where or "speculators config"
@@ -208,15 +219,8 @@ def _flatten_eagle3(raw: dict[str, Any], where: str) -> dict[str, Any]:
         )
     dv = _check_layer_and_vocab(raw, layer, where, "eagle3 heads")
     ids = raw.get("eagle_aux_hidden_state_layer_ids")
-    if ids is not None and (
-        not isinstance(ids, list)
-        or not ids
-        or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)
-    ):
-        raise ValueError(
-            f"{where}: eagle_aux_hidden_state_layer_ids must be a list of layer indices, "
-            f"got {ids!r}"
-        )
+    if ids is not None:
+        _check_layer_ids(ids, "eagle_aux_hidden_state_layer_ids", where)
     norm_before_fc = _bool_field(raw, "norm_before_fc", False, where)
     fc_norm = _bool_field(raw, "fc_norm", False, where)
     if norm_before_fc and fc_norm:
@@ -288,15 +292,7 @@ def _flatten_dflash_family(raw: dict[str, Any], where: str, dspark: bool) -> dic
         )
     mask = _int_field(raw, "mask_token_id", where, 0, vocab - 1)
     ids = raw.get("aux_hidden_state_layer_ids")
-    if (
-        not isinstance(ids, list)
-        or not ids
-        or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)
-    ):
-        raise ValueError(
-            f"{where}: aux_hidden_state_layer_ids must be a non-empty list of target layer "
-            f"indices, got {ids!r}"
-        )
+    _check_layer_ids(ids, "aux_hidden_state_layer_ids", where)
     if len(set(ids)) != len(ids):
         raise ValueError(f"{where}: aux_hidden_state_layer_ids {ids} has duplicates")
     flat = dict(layer)

@@ -48,8 +48,6 @@ from vllm.model_executor.models.llama_eagle3 import (
     get_eagle3_aux_layers_from_config,
 )
 from vllm.model_executor.models.utils import (
-    WeightLoadError,
-    check_all_loaded,
     load_params_strict,
     make_empty_intermediate_tensors_factory,
 )
@@ -348,8 +346,10 @@ class DFlashDraftModel(nn.Module, SupportsPP, SupportsEagleBase):
             ["hidden_states", "residual"], int(config.hidden_size)
         )
 
-    # Logits over the draft vocabulary, as the EAGLE3 head computes them.
+    # Logits over the draft vocabulary and the draft-vocabulary loading checks, as the EAGLE3
+    # head has them.
     compute_draft_logits = LlamaForCausalLMEagle3.compute_draft_logits
+    finish_draft_vocab_loading = LlamaForCausalLMEagle3.finish_draft_vocab_loading
 
     def scatter_to_target(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [N, Vd] -> target-vocabulary ones (-inf outside)."""
@@ -403,27 +403,7 @@ class DFlashDraftModel(nn.Module, SupportsPP, SupportsEagleBase):
                 return name
             return "model." + name
 
-        loaded = load_params_strict(self, weights, rename)
-        if self.d2t is not None and "d2t" not in loaded:
-            raise WeightLoadError(
-                f"{type(self).__name__} has draft_vocab_size={self.draft_vocab_size} < "
-                f"vocab_size={self.vocab_size} but its checkpoint has no 'd2t' map"
-            )
-        self.has_own_embed_tokens = "model.embed_tokens.weight" in loaded
-        self.has_own_lm_head = "lm_head.weight" in loaded
-        if not self.has_own_lm_head and self.d2t is not None:
-            raise WeightLoadError(
-                f"{type(self).__name__} with a reduced vocabulary must ship lm_head.weight"
-            )
-        check_all_loaded(self, loaded, shared={"model.embed_tokens.weight", "lm_head.weight"})
-        if self.d2t is not None:
-            ids = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
-            if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-                raise WeightLoadError(
-                    f"{type(self).__name__} d2t maps draft ids outside the target vocabulary"
-                )
-            self.draft_to_target = ids
-        return loaded
+        return self.finish_draft_vocab_loading(load_params_strict(self, weights, rename))
 
 
 class DSparkDraftModel(DFlashDraftModel):
