@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine_utils import make_prompts
+from tests.engine_utils import make_prompts, spec_decode_counts
 from tests.spec_checkpoints import make_llama_bigram_target
 from tests.speculators_dflash_heads import MASK, bigram_map, make_bigram_head
 from vllm import LLM, SamplingParams
@@ -35,11 +35,6 @@ pytestmark = pytest.mark.usefixtures("pp_forkserver")
 LENGTHS = [21, 6, 34]
 MAX_TOKENS = 16
 COMMON = dict(dtype="float32", max_model_len=128, max_num_seqs=4, disable_log_stats=False)
-METRICS = (
-    "vllm:spec_decode_num_drafts",
-    "vllm:spec_decode_num_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens",
-)
 
 
 def expected_counts(ref: list[list[int]], b: torch.Tensor, dspark: bool, k: int) -> tuple:
@@ -64,19 +59,11 @@ def expected_counts(ref: list[list[int]], b: torch.Tensor, dspark: bool, k: int)
     return drafts, draft_tokens, accepted, per_pos
 
 
-def _counts(llm: LLM) -> tuple:
-    m = {x.name: x for x in llm.get_metrics()}
-    if METRICS[0] not in m:
-        return (0, 0, 0, [])
-    per_pos = list(m["vllm:spec_decode_num_accepted_tokens_per_pos"].values)
-    return tuple(m[n].value for n in METRICS) + (per_pos,)
-
-
 def _run(target: str, prompts, params, spec=None, pp: int = 1):
     llm = LLM(model=target, pipeline_parallel_size=pp, speculative_config=spec, **COMMON)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs], _counts(llm)
+        return [list(o.outputs[0].token_ids) for o in outs], spec_decode_counts(llm)
     finally:
         llm.shutdown()
 
