@@ -16,10 +16,14 @@ which gives the exact drafts / draft tokens / accepted / per-position counts the
 report - partial, non-zero acceptance - at every P, with the greedy tokens equal to no
 speculation. The heads also ship no embedding, so under PP the target keeps its embedding on
 the last stage for them. Seeded sampling (greedy and sampled drafts) gives the tokens of
-speculation-free seeded sampling at P = 1 and P = 2.
+speculation-free seeded sampling at P = 1 and P = 2. `vllm serve -pp 2` with a DSpark head
+answers like no speculation and its /metrics counts are the simulated ones.
 """
 
 from __future__ import annotations
+
+import json
+import re
 
 import pytest
 import torch
@@ -85,6 +89,12 @@ class _Cache:
         self.prompts = make_prompts(512, LENGTHS, seed=11)
         self.runs: dict = {}
         self.heads: dict = {}
+
+    @property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.targets["llama"])
 
     def head(self, target: str, method: str, k: int) -> str:
         key = (target, method, k)
@@ -154,3 +164,55 @@ def test_seeded_sampling_reproducible(cache, draft_sample_method):
     assert tokens1 == ref
     assert tokens2 == ref
     assert counts1 == counts2 and counts1[2] > 0
+
+
+def test_serve_pp2_dspark(cache, tmp_path):
+    """`vllm serve TARGET -pp 2 --speculative-config '{"method":"dspark","model":...}'` (K
+    from the checkpoint): the completions are the no-spec ones and /metrics counts exactly
+    the drafts the simulation predicts (one request at a time; the drafts depend only on each
+    request's own tokens)."""
+    import httpx
+    import openai
+
+    from tests.entrypoints.utils import RemoteServer
+
+    k = 3
+    target = cache.targets["llama"]
+    ref = cache.reference("llama", k)
+    spec = json.dumps({"method": "dspark", "model": cache.head("llama", "dspark", k)})
+    server = RemoteServer(
+        target,
+        ["-pp", "2", "--dtype", "float32", "--max-model-len", "128", "--speculative-config", spec],
+        tmp_path / "serve.log",
+    )
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0, timeout=120)
+        for prompt, want in zip(cache.prompts, ref):
+            res = client.completions.create(
+                model=target,
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                logprobs=1,
+                extra_body={"ignore_eos": True},
+            )
+            assert len(res.choices[0].logprobs.tokens) == MAX_TOKENS, server.log_tail()
+            assert res.choices[0].text == cache.tokenizer.decode(want[:MAX_TOKENS])
+        got: dict[str, float] = {}
+        for line in httpx.get(server.url("/metrics"), timeout=30).text.splitlines():
+            if line.startswith("vllm:spec_decode_num_"):
+                key, value = line.rsplit(" ", 1)
+                pos = re.search(r'position="(\d+)"', key)
+                name = key.split("{")[0] + (f"[{pos.group(1)}]" if pos else "")
+                got[name] = got.get(name, 0.0) + float(value)
+        drafts, draft_tokens, accepted, per_pos = expected_counts(ref, bigram_map(target), True, k)
+        assert got["vllm:spec_decode_num_drafts_total"] == drafts, got
+        assert got["vllm:spec_decode_num_draft_tokens_total"] == draft_tokens, got
+        assert got["vllm:spec_decode_num_accepted_tokens_total"] == accepted, got
+        for i, n in enumerate(per_pos):
+            assert got.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{i}]", 0) == n
+        assert accepted > 0
+        assert server.stop(timeout=60) == 0, server.log_tail()
+    finally:
+        server.stop(timeout=10)
