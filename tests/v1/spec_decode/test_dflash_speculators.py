@@ -30,7 +30,7 @@ COMMON = dict(dtype="float32", max_model_len=128, max_num_seqs=4)
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 HEADS = {
-    # name: make_speculators_dflash kwargs (target "llama" unless named)
+    # name: make_speculators_dflash kwargs
     "dflash": dict(block_size=4),
     "dflash-anchor-d2t-2layers": dict(
         block_size=3, sample_from_anchor=True, draft_vocab_size=300, num_layers=2, seed=1
@@ -46,15 +46,17 @@ HEADS = {
         dspark=True, block_size=3, markov_rank=0, confidence_head_with_markov=False, seed=5
     ),
 }
-# Engine settings of some cases: prompts prefilled in chunks of 8 tokens (the context of a
-# block spans chunks written in earlier steps), and a repeated prompt whose first KV block is a
-# prefix-cache hit (its draft context keys / values come from the other request's writes).
+# Engine settings of some cases (target "llama" unless named): prompts prefilled in chunks of
+# 8 tokens (the context of a block spans chunks written in earlier steps), a repeated prompt
+# whose first KV block is a prefix-cache hit (its draft context keys / values come from the
+# other request's writes), and a Qwen2 target (qkv biases) whose taps feed the context.
 ENGINE = {
     "dflash-chunked": ("dflash", dict(max_num_batched_tokens=8)),
     "dspark-rnn-prefix-hit": (
         "dspark-rnn-no-anchor",
         dict(repeat_prompt=True, enable_prefix_caching=True, disable_log_stats=False),
     ),
+    "dspark-gated-d2t-qwen2": ("dspark-gated-d2t", dict(target="qwen2")),
 }
 
 
@@ -89,18 +91,27 @@ def _record(llm: LLM) -> list[tuple[str, int, list[int], list[torch.Tensor], lis
 
 
 @pytest.fixture(scope="module")
-def no_spec(llama_dir):
-    prompts = make_prompts(512, [9, 17, 20], seed=3)
-    llm = LLM(model=llama_dir, **COMMON)
-    try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-        return prompts, [list(o.outputs[0].token_ids) for o in outs]
-    finally:
-        llm.shutdown()
+def no_spec():
+    """target folder -> (prompts, greedy tokens without speculation), each computed once."""
+    cache: dict[str, tuple] = {}
+
+    def get(target: str) -> tuple:
+        if target not in cache:
+            prompts = make_prompts(512, [9, 17, 20], seed=3)
+            llm = LLM(model=target, **COMMON)
+            try:
+                params = [{"prompt_token_ids": p} for p in prompts]
+                outs = llm.generate(params, GREEDY, use_tqdm=False)
+                cache[target] = (prompts, [list(o.outputs[0].token_ids) for o in outs])
+            finally:
+                llm.shutdown()
+        return cache[target]
+
+    return get
 
 
 @pytest.mark.parametrize("name", list(HEADS) + list(ENGINE))
-def test_block_logits_match_speculators(name, llama_dir, no_spec, tmp_path, monkeypatch):
+def test_block_logits_match_speculators(name, llama_dir, qwen2_dir, no_spec, tmp_path, monkeypatch):
     from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash_speculator
 
     # The confidence head's estimates are logged every CONFIDENCE_LOG_INTERVAL proposals.
@@ -110,18 +121,21 @@ def test_block_logits_match_speculators(name, llama_dir, no_spec, tmp_path, monk
     handler.emit = logged.append
     dflash_speculator.logger.addHandler(handler)
     try:
-        _check_block_logits(name, llama_dir, no_spec, tmp_path, logged)
+        head_name, kw = ENGINE.get(name, (name, {}))
+        kw = dict(kw)
+        target = qwen2_dir if kw.pop("target", "llama") == "qwen2" else llama_dir
+        _check_block_logits(head_name, kw, target, no_spec(target), tmp_path, logged)
     finally:
         dflash_speculator.logger.removeHandler(handler)
 
 
-def _check_block_logits(name, llama_dir, no_spec, tmp_path, logged) -> None:
+def _check_block_logits(head_name, kw, target, no_spec, tmp_path, logged) -> None:
     prompts, ref_tokens = no_spec
-    head_name, kw = ENGINE.get(name, (name, {}))
-    if kw.pop("repeat_prompt", False):
+    repeated = kw.pop("repeat_prompt", False)
+    if repeated:
         prompts, ref_tokens = prompts + prompts[2:], ref_tokens + ref_tokens[2:]
-    head = make_speculators_dflash(tmp_path / head_name, llama_dir, **HEADS[head_name])
-    llm = LLM(model=llama_dir, speculative_config={"model": head}, **{**COMMON, **kw})
+    head = make_speculators_dflash(tmp_path / head_name, target, **HEADS[head_name])
+    llm = LLM(model=target, speculative_config={"model": head}, **{**COMMON, **kw})
     try:
         records = _record(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
@@ -133,9 +147,9 @@ def _check_block_logits(name, llama_dir, no_spec, tmp_path, logged) -> None:
         llm.shutdown()
     assert tokens == ref_tokens
     assert records, "the drafter never fired"
-    if name == "dspark-rnn-prefix-hit":
+    if repeated:
         assert metrics["vllm:prefix_cache_hits"].value >= 16
-    ref = DFlashReference(head, llama_dir)
+    ref = DFlashReference(head, target)
     first = 0 if ref.sample_from_anchor else 1
     seqs = {r: p + t for r, p, t in zip(req_ids, prompts, tokens)}
     checked = 0
