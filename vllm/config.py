@@ -44,6 +44,13 @@ def load_hf_config(model: str, trust_remote_code: bool = False) -> Any:
         raise ValueError(f"config.json of {model!r} is unreadable: {e}") from e
     from transformers import AutoConfig, PretrainedConfig
 
+    from vllm.transformers_utils.speculators import (
+        is_speculators_config,
+        load_speculators_hf_config,
+    )
+
+    if is_speculators_config(raw):
+        return load_speculators_hf_config(model, raw)
     try:
         return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError) as e:
@@ -318,6 +325,40 @@ _SPEC_KEYS = {
 }
 
 
+def _with_speculators_defaults(d: dict[str, Any]) -> dict[str, Any]:
+    """A speculators-format draft (`model` with speculators_model_type) names its method and
+    the K it was trained for: fill in whichever of the two the user left out, and refuse a
+    method that contradicts the checkpoint."""
+    model = d.get("model")
+    if not isinstance(model, str | os.PathLike):
+        return d
+    from vllm.transformers_utils.speculators import (
+        read_speculators_config,
+        speculators_method,
+        speculators_num_speculative_tokens,
+    )
+
+    raw = read_speculators_config(model)
+    if raw is None:
+        return d
+    where = f"speculative_config.model {str(model)!r}"
+    method = speculators_method(raw, where)
+    d = dict(d)
+    given = d.get("method")
+    if given is None:
+        d["method"] = method
+    elif _METHOD_ALIASES.get(given, given) != method:
+        raise ValueError(
+            f"speculative_config.method {given!r} does not match {where}, a speculators "
+            f"{raw.get('speculators_model_type')!r} checkpoint (method {method!r})"
+        )
+    if d.get("num_speculative_tokens") is None:
+        k = speculators_num_speculative_tokens(raw)
+        if k is not None:
+            d["num_speculative_tokens"] = k
+    return d
+
+
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding: which drafter and how many tokens it proposes per step."""
@@ -343,6 +384,7 @@ class SpeculativeConfig:
                 f"speculative_config has unknown key(s) {sorted(unknown)}; "
                 f"known: {sorted(_SPEC_KEYS)}"
             )
+        d = _with_speculators_defaults(d)
         if "method" not in d:
             raise ValueError("speculative_config.method is required (e.g. 'mtp' or 'eagle3')")
         keep = {
@@ -425,6 +467,7 @@ class SpeculativeConfig:
                 self.method == "eagle3"
             ):
                 draft.hf_config.architectures = ["LlamaForCausalLMEagle3"]
+            _check_speculators_head(draft, target)
             if draft.vocab_size != target.vocab_size:
                 raise ValueError(
                     f"speculative_config.model {self.model!r} embeds a vocabulary of "
@@ -435,6 +478,29 @@ class SpeculativeConfig:
                 f"speculative_config.model {draft.model!r} supports {draft.max_model_len} "
                 f"positions, fewer than max_model_len={target.max_model_len}; lower max_model_len"
             )
+
+
+def _check_speculators_head(draft: ModelConfig, target: ModelConfig) -> None:
+    """A speculators head names the hidden size and architecture of the verifier it was
+    trained against: a different hidden size cannot work, a different architecture may."""
+    cfg = draft.hf_text_config
+    if getattr(cfg, "speculators_model_type", None) is None:
+        return
+    want = getattr(cfg, "target_hidden_size", None) or cfg.hidden_size
+    have = int(target.hf_text_config.hidden_size)
+    if int(want) != have:
+        raise ValueError(
+            f"speculative_config.model {draft.model!r} was trained on a verifier with hidden "
+            f"size {want}, but the target's is {have}"
+        )
+    archs = (getattr(cfg, "speculators_verifier", None) or {}).get("architectures") or []
+    if archs and target.architecture not in archs:
+        logger.warning(
+            "speculative_config.model %s was trained against %s, the target is %s",
+            draft.model,
+            archs,
+            target.architecture,
+        )
 
 
 # EAGLE-1 (method "eagle"): draft folder architecture -> the draft class, and the targets whose

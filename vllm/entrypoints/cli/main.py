@@ -20,6 +20,9 @@ def make_parser() -> argparse.ArgumentParser:
         add_serve_parser = None
     if add_serve_parser is not None:
         add_serve_parser(sub)
+    from vllm.entrypoints.cli.zoo import add_zoo_parser
+
+    add_zoo_parser(sub)
     return parser
 
 

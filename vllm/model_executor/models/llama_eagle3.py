@@ -1,7 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""EAGLE3 draft head for Llama-family targets: fc over the target's aux hidden states, one decoder
-layer whose attention reads [embedding ; hidden], and an LM head over a reduced draft vocabulary."""
+"""EAGLE3 draft head for Llama-family targets: fc over the target's aux hidden states, a first
+decoder layer whose attention reads [embedding ; hidden] (optionally more plain layers after it),
+and an LM head over a reduced draft vocabulary.
+
+Two public checkpoint layouts load into it: the legacy one (`LlamaForCausalLMEagle3`, layer 0 as
+`midlayer.*`, switches at the top level or in `eagle_config`) and the speculators format
+(`speculators_model_type: "eagle3"`, flattened by vllm/transformers_utils/speculators.py; layers
+as `layers.N.*`, `input_norm` for norm_before_fc, `fc_norm.N` for fc_norm).
+
+Forward of one draft step (what speculators trains, what vLLM serves):
+  hidden  = fc(cat(aux taps))            [step 0; later steps: the previous step's output]
+  x       = cat(input_layernorm(embed(token)), hidden_norm(hidden))
+  residual= hidden_norm(hidden) if norm_before_residual else hidden
+  h       = residual + attn(x);  h = h + mlp(post_attention_layernorm(h));  (more layers ...)
+  logits  = lm_head(norm(h))  over the draft vocabulary; target id = draft id + d2t[draft id]
+  fed back to the next step: h (the pre-norm stream), or norm(h) when norm_output is set.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +30,7 @@ from vllm.config import ModelConfig, VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.models.interfaces import SupportsEagleBase, SupportsPP
-from vllm.model_executor.models.llama import LlamaAttention, LlamaMLP
+from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from vllm.model_executor.models.utils import (
     WeightLoadError,
     check_all_loaded,
@@ -46,6 +61,14 @@ def get_eagle3_use_aux_hidden_state_from_config(config: Any) -> bool:
     return bool(_eagle_config(config).get("use_aux_hidden_state", True))
 
 
+def _switch(config: Any, name: str) -> bool:
+    """A boolean head switch, at the top level of the config or inside eagle_config."""
+    v = getattr(config, name, None)
+    if v is None:
+        v = _eagle_config(config).get(name)
+    return bool(v)
+
+
 class Eagle3DecoderLayer(nn.Module):
     """Decoder layer whose q/k/v read concat[input_layernorm(embeds), hidden_norm(hidden)]."""
 
@@ -67,11 +90,12 @@ class Eagle3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps)
         self.hidden_norm = RMSNorm(h, eps)
         self.post_attention_layernorm = RMSNorm(h, eps)
-        self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
+        self.norm_before_residual = _switch(config, "norm_before_residual")
 
     def forward(
         self, positions: torch.Tensor, embeds: torch.Tensor, hidden_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp output, residual): their sum is the stream after this layer."""
         if self.norm_before_residual:
             hidden_states = self.hidden_norm(hidden_states)
             residual = hidden_states
@@ -88,15 +112,43 @@ class Eagle3LlamaModel(nn.Module):
     def __init__(self, config: Any, prefix: str = "model") -> None:
         super().__init__()
         h = config.hidden_size
+        eps = getattr(config, "rms_norm_eps", 1e-6)
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
-        self.midlayer = Eagle3DecoderLayer(config, prefix=f"{prefix}.midlayer")
+        n_layers = int(getattr(config, "num_hidden_layers", 1) or 1)
+        qkv_bias = bool(getattr(config, "attention_bias", False))
+        self.layers = nn.ModuleList(
+            [Eagle3DecoderLayer(config, prefix=f"{prefix}.layers.0")]
+            + [
+                LlamaDecoderLayer(config, qkv_bias, prefix=f"{prefix}.layers.{i}")
+                for i in range(1, n_layers)
+            ]
+        )
+        self.fc = None
+        self.input_norm = None  # norm_before_fc: one RMSNorm over the concatenated taps
+        self.fc_norm = None  # fc_norm: one RMSNorm per tap before concatenation
         if get_eagle3_use_aux_hidden_state_from_config(config):
             target_h = int(getattr(config, "target_hidden_size", None) or h)
             num_aux = len(get_eagle3_aux_layers_from_config(config) or (0, 0, 0))
             self.fc = nn.Linear(num_aux * target_h, h, bias=False)
-        else:
-            self.fc = None
-        self.norm = RMSNorm(h, getattr(config, "rms_norm_eps", 1e-6))
+            if _switch(config, "norm_before_fc"):
+                self.input_norm = RMSNorm(num_aux * target_h, eps)
+            if _switch(config, "fc_norm"):
+                self.fc_norm = nn.ModuleList([RMSNorm(target_h, eps) for _ in range(num_aux)])
+            if self.input_norm is not None and self.fc_norm is not None:
+                raise ValueError("EAGLE3 config sets both norm_before_fc and fc_norm")
+        self.norm = RMSNorm(h, eps)
+        self.norm_output = _switch(config, "norm_output")
+
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        if self.fc is None:
+            return aux
+        aux = aux.to(self.fc.weight.dtype)
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)
+        elif self.fc_norm is not None:
+            chunks = aux.chunk(len(self.fc_norm), dim=-1)
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(aux)
 
     def forward(
         self,
@@ -105,15 +157,18 @@ class Eagle3LlamaModel(nn.Module):
         hidden_states: torch.Tensor,
         inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(normed hidden for the LM head, pre-norm stream fed back to the next draft step)."""
+        """(normed hidden for the LM head, stream fed back to the next draft step)."""
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        hidden, residual = self.midlayer(positions, inputs_embeds, hidden_states)
-        return self.norm(hidden, residual)
+        hidden, residual = self.layers[0](positions, inputs_embeds, hidden_states)
+        for layer in self.layers[1:]:
+            hidden, residual = layer(positions, hidden, residual)
+        normed, prenorm = self.norm(hidden, residual)
+        return normed, (normed if self.norm_output else prenorm)
 
 
 class LlamaForCausalLMEagle3(nn.Module, SupportsPP, SupportsEagleBase):
-    """EAGLE3 draft (config architectures ["LlamaForCausalLMEagle3"])."""
+    """EAGLE3 draft (legacy `LlamaForCausalLMEagle3` folders and speculators `eagle3` ones)."""
 
     supports_pp = True
 
@@ -134,6 +189,8 @@ class LlamaForCausalLMEagle3(nn.Module, SupportsPP, SupportsEagleBase):
             )
         else:
             self.d2t = None
+        # draft id -> target id, derived from d2t once it is loaded.
+        self.register_buffer("draft_to_target", None, persistent=False)
         self.has_own_embed_tokens = True
         self.has_own_lm_head = True
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
@@ -149,9 +206,7 @@ class LlamaForCausalLMEagle3(nn.Module, SupportsPP, SupportsEagleBase):
 
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[T, num_aux * target_hidden] concatenated aux states -> [T, hidden]."""
-        if self.model.fc is None:
-            return hidden_states
-        return self.model.fc(hidden_states.to(self.model.fc.weight.dtype))
+        return self.model.combine(hidden_states)
 
     def forward(
         self,
@@ -163,24 +218,29 @@ class LlamaForCausalLMEagle3(nn.Module, SupportsPP, SupportsEagleBase):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model(input_ids, positions, hidden_states, inputs_embeds)
 
+    def compute_draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary [T, draft_vocab_size]."""
+        return self.lm_head(hidden_states).float()
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits over the TARGET vocabulary (tokens outside the draft vocab get -inf)."""
-        logits = self.lm_head(hidden_states).float()
-        if self.d2t is None:
+        logits = self.compute_draft_logits(hidden_states)
+        if self.draft_to_target is None:
             return logits
         out = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        ids = torch.arange(self.draft_vocab_size, device=logits.device) + self.d2t
-        out[:, ids] = logits
+        out[:, self.draft_to_target] = logits
         return out
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str) -> str | None:
-            if name == "t2d" or "rotary_emb.inv_freq" in name:
+            if name in ("t2d", "verifier_lm_head.weight", "verifier_norm.weight"):
+                return None  # training-time buffers (t2d is d2t's inverse mask)
+            if "rotary_emb.inv_freq" in name:
                 return None
             if name.startswith("model."):
                 name = name[len("model.") :]
-            if name.startswith("layers.0."):
-                name = "midlayer." + name[len("layers.0.") :]
+            if name.startswith("midlayer."):
+                name = "layers.0." + name[len("midlayer.") :]
             if name in ("d2t", "lm_head.weight"):
                 if name == "d2t" and self.d2t is None:
                     return None  # identity map over a full vocabulary
@@ -203,4 +263,5 @@ class LlamaForCausalLMEagle3(nn.Module, SupportsPP, SupportsEagleBase):
             ids = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
             if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
                 raise WeightLoadError("EAGLE3 d2t maps draft ids outside the target vocabulary")
+            self.draft_to_target = ids
         return loaded

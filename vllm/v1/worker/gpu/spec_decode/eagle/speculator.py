@@ -4,8 +4,11 @@
 
 from __future__ import annotations
 
+import numpy as np
+import torch
 from torch import nn
 
+from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
 from vllm.v1.worker.gpu.spec_decode.autoregressive.speculator import AutoRegressiveSpeculator
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
     set_eagle3_aux_hidden_state_layers,
@@ -16,6 +19,10 @@ from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 
 class EagleSpeculator(AutoRegressiveSpeculator):
     aux_hidden_state_layers: tuple[int, ...] = ()
+    # Greedy drafting with a reduced draft vocabulary: argmax over the draft vocabulary and
+    # map the winner through d2t, instead of scattering every row into a -inf target-vocab
+    # tensor each step (only a probabilistic draft, keyed by target token id, needs that).
+    _draft_vocab_argmax = False
 
     def load_draft_model(
         self, target_model: nn.Module, target_attn_layer_names: set[str]
@@ -26,7 +33,24 @@ class EagleSpeculator(AutoRegressiveSpeculator):
             self.aux_hidden_state_layers = set_eagle3_aux_hidden_state_layers(
                 target_model, cfg, draft
             )
+        self._draft_vocab_argmax = (
+            self.draft_sample_method != "probabilistic"
+            and getattr(draft, "draft_to_target", None) is not None
+            and hasattr(draft, "compute_draft_logits")
+        )
         return draft
+
+    def _compute_logits(self, hidden: torch.Tensor, draft_step: int) -> torch.Tensor:
+        if self._draft_vocab_argmax:
+            return self.model.compute_draft_logits(hidden)
+        return super()._compute_logits(hidden, draft_step)
+
+    def sample_draft(
+        self, logits: torch.Tensor, positions: np.ndarray, sampling: SamplingArrays
+    ) -> torch.Tensor:
+        if self._draft_vocab_argmax:
+            return self.model.draft_to_target[logits.argmax(-1)]
+        return super().sample_draft(logits, positions, sampling)
 
     def _num_aux_hidden_states(self) -> int:
         return len(self.aux_hidden_state_layers)

@@ -1,0 +1,861 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Train the bundled EAGLE3 head for SmolLM2-135M-Instruct by self-distillation.
+
+Stages (each resumable; outputs under --work-dir):
+  prompts   varied chat prompts from templates x fillers; fillers of the held-out prompts never
+            appear in a training prompt (heldout_prompts.json is shipped with the head)
+  generate  SmolLM2's own greedy answers (this engine, batched, fp32)
+  features  one HF transformers forward per sequence: the aux taps and the final hidden state
+            (after the model's norm, what its LM head reads), cached as fp16
+  train     EAGLE3 with training-time test: TTT_STEPS unrolled draft steps, each feeding back
+            the draft's own hidden state, loss = KL to the target's distribution over the draft
+            vocabulary (the most frequent answer tokens), checkpointed periodically
+  export    the speculators format (config.json with speculators_model_type "eagle3",
+            model.safetensors in bf16 with d2t / t2d; no embedding: the target's is shared)
+
+    python tools/train_eagle3_smollm2.py all [--work-dir DIR] [--out vllm/model_zoo/...]
+        [--num-chunks N] [--epochs E]
+
+The defaults (seed SEED, NUM_CHUNKS, EPOCHS) are the run that produced the shipped head; see its
+model card (vllm/model_zoo/smollm2-135m-eagle3/README.md).
+
+Tap convention (as vLLM and speculators): layer id L is the residual stream entering target
+decoder layer L, which is HF's `output_hidden_states[L]` for L < num_hidden_layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+SEED = 1234
+AUX_LAYERS = (2, 15, 27)
+DRAFT_VOCAB = 8192
+TTT_STEPS = 3
+# Share of the positions at which the later TTT steps are trained (each step is a full layer
+# forward + backward; step 0 runs everywhere).
+LATER_STEP_FRACTION = 0.35
+MAX_ANSWER_TOKENS = 128
+CHUNK = 128  # prompts per generate / features file
+# The shipped head: the first NUM_CHUNKS chunks of the (seeded, shuffled) training prompts,
+# EPOCHS epochs. More chunks = more data, at ~15 min of this 2-core machine per chunk.
+NUM_CHUNKS = 5
+EPOCHS = 5.0
+DEFAULT_OUT = ROOT / "vllm" / "model_zoo" / "smollm2-135m-eagle3"
+
+# ---------------------------------------------------------------------------- prompts
+
+TOPICS = """photosynthesis; black holes; the water cycle; volcanoes; the French Revolution;
+the Roman Empire; machine learning; the internet; climate change; the human heart; DNA;
+plate tectonics; the solar system; electricity; magnetism; gravity; the immune system;
+vaccines; renewable energy; solar panels; wind turbines; nuclear power; the stock market;
+inflation; democracy; the printing press; the industrial revolution; ancient Egypt; the Moon;
+Mars; rainbows; earthquakes; coral reefs; rainforests; deserts; glaciers; honey bees;
+dinosaurs; evolution; the periodic table; atoms; chemical reactions; acids and bases;
+sound waves; light; lasers; computers; smartphones; social media; cybersecurity; passwords;
+cloud computing; databases; programming languages; Python; algorithms; sorting; recursion;
+the Great Wall of China; the pyramids; the Renaissance; Leonardo da Vinci; Shakespeare;
+classical music; jazz; the guitar; painting; photography; chess; football; basketball;
+the Olympic Games; marathon running; yoga; sleep; nutrition; vitamins; exercise; meditation;
+stress; friendship; leadership; time management; public speaking; negotiation; budgeting;
+saving money; credit cards; taxes; recycling; plastic pollution; oceans; whales; sharks;
+penguins; elephants; cats; dogs; horses; birds migrating; butterflies; trees; mushrooms;
+bread baking; coffee; tea; chocolate; cheese; pizza; rice; spices; the Silk Road;
+the Vikings; World War I; the Cold War; the space race; the International Space Station;
+satellites; GPS; maps; weather forecasting; hurricanes; tornadoes; clouds; snow; the seasons;
+time zones; calendars; clocks; money; banks; trade; languages; writing systems; libraries;
+museums; universities; the scientific method; statistics; probability; geometry; fractions;
+prime numbers; the number zero; infinity; bridges; skyscrapers; trains; airplanes; cars;
+electric cars; bicycles; ships; rockets; robots; artificial intelligence; virtual reality;
+3D printing; batteries; semiconductors; the human brain; memory; emotions; habits;
+gardening; composting; volcanic islands; the Amazon river; the Sahara; Mount Everest;
+the Arctic; Antarctica; the Pacific Ocean; Japan; India; Brazil; Canada; Australia; Kenya"""
+
+TOPIC_TEMPLATES = (
+    "Explain {t} in simple terms.",
+    "What is {t}?",
+    "Why is {t} important?",
+    "Give me three interesting facts about {t}.",
+    "Write a short paragraph about {t}.",
+    "How does {t} work?",
+    "What are the pros and cons of {t}?",
+    "Summarize the history of {t}.",
+    "Describe {t} to a ten-year-old.",
+    "List five key terms related to {t} and define each.",
+    "What is a common misconception about {t}?",
+    "Write a short quiz with three questions about {t}.",
+    "How would you teach {t} to a beginner?",
+    "What would happen if {t} did not exist?",
+)
+
+CODE_TASKS = """adds two numbers; reverses a string; checks if a number is prime; computes the
+factorial of n; returns the nth Fibonacci number; counts the vowels in a string; finds the
+largest element of a list; removes duplicates from a list; checks if a word is a palindrome;
+sorts a list of dictionaries by a key; merges two sorted lists; converts Celsius to
+Fahrenheit; reads a text file and counts its lines; computes the average of a list; flattens a
+nested list; returns the greatest common divisor of two numbers; capitalizes every word in a
+sentence; checks whether two strings are anagrams; generates a random password; finds the
+second largest number in a list; computes the sum of the digits of a number; converts a list
+of strings to uppercase; returns the intersection of two lists; counts word frequencies in a
+text; validates an email address; computes compound interest; implements binary search;
+transposes a matrix; checks if a year is a leap year; finds the longest word in a sentence;
+rotates a list by k positions; computes the median of a list; groups words by their first
+letter; computes the power set of a list; parses a date string; squares every number in a
+list"""
+
+CODE_TEMPLATES = (
+    "Write a Python function that {t}.",
+    "Write a JavaScript function that {t}.",
+    "How do I write a program that {t}? Show the code.",
+    "Write a Python function that {t}, with a docstring and an example.",
+)
+
+THINGS = """the ocean; autumn leaves; a rainy day; the city at night; a cup of coffee; the moon;
+a mountain lake; a lost key; an old bookshop; spring flowers; a train journey; the first snow;
+a busy kitchen; a quiet library; a summer storm; a lighthouse; a morning run; a sleeping cat;
+a birthday party; the desert wind; a garden in June; a school bus; a campfire; a violin;
+a red balloon; fresh bread; a thunderstorm; a river at dawn; a windmill; a snowman"""
+
+WRITING_TEMPLATES = (
+    "Write a haiku about {t}.",
+    "Write a short poem about {t}.",
+    "Write a two-sentence story about {t}.",
+    "Describe {t} using vivid details.",
+    "Write a short diary entry about {t}.",
+)
+
+DISHES = """pancakes; tomato soup; fried rice; a green salad; banana bread; spaghetti
+carbonara; guacamole; chocolate chip cookies; lemonade; vegetable curry; an omelette;
+chicken noodle soup; hummus; apple pie; a smoothie; garlic bread; lentil soup; tacos;
+mashed potatoes; pesto pasta"""
+
+SKILLS = """writing; cooking; drawing; public speaking; math; chess; memory; focus; typing;
+running; swimming; singing; coding; reading speed; handwriting; photography; gardening;
+negotiation; listening; sleep"""
+
+PLACES = """Paris; Tokyo; New York; London; Rome; a beach; the mountains; a rainforest; Iceland;
+Egypt; a ski resort; a desert; Canada in winter; a small village; Barcelona; Sydney"""
+
+MISC_TEMPLATES = (
+    ("Give me a simple recipe for {t}.", "DISHES"),
+    ("What ingredients do I need for {t}?", "DISHES"),
+    ("How can I improve my {t}?", "SKILLS"),
+    ("Give me a weekly plan to practice {t}.", "SKILLS"),
+    ("What should I pack for a trip to {t}?", "PLACES"),
+    ("Plan a three-day trip to {t}.", "PLACES"),
+)
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.replace("\n", " ").split(";") if x.strip()]
+
+
+def _math_prompts(rng: random.Random, n: int) -> list[str]:
+    forms = (
+        "What is {a} plus {b}?",
+        "What is {a} times {b}?",
+        "If I have {a} apples and give away {b}, how many are left?",
+        "A train travels {a} kilometers in {b} hours. What is its average speed?",
+        "What is {a} percent of {b}?",
+        "Is {a} an even or an odd number? Explain.",
+    )
+    return [rng.choice(forms).format(a=rng.randint(2, 99), b=rng.randint(2, 20)) for _ in range(n)]
+
+
+def build_prompts(seed: int = SEED, num_heldout: int = 48) -> tuple[list[str], list[str]]:
+    """(training prompts, held-out prompts): held-out fillers (topics, tasks, things, ...) and
+    held-out math prompts never occur in a training prompt."""
+    rng = random.Random(seed)
+    pools = {
+        "TOPICS": (_split(TOPICS), TOPIC_TEMPLATES),
+        "CODE": (_split(CODE_TASKS), CODE_TEMPLATES),
+        "THINGS": (_split(THINGS), WRITING_TEMPLATES),
+    }
+    misc_pools = {"DISHES": _split(DISHES), "SKILLS": _split(SKILLS), "PLACES": _split(PLACES)}
+    train: list[str] = []
+    heldout: list[str] = []
+    for fillers, templates in pools.values():
+        fillers = fillers[:]
+        rng.shuffle(fillers)
+        k = max(2, len(fillers) // 8)
+        held, rest = fillers[:k], fillers[k:]
+        for f in rest:
+            for tpl in rng.sample(templates, min(len(templates), 5)):
+                train.append(tpl.format(t=f))
+        for f in held:
+            heldout.append(rng.choice(templates).format(t=f))
+    for name, fillers in misc_pools.items():
+        fillers = fillers[:]
+        rng.shuffle(fillers)
+        held, rest = fillers[:2], fillers[2:]
+        tpls = [t for t, pool in MISC_TEMPLATES if pool == name]
+        for f in rest:
+            for tpl in tpls:
+                train.append(tpl.format(t=f))
+        heldout.extend(rng.choice(tpls).format(t=f) for f in held)
+    math_all = list(dict.fromkeys(_math_prompts(rng, 140)))
+    heldout.extend(math_all[:8])
+    train.extend(math_all[8:])
+    train = sorted(set(train) - set(heldout))
+    rng.shuffle(train)
+    rng.shuffle(heldout)
+    return train, heldout[:num_heldout]
+
+
+def stage_prompts(work: Path) -> None:
+    train, heldout = build_prompts()
+    (work / "prompts.json").write_text(json.dumps({"train": train, "heldout": heldout}, indent=1))
+    print(f"prompts: {len(train)} training, {len(heldout)} held out")
+
+
+# ---------------------------------------------------------------------------- generate
+
+
+def _conversation(prompt: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt}]
+
+
+def stage_generate(
+    work: Path, target: str, num_chunks: int | None = None, chunk: int = CHUNK
+) -> None:
+    """Greedy answers from this engine, in chunks saved as they finish (resumable); the
+    first num_chunks chunks of the training prompts (default all)."""
+    import torch
+
+    from vllm import LLM, SamplingParams
+
+    torch.set_num_threads(1)  # on a shared 2-core machine one thread per process is fastest
+    prompts = json.loads((work / "prompts.json").read_text())["train"]
+    out_dir = work / "gen"
+    out_dir.mkdir(exist_ok=True)
+    starts = list(range(0, len(prompts), chunk))[:num_chunks]
+    todo = [i for i in starts if not (out_dir / f"{i:05d}.json").exists()]
+    if not todo:
+        return
+    llm = LLM(model=target, dtype="float32", max_model_len=512, max_num_seqs=64, seed=SEED)
+    sp = SamplingParams(temperature=0, max_tokens=MAX_ANSWER_TOKENS)
+    try:
+        for i in todo:
+            t0 = time.time()
+            batch = prompts[i : i + chunk]
+            outs = llm.chat([_conversation(p) for p in batch], sp, use_tqdm=False)
+            rows = [
+                {
+                    "prompt": p,
+                    "prompt_ids": list(o.prompt_token_ids),
+                    "answer_ids": list(o.outputs[0].token_ids),
+                }
+                for p, o in zip(batch, outs)
+            ]
+            tmp = out_dir / f"{i:05d}.json.tmp"
+            tmp.write_text(json.dumps(rows))
+            tmp.rename(out_dir / f"{i:05d}.json")
+            n = sum(len(r["answer_ids"]) for r in rows)
+            print(f"generate {i}: {n} tokens in {time.time() - t0:.0f}s", flush=True)
+    finally:
+        llm.shutdown()
+
+
+# ---------------------------------------------------------------------------- features
+
+
+def stage_features(
+    work: Path, target: str, follow: bool = False, num_chunks: int | None = None
+) -> None:
+    """One HF forward per sequence -> {aux [T, 3H], final [T, H]} fp16 per generate chunk.
+
+    follow: keep polling for chunks while `generate` runs in another process."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    n_layers = model.config.num_hidden_layers
+    if max(AUX_LAYERS) >= n_layers:
+        raise ValueError(f"aux layers {AUX_LAYERS} must be below {n_layers}")
+    gen_dir, feat_dir = work / "gen", work / "feat"
+    feat_dir.mkdir(exist_ok=True)
+    total = len(json.loads((work / "prompts.json").read_text())["train"])
+    if num_chunks is not None:
+        total = min(total, num_chunks * CHUNK)
+    while True:
+        done_any = False
+        for g in sorted(gen_dir.glob("*.json")):
+            out = feat_dir / (g.stem + ".pt")
+            if out.exists():
+                continue
+            t0 = time.time()
+            rows = json.loads(g.read_text())
+            seqs = []
+            with torch.inference_mode():
+                for r in rows:
+                    ids = torch.tensor([r["prompt_ids"] + r["answer_ids"]])
+                    o = model.model(input_ids=ids, output_hidden_states=True)
+                    hs = o.hidden_states
+                    aux = torch.cat([hs[i][0] for i in AUX_LAYERS], dim=-1)
+                    seqs.append(
+                        {
+                            "ids": ids[0].to(torch.int32),
+                            "prompt_len": len(r["prompt_ids"]),
+                            "aux": aux.to(torch.float16),
+                            # after the final norm: what the LM head reads
+                            "final": o.last_hidden_state[0].to(torch.float16),
+                        }
+                    )
+            torch.save(seqs, str(out) + ".tmp")
+            os.replace(str(out) + ".tmp", out)
+            ntok = sum(len(s["ids"]) for s in seqs)
+            print(f"features {g.stem}: {ntok} tokens in {time.time() - t0:.0f}s", flush=True)
+            done_any = True
+        n_done = len(list(feat_dir.glob("*.pt")))
+        if not follow or n_done * CHUNK >= total:
+            return
+        if not done_any:
+            time.sleep(20)
+
+
+# ---------------------------------------------------------------------------- train
+
+
+def load_features(work: Path, num_chunks: int | None) -> list[dict]:
+    import torch
+
+    files = sorted((work / "feat").glob("*.pt"))
+    if num_chunks is not None:
+        if len(files) < num_chunks:
+            raise SystemExit(f"only {len(files)} feature chunks, --num-chunks {num_chunks}")
+        files = files[:num_chunks]
+    seqs: list[dict] = []
+    for f in files:
+        seqs.extend(torch.load(f, weights_only=True))
+    return seqs
+
+
+def draft_vocabulary(seqs: list[dict], vocab_size: int, size: int):
+    """The `size` most frequent answer tokens, sorted by id: (d2t, t2d, share of the answer
+    tokens they cover)."""
+    import torch
+
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    prompt_counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for s in seqs:
+        ids = s["ids"].long()
+        counts += torch.bincount(ids[s["prompt_len"] :], minlength=vocab_size)
+        prompt_counts += torch.bincount(ids[: s["prompt_len"]], minlength=vocab_size)
+    # Ties (mostly tokens never seen in an answer): prompt frequency, then the lower id (BPE
+    # merges come roughly in order of frequency).
+    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), -int(prompt_counts[i]), i))[
+        :size
+    ]
+    ids = torch.tensor(sorted(order), dtype=torch.int64)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    covered = int(counts[ids].sum()) / max(1, int(counts.sum()))
+    return ids - torch.arange(size), t2d, covered
+
+
+def _rms(x, w, eps):
+    import torch
+
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x, cos, sin):
+    import torch
+
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+class DraftHead:
+    """The EAGLE3 head being trained, in plain torch (weights named as in the speculators
+    format). forward() unrolls the training-time test over a padded batch."""
+
+    def __init__(self, cfg: dict, embed, lm_rows, seed: int) -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(seed)
+        h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+        self.cfg = cfg
+        self.eps = cfg["rms_norm_eps"]
+        self.nh, self.nkv, self.hd = nh, nkv, hd
+
+        def lin(out_f: int, in_f: int):
+            return (torch.randn(out_f, in_f, generator=g) / in_f**0.5).requires_grad_()
+
+        def ones(n: int):
+            return torch.ones(n).requires_grad_()
+
+        self.params = {
+            "fc.weight": lin(h, len(AUX_LAYERS) * h),
+            "layers.0.input_layernorm.weight": ones(h),
+            "layers.0.hidden_norm.weight": ones(h),
+            "layers.0.post_attention_layernorm.weight": ones(h),
+            "layers.0.self_attn.q_proj.weight": lin(nh * hd, 2 * h),
+            "layers.0.self_attn.k_proj.weight": lin(nkv * hd, 2 * h),
+            "layers.0.self_attn.v_proj.weight": lin(nkv * hd, 2 * h),
+            "layers.0.self_attn.o_proj.weight": lin(h, nh * hd),
+            "layers.0.mlp.gate_proj.weight": lin(inter, h),
+            "layers.0.mlp.up_proj.weight": lin(inter, h),
+            "layers.0.mlp.down_proj.weight": lin(h, inter),
+            "norm.weight": ones(h),
+        }
+        with torch.no_grad():
+            self.params["layers.0.self_attn.o_proj.weight"] *= 0.1
+            self.params["layers.0.mlp.down_proj.weight"] *= 0.1
+        # Frozen, as speculators trains: the target's embedding and its LM-head rows of the
+        # draft vocabulary (the shipped lm_head starts as, and stays, those rows).
+        self.embed = embed
+        self.lm_head = lm_rows
+        inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
+        self.inv_freq = inv
+
+    def _qkv(self, emb, hidden, positions):
+        """Shared first part of a draft step on rows [..., H]: (q, k, v, residual)."""
+        p = self.params
+        hn = _rms(hidden, p["layers.0.hidden_norm.weight"], self.eps)
+        x = torch_cat([_rms(emb, p["layers.0.input_layernorm.weight"], self.eps), hn])
+        shape = x.shape[:-1]
+        q = (x @ p["layers.0.self_attn.q_proj.weight"].T).view(*shape, self.nh, self.hd)
+        k = (x @ p["layers.0.self_attn.k_proj.weight"].T).view(*shape, self.nkv, self.hd)
+        v = (x @ p["layers.0.self_attn.v_proj.weight"].T).view(*shape, self.nkv, self.hd)
+        cos, sin = self._cos_sin(positions)
+        rep = self.nh // self.nkv
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        return q, k.repeat_interleave(rep, -2), v.repeat_interleave(rep, -2), hn
+
+    def _cos_sin(self, positions):
+        import torch
+
+        f = positions[..., None].float() * self.inv_freq
+        emb = torch.cat([f, f], dim=-1)
+        return emb.cos()[..., None, :], emb.sin()[..., None, :]  # broadcast over heads
+
+    def _finish(self, residual, att):
+        """o_proj + residual, MLP block; returns (pre-norm stream, draft-vocab logits)."""
+        import torch
+
+        p = self.params
+        h1 = residual + att.flatten(-2) @ p["layers.0.self_attn.o_proj.weight"].T
+        y = _rms(h1, p["layers.0.post_attention_layernorm.weight"], self.eps)
+        mlp = torch.nn.functional.silu(y @ p["layers.0.mlp.gate_proj.weight"].T) * (
+            y @ p["layers.0.mlp.up_proj.weight"].T
+        )
+        hidden = h1 + mlp @ p["layers.0.mlp.down_proj.weight"].T
+        return hidden, _rms(hidden, p["norm.weight"], self.eps) @ self.lm_head.T
+
+    def forward(self, aux, next_ids, valid, steps: int, rows=None):
+        """The training-time test over a padded batch (norm_before_residual).
+
+        aux [B, T, 3H]; next_ids [B, T + steps - 1] (the token after each position, then the
+        teacher-forced continuation); valid [B, T] key mask. Step 0 runs at every position;
+        steps >= 1 only at `rows` ((b, t) index pair; default all): step k at (b, t) needs only
+        its own step k - 1 there plus the step-0 keys of sequence b, so a subset is an
+        unbiased, cheaper estimate of the later steps' loss. Returns step 0 logits [B, T, Vd]
+        and, per later step, logits [N, Vd] at rows."""
+        import torch
+
+        p = self.params
+        B, T, _ = aux.shape
+        scale = self.hd**-0.5
+        pos = torch.arange(T)[None].expand(B, T)
+        q, k0, v0, hn = self._qkv(self.embed[next_ids[:, :T]], aux @ p["fc.weight"].T, pos)
+        q, k0, v0 = q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2)  # [B, nh, T, hd]
+        mask0 = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
+        s0 = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~mask0, float("-inf"))
+        att = (s0.softmax(-1) @ v0).transpose(1, 2)
+        hidden, logits = self._finish(hn, att)
+        out = [logits]
+        if steps == 1:
+            return out
+        if rows is None:
+            rows = torch.nonzero(valid, as_tuple=True)
+        b, t = rows
+        hidden = hidden[b, t]
+        row_mask = mask0[b, 0, t]  # [N, T]: step-0 keys row (b, t) may attend
+        keys, values = [], []
+        for k in range(1, steps):
+            q, kk, vv, hn = self._qkv(self.embed[next_ids[b, t + k]], hidden, t + k)
+            keys.append(kk)
+            values.append(vv)
+            qf = q.new_zeros(B, T, self.nh, self.hd).index_put((b, t), q)
+            s0 = (qf.transpose(1, 2) @ k0.transpose(-1, -2)).transpose(1, 2)[b, t] * scale
+            s0 = s0.masked_fill(~row_mask[:, None, :], float("-inf"))  # [N, nh, T]
+            diag = torch.stack([(q * kj).sum(-1) * scale for kj in keys], -1)  # [N, nh, k]
+            w = torch.cat([s0, diag], -1).softmax(-1)
+            wf = w.new_zeros(B, T, self.nh, T).index_put((b, t), w[..., :T])
+            att = (wf.transpose(1, 2) @ v0).transpose(1, 2)[b, t]  # [N, nh, hd]
+            for j, vj in enumerate(values):
+                att = att + w[..., T + j : T + j + 1] * vj
+            hidden, logits = self._finish(hn, att)
+            out.append(logits)
+        return out
+
+
+def torch_cat(xs):
+    import torch
+
+    return torch.cat(xs, dim=-1)
+
+
+def _batches(seqs: list[dict], tokens_per_batch: int, rng: random.Random) -> list[list[int]]:
+    """Length-bucketed batches of sequence indices, shuffled."""
+    order = sorted(range(len(seqs)), key=lambda i: (len(seqs[i]["ids"]), rng.random()))
+    batches, cur, cur_max = [], [], 0
+    for i in order:
+        n = len(seqs[i]["ids"])
+        if cur and max(cur_max, n) * (len(cur) + 1) > tokens_per_batch:
+            batches.append(cur)
+            cur, cur_max = [], 0
+        cur.append(i)
+        cur_max = max(cur_max, n)
+    if cur:
+        batches.append(cur)
+    rng.shuffle(batches)
+    return batches
+
+
+def _collate(seqs: list[dict], idx: list[int], steps: int, lm_rows):
+    """Padded tensors for one batch: aux [B,T,3H], next_ids [B,T+steps-1], valid [B,T],
+    target distributions per step [B,T,Vd] and their loss masks."""
+    import torch
+
+    T = max(len(seqs[i]["ids"]) for i in idx) - 1
+    B = len(idx)
+    H3 = seqs[idx[0]]["aux"].shape[-1]
+    aux = torch.zeros(B, T, H3)
+    nxt = torch.zeros(B, T + steps - 1, dtype=torch.long)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    final = torch.zeros(B, T + steps, seqs[idx[0]]["final"].shape[-1])
+    answer = torch.zeros(B, T + steps, dtype=torch.bool)  # position j predicts an answer token
+    for b, i in enumerate(idx):
+        s = seqs[i]
+        n = len(s["ids"])
+        aux[b, : n - 1] = s["aux"][: n - 1].float()
+        nxt[b, : n - 1] = s["ids"][1:].long()
+        valid[b, : n - 1] = True
+        final[b, :n] = s["final"].float()
+        answer[b, s["prompt_len"] : n] = True
+    with torch.no_grad():
+        tgt_logits = final @ lm_rows.T
+    targets, masks = [], []
+    for k in range(steps):
+        # step k at index t predicts what the target predicts at position t + 1 + k
+        targets.append(tgt_logits[:, 1 + k : 1 + k + T].log_softmax(-1))
+        masks.append(answer[:, 1 + k : 1 + k + T] & valid)
+    return aux, nxt, valid, targets, masks
+
+
+def stage_train(
+    work: Path,
+    target: str,
+    num_chunks: int | None = None,
+    epochs: float = EPOCHS,
+    tokens_per_batch: int = 2048,
+    lr: float = 1e-3,
+) -> None:
+    """EAGLE3 training with training-time test (TTT_STEPS unrolled steps, the draft's own
+    hidden fed back), KL to the target over the draft vocabulary, checkpoints every 10 min."""
+    import torch
+    from safetensors.torch import load_file
+
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    seqs = load_features(work, num_chunks)
+    tcfg = json.loads((Path(target) / "config.json").read_text())
+    tw = load_file(str(Path(target) / "model.safetensors"))
+    embed = tw["model.embed_tokens.weight"].float()
+    head_w = tw.get("lm_head.weight", embed).float()
+    d2t, t2d, covered = draft_vocabulary(seqs, tcfg["vocab_size"], DRAFT_VOCAB)
+    lm_rows = head_w[t2d].contiguous()
+    ntok = sum(len(s["ids"]) for s in seqs)
+    nans = sum(len(s["ids"]) - s["prompt_len"] for s in seqs)
+    print(
+        f"train: {len(seqs)} sequences, {ntok} tokens ({nans} answer tokens); draft vocab "
+        f"{DRAFT_VOCAB} covers {covered:.1%} of answer tokens",
+        flush=True,
+    )
+    cfg = {
+        "hidden_size": tcfg["hidden_size"],
+        "intermediate_size": tcfg["intermediate_size"],
+        "num_attention_heads": tcfg["num_attention_heads"],
+        "num_key_value_heads": tcfg["num_key_value_heads"],
+        "head_dim": tcfg.get("head_dim") or tcfg["hidden_size"] // tcfg["num_attention_heads"],
+        "rms_norm_eps": tcfg["rms_norm_eps"],
+        "rope_theta": tcfg["rope_parameters"]["rope_theta"],
+    }
+    head = DraftHead(cfg, embed, lm_rows, SEED)
+    opt = torch.optim.AdamW(list(head.params.values()), lr=lr, weight_decay=0.0)
+    ckpt = work / "train_ckpt.pt"
+    run = {
+        "num_sequences": len(seqs),
+        "epochs": epochs,
+        "tokens_per_batch": tokens_per_batch,
+        "lr": lr,
+        "seed": SEED,
+    }
+    state = {"step": 0, "run": run, "log": []}
+    if ckpt.exists():
+        saved = torch.load(ckpt, weights_only=False)
+        if saved["state"].get("run") != run:
+            raise SystemExit(
+                f"{ckpt} is from another run ({saved['state'].get('run')}, now {run}); "
+                "move it away to start over"
+            )
+        for k, v in saved["params"].items():
+            head.params[k].data.copy_(v)
+        opt.load_state_dict(saved["opt"])
+        state = saved["state"]
+        print(f"resumed at step {state['step']}", flush=True)
+    per_epoch = len(_batches(seqs, tokens_per_batch, random.Random(0)))
+    total_steps = int(per_epoch * epochs)
+    warmup = max(1, total_steps // 20)
+    t_start, t_ckpt = time.time(), time.time()
+    epoch_rngs: dict[int, list[list[int]]] = {}
+    while state["step"] < total_steps:
+        step = state["step"]
+        epoch, j = divmod(step, per_epoch)
+        if epoch not in epoch_rngs:  # each epoch's batch order from (seed, epoch): resumable
+            epoch_rngs = {epoch: _batches(seqs, tokens_per_batch, random.Random(SEED + epoch))}
+        idx = epoch_rngs[epoch][j]
+        frac = step / max(1, total_steps)
+        cur_lr = lr * min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * frac))
+        for gr in opt.param_groups:
+            gr["lr"] = cur_lr
+        aux, nxt, valid, targets, masks = _collate(seqs, idx, TTT_STEPS, lm_rows)
+        # Later steps at a seeded random subset of the positions step 1 is trained on.
+        g = torch.Generator().manual_seed(SEED * 100_003 + step)
+        cand = torch.nonzero(masks[1], as_tuple=True) if TTT_STEPS > 1 else None
+        rows = None
+        if cand is not None:
+            keep = torch.rand(len(cand[0]), generator=g) < LATER_STEP_FRACTION
+            rows = (cand[0][keep], cand[1][keep])
+        logits = head.forward(aux, nxt, valid, TTT_STEPS, rows=rows)
+        loss = torch.zeros(())
+        accs = []
+        for k in range(TTT_STEPS):
+            lp = logits[k].log_softmax(-1)
+            tk, m = (targets[k], masks[k]) if k == 0 else (targets[k][rows], masks[k][rows])
+            kl = (tk.exp() * (tk - lp)).sum(-1)
+            loss = loss + (kl * m).sum() / m.sum().clamp(min=1)
+            with torch.no_grad():
+                hit = (logits[k].argmax(-1) == tk.argmax(-1)) & m
+                accs.append(float(hit.sum()) / max(1, int(m.sum())))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(list(head.params.values()), 1.0)
+        opt.step()
+        state["step"] = step + 1
+        state["log"].append([step, float(loss.detach()), *accs])
+        if step % 10 == 0:
+            el = time.time() - t_start
+            print(
+                f"step {step}/{total_steps} epoch {epoch} loss {float(loss.detach()):.3f} "
+                f"acc {' '.join(f'{a:.2f}' for a in accs)} lr {cur_lr:.2e} {el:.0f}s",
+                flush=True,
+            )
+        if time.time() - t_ckpt > 600 or state["step"] == total_steps:
+            _save_ckpt(ckpt, head, opt, state)
+            t_ckpt = time.time()
+    torch.save(
+        {
+            "params": {k: v.detach().clone() for k, v in head.params.items()},
+            "lm_head": lm_rows,
+            "d2t": d2t,
+            "t2d": t2d,
+            "covered": covered,
+            "num_sequences": len(seqs),
+            "num_tokens": ntok,
+            "num_answer_tokens": nans,
+            "log": state["log"],
+        },
+        work / "trained.pt",
+    )
+    print(f"train: done in {time.time() - t_start:.0f}s", flush=True)
+
+
+def _save_ckpt(path: Path, head: DraftHead, opt, state: dict) -> None:
+    import torch
+
+    tmp = str(path) + ".tmp"
+    torch.save(
+        {
+            "params": {k: v.detach() for k, v in head.params.items()},
+            "opt": opt.state_dict(),
+            "state": state,
+        },
+        tmp,
+    )
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------------------- export
+
+
+def stage_export(work: Path, target: str, out: Path) -> None:
+    """Write the trained head in the speculators format (bf16 weights, int64 d2t, bool t2d)."""
+    import torch
+    from safetensors.torch import save_file
+
+    tr = torch.load(work / "trained.pt", weights_only=False)
+    tcfg = json.loads((Path(target) / "config.json").read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    w = {k: v.to(torch.bfloat16).contiguous() for k, v in tr["params"].items()}
+    w["lm_head.weight"] = tr["lm_head"].to(torch.bfloat16).contiguous()
+    w["d2t"] = tr["d2t"].to(torch.int64)
+    w["t2d"] = tr["t2d"]
+    save_file(w, str(out / "model.safetensors"), {"format": "pt"})
+    layer = {
+        k: tcfg[k]
+        for k in (
+            "attention_bias",
+            "head_dim",
+            "hidden_act",
+            "hidden_size",
+            "intermediate_size",
+            "max_position_embeddings",
+            "mlp_bias",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "rms_norm_eps",
+            "rope_parameters",
+            "vocab_size",
+        )
+    }
+    layer.update(model_type="llama", num_hidden_layers=1, tie_word_embeddings=False)
+    cfg = {
+        "architectures": ["Eagle3DraftModel"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.9.0",
+        "dtype": "bfloat16",
+        "transformer_layer_config": layer,
+        "draft_vocab_size": DRAFT_VOCAB,
+        "target_hidden_size": tcfg["hidden_size"],
+        "eagle_aux_hidden_state_layer_ids": list(AUX_LAYERS),
+        "norm_before_residual": True,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "embed_requires_grad": False,
+        "tie_word_embeddings": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": TTT_STEPS,
+                    "accept_tolerance": 0.0,
+                    "verifier_accept_k": 1,
+                }
+            ],
+            "verifier": {
+                "name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                "architectures": ["LlamaForCausalLM"],
+            },
+        },
+    }
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    heldout = json.loads((work / "prompts.json").read_text())["heldout"]
+    (out / "heldout_prompts.json").write_text(json.dumps(heldout, indent=1) + "\n")
+    print(f"export: {out} ({sum(v.numel() * v.element_size() for v in w.values()) / 1e6:.1f} MB)")
+
+
+# ---------------------------------------------------------------------------- eval
+
+
+def stage_eval(work: Path, target: str, head: Path, max_tokens: int = 96) -> None:
+    """Acceptance of the exported head on every held-out prompt, K = 1..4 (greedy, batch 16):
+    mean acceptance length and per-position acceptance rates, written to WORK/eval.json."""
+    import torch
+
+    from vllm import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    prompts = json.loads((head / "heldout_prompts.json").read_text())
+    convs = [_conversation(p) for p in prompts]
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    result = {"num_prompts": len(prompts), "max_tokens": max_tokens, "k": {}}
+    for k in (1, 2, 3, 4):
+        llm = LLM(
+            model=target,
+            dtype="float32",
+            max_model_len=512,
+            max_num_seqs=16,
+            speculative_config={"model": str(head), "num_speculative_tokens": k},
+        )
+        try:
+            llm.chat(convs, sp, use_tqdm=False)
+            m = {x.name: x for x in llm.get_metrics()}
+        finally:
+            llm.shutdown()
+        drafts = m["vllm:spec_decode_num_drafts"].value
+        acc = m["vllm:spec_decode_num_accepted_tokens"].value
+        rates = [v / drafts for v in m["vllm:spec_decode_num_accepted_tokens_per_pos"].values]
+        result["k"][k] = {"mean_acceptance_length": 1 + acc / drafts, "per_position": rates}
+        print(
+            f"eval K={k}: mean acceptance length {1 + acc / drafts:.2f}, per position "
+            + " ".join(f"{r:.2f}" for r in rates),
+            flush=True,
+        )
+    (work / "eval.json").write_text(json.dumps(result, indent=1))
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument(
+        "stage", choices=["prompts", "generate", "features", "train", "export", "eval", "all"]
+    )
+    ap.add_argument("--work-dir", default="/tmp/eagle3-smollm2")
+    ap.add_argument("--target", default=None, help="SmolLM2 HF folder (default: convert)")
+    ap.add_argument("--out", default=str(DEFAULT_OUT))
+    ap.add_argument("--follow", action="store_true", help="features: wait for generate chunks")
+    ap.add_argument(
+        "--num-chunks",
+        type=int,
+        default=NUM_CHUNKS,
+        help="generate / featurize / train on the first N chunks of 128 training prompts",
+    )
+    ap.add_argument("--epochs", type=float, default=EPOCHS)
+    args = ap.parse_args()
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.target is None:
+        from vllm.model_zoo import smollm2_path
+
+        args.target = smollm2_path(work / "smollm2-135m-instruct")
+    stages = ["prompts", "generate", "features", "train", "export", "eval"]
+    run = stages if args.stage == "all" else [args.stage]
+    for s in run:
+        if s == "prompts":
+            stage_prompts(work)
+        elif s == "generate":
+            stage_generate(work, args.target, num_chunks=args.num_chunks)
+        elif s == "features":
+            stage_features(work, args.target, follow=args.follow, num_chunks=args.num_chunks)
+        elif s == "train":
+            stage_train(work, args.target, num_chunks=args.num_chunks, epochs=args.epochs)
+        elif s == "export":
+            stage_export(work, args.target, Path(args.out))
+        elif s == "eval":
+            stage_eval(work, args.target, Path(args.out))
+
+
+if __name__ == "__main__":
+    main()
