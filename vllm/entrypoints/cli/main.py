@@ -20,6 +20,9 @@ def make_parser() -> argparse.ArgumentParser:
         add_serve_parser = None
     if add_serve_parser is not None:
         add_serve_parser(sub)
+    from vllm.entrypoints.cli.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
