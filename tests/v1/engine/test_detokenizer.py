@@ -69,9 +69,7 @@ def test_incomplete_character_at_the_end(tokenizer):
     """Generation stopping inside a multi-byte character: finish() releases the partial bytes,
     exactly as decoding everything would (U+FFFD)."""
     ids = tokenizer.encode("ok 😀", add_special_tokens=False)
-    cut = next(
-        n for n in range(len(ids), 0, -1) if tokenizer.decode(ids[:n]).endswith("\ufffd")
-    )
+    cut = next(n for n in range(len(ids), 0, -1) if tokenizer.decode(ids[:n]).endswith("\ufffd"))
     ids = ids[:cut]
     full = tokenizer.decode(ids, skip_special_tokens=True)
     det = IncrementalDetokenizer(tokenizer, True, True)
