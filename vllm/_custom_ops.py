@@ -1,0 +1,128 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""The C++ CPU kernels under csrc/cpu, built just in time with torch.utils.cpp_extension.
+
+Built on first use into a cache folder keyed by the sources, the flags, torch and the CPU, so
+later starts only load the library. No compiler, no sources (an installed wheel has no csrc/),
+or VLLM_CPU_KERNELS=0: callers get False from cpu_kernels_available() and use their torch
+reference path; the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from vllm.config import env_flag
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
+SOURCES = ("paged_attention.cpp",)
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build_dir() -> Path:
+    root = os.environ.get("VLLM_CPU_KERNELS_BUILD_DIR")
+    if root:
+        return Path(root)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "vllm" / "cpu_kernels"
+
+
+@functools.cache
+def cpu_kernels_available() -> bool:
+    """Build (first time) or load the CPU kernels; False means: use the torch path."""
+    if not env_flag("VLLM_CPU_KERNELS", True):
+        logger.info("VLLM_CPU_KERNELS=0: CPU attention runs the torch reference path")
+        return False
+    paths = [CSRC / s for s in SOURCES]
+    if not all(p.is_file() for p in paths):
+        logger.warning(
+            "CPU kernel sources not found under %s; using the torch reference path", CSRC
+        )
+        return False
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(p.read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_id().encode())
+    name = f"vllm_cpu_ops_{h.hexdigest()[:16]}"
+    out = build_dir() / name
+    try:
+        from torch.utils import cpp_extension
+
+        out.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        cpp_extension.load(
+            name=name,
+            sources=[str(p) for p in paths],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(out),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # noqa: BLE001 - any build failure means: reference path
+        logger.warning(
+            "could not build the CPU kernels (%s: %s); using the torch reference path "
+            "(set VLLM_CPU_KERNELS=0 to skip the attempt)",
+            type(e).__name__,
+            " ".join(str(e).split())[:300],
+        )
+        return False
+    logger.debug("CPU kernels %s loaded in %.2f s", name, time.perf_counter() - t0)
+    return True
+
+
+def paged_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    rows: torch.Tensor,
+    block_size: int,
+    scale: float,
+    blocks_per_split: int = 0,
+) -> None:
+    """out[t] = causal attention of q[t] over its request's paged keys/values, for the tokens
+    of the requests in `rows` (other rows of out are left alone).
+
+    q [T, H, Dk], k_cache [slots, Hkv, Dk], v_cache [slots, Hkv, Dv] (strided views allowed,
+    head dim contiguous), out [T, H, Dv]; block_table [R, max_blocks], seq_lens [R],
+    query_start_loc [R + 1], rows [n]: int64. The query of request r is the last
+    q_len = qsl[r+1] - qsl[r] positions of its seq_lens[r] tokens. blocks_per_split <= 0 picks
+    the key split that keeps every thread busy."""
+    torch.ops.vllm_cpu.paged_attention(
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        rows,
+        block_size,
+        scale,
+        blocks_per_split,
+    )
