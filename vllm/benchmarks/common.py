@@ -35,14 +35,8 @@ BENCH_CACHE = Path(os.environ.get("VLLM_BENCH_CACHE", Path(tempfile.gettempdir()
 
 
 def _smollm2_converter() -> Callable[[str], str]:
-    """The SmolLM2 GGUF -> HF folder converter (kept behind this one function so that moving
-    the converter into the package is a one-line switch here)."""
-    try:
-        from vllm.model_executor.model_loader.gguf_convert import convert_smollm2
-
-        return convert_smollm2
-    except ImportError:
-        pass
+    """The SmolLM2 GGUF -> HF converter of a source checkout's tests, used while the package
+    has none (resolve_model prefers vllm.model_zoo.smollm2_path when it exists)."""
     root = Path(__file__).resolve().parents[2]
     if not (root / "tests" / "checkpoints.py").is_file():
         raise ValueError(
@@ -68,6 +62,12 @@ def resolve_model(name: str | None) -> str:
     if name != "smollm2":
         return name
     out = BENCH_CACHE / "smollm2-135m"
+    try:
+        from vllm.model_zoo import smollm2_path  # the package's converter, once it has one
+    except ImportError:
+        smollm2_path = None
+    if smollm2_path is not None:
+        return str(smollm2_path(out))
     if not (out / "config.json").is_file():
         BENCH_CACHE.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix="smollm2-", dir=BENCH_CACHE))
