@@ -25,7 +25,8 @@ from vllm.logger import init_logger
 logger = init_logger(__name__)
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
-SOURCES = ("paged_attention.cpp",)
+# The compiled unit; it includes the kernel files (a unity build: torch's headers parsed once).
+SOURCES = ("torch_bindings.cpp",)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math")
 
 
@@ -59,7 +60,7 @@ def cpu_kernels_available() -> bool:
         )
         return False
     h = hashlib.sha256()
-    for p in paths:
+    for p in sorted(CSRC.glob("*.[ch]*")):  # every file the unit includes
         h.update(p.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
@@ -85,11 +86,70 @@ def cpu_kernels_available() -> bool:
             "could not build the CPU kernels (%s: %s); using the torch reference path "
             "(set VLLM_CPU_KERNELS=0 to skip the attempt)",
             type(e).__name__,
-            " ".join(str(e).split())[:300],
+            " ".join(str(e).split())[-600:],  # the compiler's error is at the end
         )
         return False
     logger.debug("CPU kernels %s loaded in %.2f s", name, time.perf_counter() - t0)
+    _register_fakes()
     return True
+
+
+def _register_fakes() -> None:
+    """Shape functions, so that torch.compile can trace through the ops."""
+    lib = "vllm_cpu::"
+    if getattr(_register_fakes, "done", False):
+        return
+    _register_fakes.done = True
+    torch.library.register_fake(lib + "paged_attention")(lambda out, *args: None)
+    torch.library.register_fake(lib + "rms_norm")(lambda x, w, eps: torch.empty_like(x))
+    torch.library.register_fake(lib + "add_rms_norm")(
+        lambda x, r, w, eps: (torch.empty_like(x), torch.empty_like(x))
+    )
+    torch.library.register_fake(lib + "rotary_embedding")(
+        lambda pos, q, k, *args: (torch.empty_like(q), torch.empty_like(k))
+    )
+
+
+def cpu_op_ok(x: torch.Tensor) -> bool:
+    """Whether a fused CPU op may take x: a contiguous CPU float tensor, kernels built."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in _FLOAT_DTYPES
+        and x.is_contiguous()
+        and cpu_kernels_available()
+    )
+
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)) over the last dimension (the RMSNorm module's arithmetic)."""
+    return torch.ops.vllm_cpu.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual), without writing to either input."""
+    return torch.ops.vllm_cpu.add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_size: int,
+    rotary_dim: int,
+    is_neox: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated copies of q and k ([T, heads * head_size] or [T, heads, head_size]) at
+    positions, from fp32 cos/sin caches [max_position, rotary_dim // 2]."""
+    return torch.ops.vllm_cpu.rotary_embedding(
+        positions, q, k, cos, sin, head_size, rotary_dim, is_neox
+    )
 
 
 def paged_attention(

@@ -19,7 +19,6 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -27,6 +26,8 @@
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "ops.h"
 
 namespace {
 
@@ -250,6 +251,8 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   });
 }
 
+}  // namespace
+
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
@@ -290,14 +293,3 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
       TORCH_CHECK(false, "paged_attention: unsupported dtype ", q.scalar_type());
   }
 }
-
-}  // namespace
-
-TORCH_LIBRARY(vllm_cpu, m) {
-  m.def(
-      "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-      "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, Tensor rows, "
-      "int block_size, float scale, int blocks_per_split) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(vllm_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

@@ -159,7 +159,7 @@ def test_env_switch_forces_the_reference_path(monkeypatch):
 
 
 def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path, caplog):
-    (tmp_path / "paged_attention.cpp").write_text("this is not C++\n")
+    (tmp_path / "torch_bindings.cpp").write_text("this is not C++\n")
     monkeypatch.setattr(ops, "CSRC", tmp_path)
     monkeypatch.setenv("VLLM_CPU_KERNELS_BUILD_DIR", str(tmp_path / "build"))
     logger = logging.getLogger("vllm")
