@@ -110,14 +110,17 @@ def _register_fakes() -> None:
     )
 
 
+_available: bool | None = None  # cpu_kernels_available(), once known (cheap for torch.compile)
+
+
 def cpu_op_ok(x: torch.Tensor) -> bool:
     """Whether a fused CPU op may take x: a contiguous CPU float tensor, kernels built."""
-    return (
-        x.device.type == "cpu"
-        and x.dtype in _FLOAT_DTYPES
-        and x.is_contiguous()
-        and cpu_kernels_available()
-    )
+    global _available
+    if x.device.type != "cpu" or x.dtype not in _FLOAT_DTYPES or not x.is_contiguous():
+        return False
+    if _available is None:
+        _available = cpu_kernels_available()
+    return _available
 
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -226,11 +226,9 @@ def use_cpu_kernel(q: torch.Tensor, k_src: torch.Tensor, v_src: torch.Tensor) ->
     """Whether the C++ paged kernel can run these tensors (CPU, one supported dtype)."""
     if q.device.type != "cpu" or not (q.dtype == k_src.dtype == v_src.dtype):
         return False
-    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    from vllm._custom_ops import cpu_kernels_available
+    from vllm._custom_ops import cpu_op_ok
 
-    return cpu_kernels_available()
+    return cpu_op_ok(q)
 
 
 def paged_attention(
