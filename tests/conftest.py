@@ -32,6 +32,17 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: long-running test (e.g. the SmolLM2 GGUF conversion)")
 
 
+@pytest.fixture(scope="module")
+def pp_forkserver():
+    """Pipeline-stage processes of a module start from one fork server (it imports torch
+    once), with the default layer partition."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "forkserver")
+    mp.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
+    yield
+    mp.undo()
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Folder holding only the tiny ChatML BPE tokenizer (vocab 512)."""

@@ -136,9 +136,13 @@ def make_mtp_self_draft(
     src_dir: str | os.PathLike,
     *,
     target_scale: float = 0.0,
+    draft_block_scale: float = 0.0,
 ) -> str:
     """Copy the DeepSeek-V3 MTP checkpoint src_dir to out_dir with MTP layers that reproduce
-    the (scaled) target's next token (see the module docstring); returns out_dir."""
+    the (scaled) target's next token (see the module docstring); returns out_dir.
+
+    draft_block_scale > 0 keeps the MTP decoder block's random attention and MLP outputs,
+    scaled by it: the drafts then also depend on the draft's own KV cache."""
     src, out = Path(src_dir), Path(out_dir)
     cfg = _read_config(src)
     n_layers = int(cfg["num_hidden_layers"])
@@ -167,7 +171,7 @@ def make_mtp_self_draft(
                 continue
             rest = k.split(".", 3)[3]
             if out_proj:
-                shard[k] = torch.zeros_like(v)
+                shard[k] = v * draft_block_scale
             elif rest == "enorm.weight":
                 shard[k] = torch.ones_like(v)
             elif rest == "hnorm.weight":

@@ -8,9 +8,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.quantization import QuantizationConfig
 
 logger = init_logger(__name__)
 
@@ -79,6 +82,9 @@ class ModelConfig:
     """Longest prompt + output; defaults to the model's max_position_embeddings."""
     trust_remote_code: bool = False
     """Passed to transformers when reading the config/tokenizer."""
+    quantization: str | None = None
+    """Weight quantization (vLLM's --quantization): None takes the checkpoint's
+    quantization_config; 'fp8' = block-quantized e4m3 weights as DeepSeek / Qwen publish them."""
     hf_config: Any = field(default=None, repr=False)
     """The checkpoint's config (filled in __post_init__)."""
 
@@ -91,6 +97,8 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.hf_config is None:
             self.hf_config = load_hf_config(self.model, self.trust_remote_code)
+        # Parsed here so a checkpoint we cannot run fails at construction, naming the field.
+        self.quantization = self._resolve_quantization()[0]
         text = self.hf_text_config
         max_pos = getattr(text, "max_position_embeddings", None) or 2048
         if self.max_model_len is None:
@@ -108,6 +116,15 @@ class ModelConfig:
     @property
     def hf_text_config(self) -> Any:
         return get_text_config(self.hf_config)
+
+    def _resolve_quantization(self) -> tuple[str | None, QuantizationConfig | None]:
+        from vllm.model_executor.layers.quantization import resolve_quantization
+
+        return resolve_quantization(self.quantization, self.hf_config, self.model)
+
+    def get_quant_config(self) -> QuantizationConfig | None:
+        """The parsed QuantizationConfig the model is built with, or None (unquantized)."""
+        return self._resolve_quantization()[1]
 
     @property
     def architecture(self) -> str:
@@ -137,6 +154,13 @@ class ModelConfig:
         return int(self.hf_text_config.vocab_size)
 
     @property
+    def is_hybrid(self) -> bool:
+        """Whether the model mixes attention with linear-attention (per-request state) layers."""
+        from vllm.model_executor.models.registry import resolve_model_cls
+
+        return bool(getattr(resolve_model_cls(self.architecture), "is_hybrid", False))
+
+    @property
     def num_hidden_layers(self) -> int:
         return int(self.hf_text_config.num_hidden_layers)
 
@@ -151,10 +175,14 @@ class CacheConfig:
     """Bytes for the KV cache; overrides gpu_memory_utilization."""
     gpu_memory_utilization: float = 0.9
     """Fraction of device memory the engine may use on CUDA."""
-    enable_prefix_caching: bool = False
-    """Reuse KV blocks of shared prompt prefixes (not built yet; must be False)."""
+    enable_prefix_caching: bool | None = None
+    """Reuse the KV blocks of shared prompt prefixes across requests. None (the default): on,
+    except for hybrid models (linear-attention states are per request, not per block), where it
+    is off; True on a hybrid model is an error."""
     num_gpu_blocks: int | None = None
     """Number of KV blocks (derived from the memory budget by the worker)."""
+    num_gpu_blocks_override: int | None = None
+    """Use this many KV blocks instead of what the memory budget gives (testing, tuning)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -167,8 +195,17 @@ class CacheConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
-        if self.enable_prefix_caching:
-            raise ValueError("enable_prefix_caching=True is not supported yet")
+        if self.num_gpu_blocks_override is not None and (
+            not isinstance(self.num_gpu_blocks_override, int) or self.num_gpu_blocks_override < 1
+        ):
+            raise ValueError(
+                "num_gpu_blocks_override must be a positive integer, got "
+                f"{self.num_gpu_blocks_override!r}"
+            )
+        if not (self.enable_prefix_caching is None or isinstance(self.enable_prefix_caching, bool)):
+            raise ValueError(
+                f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )
 
 
 @dataclass
@@ -410,6 +447,7 @@ class VllmConfig:
     def __post_init__(self) -> None:
         mc, sc = self.model_config, self.scheduler_config
         sc.max_model_len = mc.max_model_len
+        self._resolve_prefix_caching()
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < mc.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens={sc.max_num_batched_tokens} is smaller than "
@@ -433,6 +471,28 @@ class VllmConfig:
                 trust_remote_code=mc.trust_remote_code,
             )
             spec.verify_with_target(mc)
+
+    def _resolve_prefix_caching(self) -> None:
+        cc = self.cache_config
+        if cc.enable_prefix_caching is False:
+            return
+        arch = self.model_config.architecture
+        if not self.model_config.is_hybrid:
+            cc.enable_prefix_caching = True
+        elif cc.enable_prefix_caching is None:
+            logger.info(
+                "Prefix caching is disabled for the hybrid model %s: its linear-attention "
+                "states are kept per request, not per KV block",
+                arch,
+            )
+            cc.enable_prefix_caching = False
+        else:
+            raise ValueError(
+                f"enable_prefix_caching=True is not supported for the hybrid model {arch} "
+                "(its linear-attention states are kept per request, not per KV block, so a "
+                "cached prefix cannot be resumed); leave it unset or pass "
+                "enable_prefix_caching=False (--no-enable-prefix-caching)"
+            )
 
     @property
     def num_speculative_tokens(self) -> int:

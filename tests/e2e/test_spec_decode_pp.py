@@ -33,14 +33,7 @@ METRICS = (
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _forkserver():
-    # One fork server imports torch once for all the stage processes of this module.
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VLLM_WORKER_MULTIPROC_METHOD", "forkserver")
-    mp.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("pp_forkserver")
 
 
 def _near_mtp(tmp_path_factory, n_mtp: int) -> str:

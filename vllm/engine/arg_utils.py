@@ -36,7 +36,8 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
-    enable_prefix_caching: bool = False
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool | None = None  # None: on unless the model is hybrid
     pipeline_parallel_size: int = 1
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
@@ -45,6 +46,7 @@ class EngineArgs:
     disable_log_stats: bool = True
     trust_remote_code: bool = False
     device: str = "auto"
+    quantization: str | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -68,6 +70,7 @@ class EngineArgs:
             seed=self.seed,
             max_model_len=self.max_model_len,
             trust_remote_code=self.trust_remote_code,
+            quantization=self.quantization,
         )
         spec = self.speculative_config
         if isinstance(spec, str):
@@ -82,6 +85,7 @@ class EngineArgs:
                 block_size=self.block_size,
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 gpu_memory_utilization=self.gpu_memory_utilization,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler_config=SchedulerConfig(
@@ -113,6 +117,14 @@ class EngineArgs:
         parser.add_argument("--block-size", type=int, default=d.block_size)
         parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
         parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+        parser.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="Reuse the KV cache of shared prompt prefixes (default: on, except for hybrid "
+            "models).",
+        )
         parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
         parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
         parser.add_argument(
@@ -128,6 +140,13 @@ class EngineArgs:
         parser.add_argument("--disable-log-stats", action="store_true")
         parser.add_argument("--trust-remote-code", action="store_true")
         parser.add_argument("--device", type=str, default="auto")
+        parser.add_argument(
+            "-q",
+            "--quantization",
+            type=str,
+            default=None,
+            help="Weight quantization; default: the checkpoint's quantization_config (fp8)",
+        )
         return parser
 
     @classmethod

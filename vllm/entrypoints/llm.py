@@ -101,6 +101,11 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (e.g. after the weights changed). Returns False, changing
+        nothing, while requests still hold KV blocks."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_metrics(self) -> list[Metric]:
         return self.llm_engine.get_metrics()
 

@@ -41,6 +41,7 @@ class Request:
         sampling_params: SamplingParams,
         arrival_time: float | None = None,
         seed: int | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -56,6 +57,12 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.in_flight = 0  # scheduled steps whose output has not come back (pipelining)
+        # Prefix caching: salt mixed into the first block's hash (only requests with the same
+        # salt share blocks), the hashes of the full blocks so far, and the prompt tokens found
+        # cached when the request was first scheduled (-1: not scheduled yet).
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens = -1
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -68,6 +75,11 @@ class Request:
     @property
     def num_tokens_with_spec(self) -> int:
         return len(self.all_token_ids) + len(self.spec_token_ids)
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        # Prompt logprobs need the logits of every prompt position, so nothing is skipped.
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def num_output_tokens(self) -> int:

@@ -6,38 +6,18 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from types import SimpleNamespace
 
-from vllm.sampling_params import SamplingParams
+from tests.v1.core.utils import answer as _answer
+from tests.v1.core.utils import make_request
+from tests.v1.core.utils import sched_config as _config
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import ModelRunnerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request, RequestStatus
-
-
-def _config(max_num_seqs=8, budget=32, max_model_len=128, block_size=4, k=0):
-    return SimpleNamespace(
-        scheduler_config=SimpleNamespace(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=budget,
-            enable_chunked_prefill=True,
-            max_model_len=max_model_len,
-        ),
-        cache_config=SimpleNamespace(block_size=block_size),
-        num_speculative_tokens=k,
-    )
+from vllm.v1.request import RequestStatus
 
 
 def _req(rid, n, max_tokens=4):
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
-    sp.update_from_tokenizer(None)
-    return Request(rid, list(range(1, n + 1)), sp, seed=0)
-
-
-def _answer(so, token=7, drafts=None):
-    ids = so.req_ids
-    sampled = [[token] for _ in ids]
-    return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled, None, {}, drafts)
+    return make_request(rid, range(1, n + 1), max_tokens)
 
 
 def test_scheduler_does_not_import_torch():

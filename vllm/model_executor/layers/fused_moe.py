@@ -4,8 +4,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def fused_moe(
@@ -14,13 +17,15 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    expert_linear: Callable[[torch.Tensor, int, str], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden_states[t]) for every token t.
 
     hidden_states [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I];
     topk_weights [T, k] (any float dtype); topk_ids [T, k]. Each expert is a SwiGLU MLP. Only the
     experts that received tokens run, each once over all of its tokens. Returns [T, H] in the
-    dtype of hidden_states, accumulated in float32.
+    dtype of hidden_states, accumulated in float32. expert_linear(x, e, "w13" | "w2") computes
+    x @ W[e]^T for weights stored otherwise than dense (quantized); by default F.linear.
     """
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=hidden_states.device)
@@ -32,17 +37,56 @@ def fused_moe(
     weight_of = topk_weights.reshape(-1)[order].float()
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
     inter = w2.shape[2]
+    if expert_linear is None:
+        stacks = {"w13": w13, "w2": w2}
+
+        def expert_linear(x: torch.Tensor, e: int, proj: str) -> torch.Tensor:
+            return F.linear(x, stacks[proj][e])
+
     start = 0
     for expert, n in enumerate(counts):
         if n == 0:
             continue
         tokens = token_of[start : start + n]
-        gate_up = F.linear(hidden_states[tokens], w13[expert])
+        gate_up = expert_linear(hidden_states[tokens], expert, "w13")
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = F.linear(act, w2[expert])
+        y = expert_linear(act, expert, "w2")
         out.index_add_(0, tokens, y.float() * weight_of[start : start + n, None])
         start += n
     return out.to(hidden_states.dtype)
+
+
+class UnquantizedFusedMoEMethod:
+    """Dense stacked experts: w13_weight [E, 2I, H] (gate rows, then up) and w2_weight
+    [E, H, I] in the compute dtype."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        e, h, i = num_experts, hidden_size, intermediate_size
+        layer.w13_weight = nn.Parameter(
+            torch.empty(e, 2 * i, h, dtype=params_dtype), requires_grad=False
+        )
+        layer.w2_weight = nn.Parameter(
+            torch.empty(e, h, i, dtype=params_dtype), requires_grad=False
+        )
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(
+        self,
+        layer: nn.Module,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        return fused_moe(hidden_states, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
 
 
 def select_experts(

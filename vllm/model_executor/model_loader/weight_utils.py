@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -34,3 +34,24 @@ def safetensors_weights_iterator(model_dir: str) -> Iterator[tuple[str, torch.Te
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             for name in fh.keys():
                 yield name, fh.get_tensor(name)
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint that does not fit the model: a missing, unexpected or misshaped weight."""
+
+
+class TrackedWeights:
+    """Checkpoint tensors, counting those a model's loader used (its weights as stored: FP8
+    data plus scales for a quantized checkpoint) for the load log."""
+
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self._weights = weights
+        self.loaded_bytes = 0
+        self.loaded_tensors = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self._weights)
+
+    def note_loaded(self, tensor: torch.Tensor) -> None:
+        self.loaded_bytes += tensor.numel() * tensor.element_size()
+        self.loaded_tensors += 1

@@ -13,6 +13,7 @@ from torch import nn
 
 from vllm.config import ModelConfig, VllmConfig, num_mtp_layers
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.models.deepseek_v2 import (
     DeepseekV2DecoderLayer,
     ExpertWeightLoader,
@@ -57,7 +58,7 @@ class DeepSeekMultiTokenPredictorLayer(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
         self.enorm = RMSNorm(h, eps)
         self.hnorm = RMSNorm(h, eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.eh_proj = ReplicatedLinear(2 * h, h, bias=False)
         self.shared_head = SharedHead(config)
         if mtp_block is None:
             mtp_block = DeepseekV2DecoderLayer(

@@ -14,8 +14,11 @@ from torch import nn
 from vllm.config import ModelConfig, VllmConfig
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.model_executor.layers.attention import MLAAttention
-from vllm.model_executor.layers.fused_moe import fused_moe, select_experts
+from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod, select_experts
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.quantization import get_current_quant_config
+from vllm.model_executor.layers.quantization.fp8 import FP8_DTYPE, load_fp8_tensor
 from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params, yarn_get_mscale
 from vllm.model_executor.models.llama import LlamaMLP
 from vllm.model_executor.models.utils import (
@@ -26,6 +29,7 @@ from vllm.model_executor.models.utils import (
     is_pp_missing_parameter,
     load_params_strict,
     maybe_prefix,
+    reject_quantized_tensor,
     spec_decode_needs_target_embed,
 )
 from vllm.sequence import IntermediateTensors
@@ -92,23 +96,25 @@ class DeepseekV2MoEGate(nn.Module):
 
 
 class DeepseekV2Experts(nn.Module):
-    """Routed experts stacked as w13_weight [E, 2I, H] (gate rows, then up) and w2_weight."""
+    """Routed experts stacked as w13_weight [E, 2I, H] (gate rows, then up) and w2_weight, stored
+    as the model's quant config says (e.g. FP8 with per-block scales)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
-        self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
+        config = get_current_quant_config()
+        self.quant_method = (
+            config.get_moe_method() if config is not None else UnquantizedFusedMoEMethod()
         )
-        self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
+        self.quant_method.create_weights(
+            self, num_experts, hidden_size, intermediate_size, torch.get_default_dtype()
         )
 
     def forward(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        return fused_moe(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
 
 
 class DeepseekV2MoE(nn.Module):
@@ -198,20 +204,24 @@ class DeepseekV2MLAAttention(nn.Module):
         qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         bias = bool(getattr(config, "attention_bias", False))
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(h, self.num_heads * qk_head_dim, bias=False)
+            self.q_proj = ReplicatedLinear(h, self.num_heads * qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias=bias)
+            self.q_a_proj = ReplicatedLinear(h, self.q_lora_rank, bias=bias)
             # HF and the reference code use the default eps (not rms_norm_eps) for the latents.
             self.q_a_layernorm = RMSNorm(self.q_lora_rank)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
+            self.q_b_proj = ReplicatedLinear(
+                self.q_lora_rank, self.num_heads * qk_head_dim, bias=False
+            )
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            h, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias
+        )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = ReplicatedLinear(
             self.kv_lora_rank,
             self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
             bias=False,
         )
-        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, h, bias=bias)
+        self.o_proj = ReplicatedLinear(self.num_heads * self.v_head_dim, h, bias=bias)
         theta, scaling = rope_params(config)
         # DeepSeek rotates interleaved pairs (x0, x1), (x2, x3)...; V2 always, V3 unless the
         # checkpoint's rope_interleave is false. q_pe and k_pe share the layout, so their dot
@@ -306,8 +316,8 @@ class DeepseekV2DecoderLayer(nn.Module):
 
 _EXPERT_WEIGHT = re.compile(
     r"^(?P<prefix>.+\.mlp\.experts)\."
-    r"(?:(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight"
-    r"|(?P<fused>gate_up_proj|down_proj))$"
+    r"(?:(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight(?P<scale>_scale_inv)?"
+    r"|(?P<fused>gate_up_proj|down_proj)(?P<fused_scale>_scale_inv)?)$"
 )
 
 
@@ -318,16 +328,18 @@ _EXPERT_PARTS = {
     "down_proj": ("down",),
     "gate_up_proj": ("gate", "up"),
 }
+_EXPERT_STACKS = ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")
 
 
 class ExpertWeightLoader:
-    """Fills stacked expert parameters (`*.mlp.experts.w13_weight` / `w2_weight`).
+    """Fills stacked expert parameters (`*.mlp.experts.w13_weight` / `w2_weight`, and for FP8
+    experts their `*_scale_inv` block scales).
 
     Accepts per-expert checkpoint names `<p>.mlp.experts.{e}.{gate,up,down}_proj.weight` (DeepSeek
     releases) and the fused `<p>.mlp.experts.gate_up_proj` [E, 2I, H] / `<p>.mlp.experts.down_proj`
-    [E, H, I] (HF's in-memory layout). Tracks every (expert, gate|up|down) slice so a slice loaded
-    twice, or never, is an error naming it. Use `load_layer_weight` as load_params_strict's
-    `custom` hook, then `finish`.
+    [E, H, I] (HF's in-memory layout), each optionally with a `..._scale_inv` block-scale twin.
+    Tracks every (expert, gate|up|down) slice so a slice loaded twice, or never, is an error
+    naming it. Use `load_layer_weight` as load_params_strict's `custom` hook, then `finish`.
     """
 
     def __init__(self) -> None:
@@ -343,12 +355,15 @@ class ExpertWeightLoader:
             return False
         prefix, fused = m["prefix"], m["fused"]
         proj = fused or m["proj"]
-        param_name = f"{prefix}.{'w2_weight' if proj == 'down_proj' else 'w13_weight'}"
+        scale = bool(m["scale"] or m["fused_scale"])
+        stack = "w2_weight" if proj == "down_proj" else "w13_weight"
+        param_name = f"{prefix}.{stack}{'_scale_inv' if scale else ''}"
         param = params.get(param_name)
         if param is None:
             return False
         num_experts = param.shape[0]
-        inter = param.shape[2] if proj == "down_proj" else param.shape[1] // 2
+        # Scales of w13 stack the gate's grid over the up projection's, as weights stack rows.
+        half = param.shape[1] // 2
         parts = _EXPERT_PARTS[proj]
         if fused:
             experts = list(range(num_experts))
@@ -363,12 +378,13 @@ class ExpertWeightLoader:
             experts = [e]
             dst = param.data[e]
             if proj == "gate_proj":
-                dst = dst[:inter]
+                dst = dst[:half]
             elif proj == "up_proj":
-                dst = dst[inter:]
+                dst = dst[half:]
         if tuple(tensor.shape) != tuple(dst.shape):
+            what = "block scale" if scale else "weight"
             raise WeightLoadError(
-                f"weight {name!r} has shape {tuple(tensor.shape)} in the checkpoint but the "
+                f"{what} {name!r} has shape {tuple(tensor.shape)} in the checkpoint but the "
                 f"model expects {tuple(dst.shape)} (a slice of {param_name!r})"
             )
         filled = self._filled.setdefault(param_name, set())
@@ -377,26 +393,33 @@ class ExpertWeightLoader:
         if twice:
             e, p = min(twice)
             raise WeightLoadError(
-                f"expert weight {prefix}.{e}.{p}_proj.weight is loaded twice (again by {name!r})"
+                f"expert weight {prefix}.{e}.{p}_proj.weight{'_scale_inv' if scale else ''} is "
+                f"loaded twice (again by {name!r})"
             )
         with torch.no_grad():
-            dst.copy_(tensor.to(dst.dtype))
+            if scale or dst.dtype == FP8_DTYPE:
+                load_fp8_tensor(dst, tensor, name)
+            else:
+                reject_quantized_tensor(name, tensor, param_name)
+                dst.copy_(tensor.to(dst.dtype))
         filled |= slices
         return True
 
     def finish(self, model: nn.Module, loaded: set[str]) -> None:
-        """Raise naming every expert slice of this stage never loaded; mark full stacks loaded."""
+        """Raise naming every expert slice of this stage never loaded (an FP8 slice without its
+        scale by both names); mark full stacks loaded."""
         missing: list[str] = []
         for param_name, param in model.named_parameters():
             prefix, _, leaf = param_name.rpartition(".")
-            if not prefix.endswith(".mlp.experts") or leaf not in ("w13_weight", "w2_weight"):
+            if not prefix.endswith(".mlp.experts") or leaf not in _EXPERT_STACKS:
                 continue
             if is_pp_missing_parameter(param_name, model):
                 continue
-            parts = ("down",) if leaf == "w2_weight" else ("gate", "up")
+            parts = ("down",) if leaf.startswith("w2_") else ("gate", "up")
+            suffix = "_scale_inv" if leaf.endswith("_scale_inv") else ""
             filled = self._filled.get(param_name, set())
             absent = [
-                f"{prefix}.{e}.{p}_proj.weight"
+                f"{prefix}.{e}.{p}_proj.weight{suffix}"
                 for e in range(param.shape[0])
                 for p in parts
                 if (e, p) not in filled
@@ -405,12 +428,25 @@ class ExpertWeightLoader:
                 missing += absent
             else:
                 loaded.add(param_name)
-        if missing:
-            more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
+        if not missing:
+            return
+        lone = [
+            n
+            for n in missing
+            if n.endswith("_scale_inv") and n[: -len("_scale_inv")] not in missing
+        ]
+        if lone:
+            more = f" (+{len(lone) - 4} more)" if len(lone) > 4 else ""
+            pairs = [f"{n[:-10]!r} without {n!r}" for n in lone[:4]]
             raise WeightLoadError(
-                f"checkpoint is missing expert weight(s) for {type(model).__name__}: "
-                f"{missing[:8]}{more}"
+                f"checkpoint expert weight(s) of {type(model).__name__} are FP8 but their block "
+                f"scales are missing: {', '.join(pairs)}{more}"
             )
+        more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
+        raise WeightLoadError(
+            f"checkpoint is missing expert weight(s) for {type(model).__name__}: "
+            f"{missing[:8]}{more}"
+        )
 
 
 class DeepseekV2Model(nn.Module):

@@ -15,6 +15,7 @@ from vllm.distributed.parallel_state import get_pp_group
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params
 from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagle3
 from vllm.model_executor.models.utils import (
@@ -31,9 +32,9 @@ from vllm.sequence import IntermediateTensors
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = ReplicatedLinear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = ReplicatedLinear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,10 +49,10 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or h // self.num_heads
         o_bias = bool(getattr(config, "attention_bias", False)) and not qkv_bias
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=o_bias)
+        self.q_proj = ReplicatedLinear(h, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = ReplicatedLinear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = ReplicatedLinear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, h, bias=o_bias)
         theta, scaling = rope_params(config)
         self.rotary_emb = get_rope(
             self.head_dim,

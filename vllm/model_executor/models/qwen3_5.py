@@ -20,6 +20,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import select_experts
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.mamba import MambaBase
 from vllm.model_executor.layers.mamba.gated_delta_rule import l2norm
 from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params
@@ -106,10 +107,10 @@ class Qwen3_5GatedDeltaNet(MambaBase):
                 f"Qwen3.5: linear_conv_kernel_dim must be >= 2, got {self.conv_kernel_size}"
             )
         eps = getattr(config, "rms_norm_eps", 1e-6)
-        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(h, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(h, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(h, self.num_v_heads, bias=False)
+        self.in_proj_qkv = ReplicatedLinear(h, self.conv_dim, bias=False)
+        self.in_proj_z = ReplicatedLinear(h, self.value_dim, bias=False)
+        self.in_proj_b = ReplicatedLinear(h, self.num_v_heads, bias=False)
+        self.in_proj_a = ReplicatedLinear(h, self.num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(
             self.conv_dim,
             self.conv_dim,
@@ -121,7 +122,7 @@ class Qwen3_5GatedDeltaNet(MambaBase):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = Qwen3_5RMSNormGated(self.head_v_dim, eps)
-        self.out_proj = nn.Linear(self.value_dim, h, bias=False)
+        self.out_proj = ReplicatedLinear(self.value_dim, h, bias=False)
 
     def state_shapes(self) -> list[tuple[int, ...]]:
         return [
@@ -179,10 +180,10 @@ class Qwen3_5Attention(nn.Module):
         self.head_dim = int(getattr(config, "head_dim", None) or h // self.num_heads)
         bias = bool(getattr(config, "attention_bias", False))
         eps = getattr(config, "rms_norm_eps", 1e-6)
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.q_proj = ReplicatedLinear(h, self.num_heads * self.head_dim * 2, bias=bias)
+        self.k_proj = ReplicatedLinear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = ReplicatedLinear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, h, bias=bias)
         self.q_norm = Qwen3_5RMSNorm(self.head_dim, eps)
         self.k_norm = Qwen3_5RMSNorm(self.head_dim, eps)
         theta, scaling = rope_params(config)
@@ -231,7 +232,7 @@ class Qwen3_5MoeSparseMoeBlock(nn.Module):
         self.gate = nn.Linear(h, num_experts, bias=False)
         self.experts = DeepseekV2Experts(num_experts, h, int(config.moe_intermediate_size))
         self.shared_expert = LlamaMLP(h, int(config.shared_expert_intermediate_size))
-        self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+        self.shared_expert_gate = ReplicatedLinear(h, 1, bias=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from vllm.config import ModelConfig, VllmConfig, num_mtp_layers
+from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.models.deepseek_v2 import ExpertWeightLoader
 from vllm.model_executor.models.interfaces import SupportsEagleBase, SupportsPP
 from vllm.model_executor.models.qwen3_5 import (
@@ -47,7 +48,7 @@ class Qwen3_5MultiTokenPredictor(nn.Module):
         h = config.hidden_size
         eps = getattr(config, "rms_norm_eps", 1e-6)
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
-        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.fc = ReplicatedLinear(2 * h, h, bias=False)
         self.layers = nn.ModuleList(
             Qwen3_5DecoderLayer(config, FULL_ATTENTION, f"{prefix}.layers.{j}", moe=self.moe)
             for j in range(self.num_mtp_layers)

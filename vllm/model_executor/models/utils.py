@@ -11,6 +11,8 @@ from torch import nn
 
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.distributed.utils import get_pp_indices
+from vllm.model_executor.layers.quantization.fp8 import FP8_DTYPES
+from vllm.model_executor.model_loader.weight_utils import WeightLoadError
 from vllm.sequence import IntermediateTensors
 
 
@@ -63,8 +65,15 @@ def make_empty_intermediate_tensors_factory(keys: list[str], hidden_size: int):
     return make
 
 
-class WeightLoadError(ValueError):
-    pass
+def reject_quantized_tensor(ckpt_name: str, tensor: torch.Tensor, param_name: str) -> None:
+    """A quantized (FP8) checkpoint tensor may only fill a quantized layer: cast into a plain
+    parameter it would silently lose its scale."""
+    if tensor.dtype in FP8_DTYPES:
+        raise WeightLoadError(
+            f"checkpoint weight {ckpt_name!r} is stored quantized ({tensor.dtype}) but "
+            f"{param_name!r} is not a quantized parameter (does config.json lack its "
+            "quantization_config, or is this layer never quantized?)"
+        )
 
 
 def load_params_strict(
@@ -78,19 +87,34 @@ def load_params_strict(
 
     rename maps a checkpoint name to a parameter name (None: skip the weight on purpose).
     custom(name, tensor, params) may consume a weight itself (stacked/expert tensors) and returns
-    True when it did. Every parameter must be loaded exactly once unless it is listed in shared
+    True when it did. A layer with a quant_method (quantized linears) loads its own weights and
+    scales. Every parameter must be loaded exactly once unless it is listed in shared
     (tied/derived) or lives in a layer of another pipeline stage. Misshaped, unknown or missing
-    weights raise WeightLoadError naming them.
+    weights raise WeightLoadError naming them. When weights has a note_loaded(tensor) method it
+    is told about every tensor this stage used (the loader's memory report).
     """
     params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+    note_loaded = getattr(weights, "note_loaded", None)
     loaded: set[str] = set()
     for ckpt_name, tensor in weights:
         name = rename(ckpt_name)
         if name is None or is_pp_missing_parameter(name, model):
             continue
+        if name in loaded:
+            raise WeightLoadError(f"weight {ckpt_name!r} appears twice in the checkpoint")
+        if note_loaded is not None:
+            note_loaded(tensor)
         if custom is not None and custom(name, tensor, params):
             loaded.add(name)
             continue
+        owner_name, _, leaf = name.rpartition(".")
+        owner = modules.get(owner_name)
+        load_weight = getattr(getattr(owner, "quant_method", None), "load_weight", None)
+        with torch.no_grad():
+            if load_weight is not None and load_weight(owner, leaf, tensor, ckpt_name):
+                loaded.add(name)
+                continue
         param = params.get(name)
         if param is None:
             raise WeightLoadError(
@@ -102,8 +126,7 @@ def load_params_strict(
                 f"weight {ckpt_name!r} has shape {tuple(tensor.shape)} in the checkpoint but "
                 f"the model expects {tuple(param.shape)}"
             )
-        if name in loaded:
-            raise WeightLoadError(f"weight {ckpt_name!r} appears twice in the checkpoint")
+        reject_quantized_tensor(ckpt_name, tensor, name)
         with torch.no_grad():
             param.copy_(tensor.to(param.dtype))
         loaded.add(name)
@@ -111,7 +134,12 @@ def load_params_strict(
 
 
 def check_all_loaded(model: nn.Module, loaded: set[str], shared: Iterable[str] = ()) -> None:
-    """Raise naming every parameter of this stage that no checkpoint weight filled."""
+    """Raise naming every parameter of this stage that no checkpoint weight filled (first each
+    quantized layer checks its weight against its scales)."""
+    for prefix, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and hasattr(method, "finish_loading"):
+            method.finish_loading(module, prefix, loaded)
     shared = set(shared)
     missing = [
         n

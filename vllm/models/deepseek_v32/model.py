@@ -19,6 +19,7 @@ from vllm.model_executor.layers.attention.sparse_mla_attention import (
     TOPK_PAD,
     SparseMLAAttention,
 )
+from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_params
 from vllm.model_executor.models.deepseek_v2 import (
     DeepseekV2DecoderLayer,
@@ -97,8 +98,10 @@ class DeepseekV32Indexer(nn.Module):
         self.n_heads = int(config.index_n_heads)
         self.head_dim = int(config.index_head_dim)
         self.index_topk = int(config.index_topk)
-        self.wq_b = nn.Linear(int(config.q_lora_rank), self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(h, self.head_dim, bias=False)
+        self.wq_b = ReplicatedLinear(
+            int(config.q_lora_rank), self.n_heads * self.head_dim, bias=False
+        )
+        self.wk = ReplicatedLinear(h, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         # Kept in float32 whatever the model dtype, as the reference implementation does.
         self.weights_proj = nn.Linear(h, self.n_heads, bias=False, dtype=torch.float32)

@@ -28,10 +28,7 @@ PromptType = str | dict[str, Any] | list[int]
 
 def num_state_slots(vllm_config: VllmConfig) -> int:
     """Hybrid models (linear-attention layers) keep one state slot per running request."""
-    from vllm.model_executor.models.registry import resolve_model_cls
-
-    cls = resolve_model_cls(vllm_config.model_config.architecture)
-    return vllm_config.scheduler_config.max_num_seqs if getattr(cls, "is_hybrid", False) else 0
+    return vllm_config.scheduler_config.max_num_seqs if vllm_config.model_config.is_hybrid else 0
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):
@@ -52,6 +49,14 @@ class LLMEngine:
         self.executor = Executor.get_class(vllm_config)(vllm_config)
         try:
             num_blocks = self.executor.determine_num_blocks()
+            override = vllm_config.cache_config.num_gpu_blocks_override
+            if override is not None:
+                logger.info(
+                    "Overriding num_gpu_blocks=%d with num_gpu_blocks_override=%d",
+                    num_blocks,
+                    override,
+                )
+                num_blocks = override
             self.executor.initialize_kv_cache(num_blocks)
         except BaseException:
             self.executor.shutdown()
@@ -139,6 +144,7 @@ class LLMEngine:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.process_prompt(prompt)
+        cache_salt = self._cache_salt(prompt)
         arrival_time = arrival_time if arrival_time is not None else time.time()
         children: dict[str, ChildState] = {}
         requests = []
@@ -152,12 +158,25 @@ class LLMEngine:
                 seed = self._rng.getrandbits(62)
             cid = request_id if params.n == 1 else f"{i}_{request_id}"
             children[cid] = ChildState(i, child_params)
-            requests.append(Request(cid, ids, child_params, arrival_time, seed))
+            requests.append(Request(cid, ids, child_params, arrival_time, seed, cache_salt))
         self.output_processor.add(
             RequestState(request_id, text, ids, params, children, arrival_time)
         )
         for r in requests:
             self.scheduler.add_request(r)
+
+    @staticmethod
+    def _cache_salt(prompt: PromptType) -> str | None:
+        """A dict prompt's optional cache_salt: only requests with the same salt share cached
+        prefix blocks (what keeps tenants from probing each other's prompts)."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise TypeError(f"cache_salt must be a non-empty string, got {salt!r}")
+        return salt
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changes) while requests hold KV blocks."""
+        return self.scheduler.reset_prefix_cache()
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):

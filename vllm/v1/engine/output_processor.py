@@ -93,6 +93,7 @@ class RequestState:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first sample)
 
     @property
     def finished(self) -> bool:
@@ -187,6 +188,8 @@ class OutputProcessor:
             if child.finish_reason is not None:
                 continue
             touched[rid] = st
+            if child.index == 0:
+                st.num_cached_tokens = out.num_cached_tokens
             if out.prompt_logprobs is not None and child.index == 0:
                 if st.prompt_logprobs is None:
                     st.prompt_logprobs = []
@@ -315,4 +318,5 @@ class OutputProcessor:
             finished=finished,
             prompt_logprobs=st.prompt_logprobs,
             metrics=metrics,
+            num_cached_tokens=st.num_cached_tokens,
         )

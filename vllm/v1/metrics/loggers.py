@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PCounter
@@ -57,6 +58,14 @@ class PrometheusStatLogger:
             "vllm:request_success", "Finished requests.", ["finished_reason"]
         )
         self.num_preemptions = counter("vllm:num_preemptions", "Preemptions.")
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens of new requests looked up in the cache."
+        )
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prompt tokens of new requests found in the cache."
+        )
+        for c in (self.prefix_cache_queries, self.prefix_cache_hits):
+            c.labels(**self.labels)  # exported (as 0) even when caching is off
         self.running = PGauge("vllm:num_requests_running", "Running requests.", labels, registry=r)
         self.waiting = PGauge("vllm:num_requests_waiting", "Waiting requests.", labels, registry=r)
         self.kv_usage = PGauge("vllm:kv_cache_usage_perc", "KV cache usage.", labels, registry=r)
@@ -106,6 +115,10 @@ class PrometheusStatLogger:
         if stats.num_preemptions > self._last_preemptions:
             self.num_preemptions.labels(**lab).inc(stats.num_preemptions - self._last_preemptions)
             self._last_preemptions = stats.num_preemptions
+        pc = stats.prefix_cache_stats
+        if pc is not None:
+            self.prefix_cache_queries.labels(**lab).inc(pc.queries)
+            self.prefix_cache_hits.labels(**lab).inc(pc.hits)
         sd = stats.spec_decoding_stats
         if sd is not None and sd.num_drafts:
             self.spec_drafts.labels(**lab).inc(sd.num_drafts)
@@ -126,12 +139,44 @@ class PrometheusStatLogger:
         self.itl.labels(**self.labels).observe(seconds)
 
 
+class PrefixCacheHitRate:
+    """Hit rate over the most recent requests' lookups (at least max_requests of them), so the
+    log shows the current workload rather than the whole history."""
+
+    def __init__(self, max_requests: int = 1000) -> None:
+        self.max_requests = max_requests
+        self._window: deque[tuple[int, int, int]] = deque()
+        self.requests = self.queries = self.hits = 0
+
+    def observe(self, requests: int, queries: int, hits: int, reset: bool = False) -> None:
+        if reset:
+            self._window.clear()
+            self.requests = self.queries = self.hits = 0
+        if not requests:
+            return
+        self._window.append((requests, queries, hits))
+        self.requests += requests
+        self.queries += queries
+        self.hits += hits
+        while self.requests - self._window[0][0] >= self.max_requests:
+            r, q, h = self._window.popleft()
+            self.requests -= r
+            self.queries -= q
+            self.hits -= h
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
 class LoggingStatLogger:
     """Every `interval` seconds: throughput, queue sizes, and spec-decode acceptance."""
 
     def __init__(self, num_spec_tokens: int, interval: float = 5.0) -> None:
         self.interval = interval
         self.num_spec_tokens = num_spec_tokens
+        self.prefix_cache = PrefixCacheHitRate()
+        self.prefix_caching_seen = False
         self._reset(time.monotonic())
 
     def _reset(self, now: float) -> None:
@@ -143,6 +188,10 @@ class LoggingStatLogger:
     def record(self, stats: SchedulerStats, num_prompt: int, num_gen: int) -> None:
         self.prompt += num_prompt
         self.gen += num_gen
+        pc = stats.prefix_cache_stats
+        if pc is not None:
+            self.prefix_caching_seen = True
+            self.prefix_cache.observe(pc.requests, pc.queries, pc.hits, pc.reset)
         sd = stats.spec_decoding_stats
         if sd is not None:
             self.drafts += sd.num_drafts
@@ -158,6 +207,8 @@ class LoggingStatLogger:
                 f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
                 f"KV cache usage: {100 * stats.kv_cache_usage:.1f}%"
             )
+            if self.prefix_caching_seen:
+                msg += f", Prefix cache hit rate: {100 * self.prefix_cache.hit_rate:.1f}%"
             logger.info(msg)
             if self.drafts:
                 rates = ", ".join(f"{v / self.drafts:.3f}" for v in self.per_pos)

@@ -28,9 +28,35 @@ class SpecDecodingStats:
 
 
 @dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups since the last take, in tokens (as vLLM counts them). Lookups of
+    requests that were preempted are kept apart, so a request hitting its own blocks again on
+    resumption does not inflate the hit rate."""
+
+    reset: bool = False
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+
+@dataclass
 class SchedulerStats:
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
     spec_decoding_stats: SpecDecodingStats | None = None
+    prefix_cache_stats: PrefixCacheStats | None = None

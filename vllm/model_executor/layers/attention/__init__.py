@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.linear import dequantize_linear_
 from vllm.v1.attention.backends.mla.torch_mla import TorchMLAImpl
 from vllm.v1.attention.backends.torch_paged import TorchPagedAttentionImpl
 
@@ -73,7 +74,7 @@ class MLAAttention(AttentionLayerBase):
         v_head_dim: int,
         kv_lora_rank: int,
         scale: float,
-        kv_b_proj: nn.Linear,
+        kv_b_proj: nn.Module,
         prefix: str = "",
     ) -> None:
         super().__init__(prefix)
@@ -91,6 +92,11 @@ class MLAAttention(AttentionLayerBase):
         return self.impl.kv_cache_shape(
             num_blocks, block_size, self.kv_lora_rank, self.qk_rope_head_dim
         )
+
+    def process_weights_after_loading(self) -> None:
+        # The absorbed form multiplies by slices of kv_b_proj's weight itself (W_UK, W_UV), so
+        # a quantized kv_b_proj is dequantized first, once.
+        dequantize_linear_(self._kv_b_proj[0])
 
     def forward(
         self,

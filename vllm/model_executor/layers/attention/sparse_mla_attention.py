@@ -137,7 +137,7 @@ class SparseMLAAttention(MLAAttention):
         v_head_dim: int,
         kv_lora_rank: int,
         scale: float,
-        kv_b_proj: nn.Linear,
+        kv_b_proj: nn.Module,
         topk_tokens: int,
         indexer: Any | None = None,
         topk_indices_buffer: torch.Tensor | None = None,

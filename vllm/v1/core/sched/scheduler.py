@@ -3,8 +3,10 @@
 """Continuous-batching scheduler (pure Python, no torch).
 
 Each step spends a token budget: running requests first (decode: 1 + their draft tokens;
-or the next chunk of a prompt), then waiting ones in arrival order. When KV blocks run out, the
-newest running request is preempted: its blocks are freed and it is recomputed later.
+or the next chunk of a prompt), then waiting ones in arrival order. A waiting request starts
+after the longest prefix of its tokens found in the prefix cache. When KV blocks run out, the
+newest running request is preempted: its blocks are freed (their cached prefix stays reusable)
+and it is recomputed later.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -57,7 +60,15 @@ class Scheduler:
         self.max_model_len = sc.max_model_len
         self.block_size = vllm_config.cache_config.block_size
         self.num_spec_tokens = vllm_config.num_speculative_tokens
-        self.kv_cache_manager = KVCacheManager(num_blocks, self.block_size, num_state_slots)
+        self.enable_prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks,
+            self.block_size,
+            num_state_slots,
+            enable_caching=self.enable_prefix_caching,
+            # A draft writes its own KV into the target's blocks (see KVCacheManager).
+            hash_next_token=self.num_spec_tokens > 0,
+        )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -127,6 +138,7 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted = False
+        num_hit_tokens: dict[str, int] = {}
 
         i = 0
         while i < len(self.running) and budget > 0 and len(num_scheduled) < cap:
@@ -172,12 +184,19 @@ class Scheduler:
             and len(num_scheduled) < cap
         ):
             req = self.waiting[0]
-            n = req.num_tokens - req.num_computed_tokens
+            kvm = self.kv_cache_manager
+            hit_blocks, num_hit = kvm.get_computed_blocks(req)
+            n = req.num_tokens - req.num_computed_tokens - num_hit
             if n > budget and not self.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if self.kv_cache_manager.allocate_slots(req, n, lookahead) is None:
+            if kvm.allocate_slots(req, n, lookahead, hit_blocks) is None:
                 break
+            kvm.record_prefix_cache_lookup(req, num_hit)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            req.num_computed_tokens += num_hit
+            num_hit_tokens[req.request_id] = num_hit
             self.waiting.popleft()
             self.running.append(req)
             req.status = RequestStatus.RUNNING
@@ -203,7 +222,9 @@ class Scheduler:
         for rid, n in num_scheduled.items():
             req = self.requests[rid]
             c = req.num_computed_tokens
-            num_prompt += max(0, min(c + n, req.num_prompt_tokens) - c)
+            # Prompt tokens served from the cache count as processed, as in vLLM.
+            start = c - num_hit_tokens.get(rid, 0)
+            num_prompt += max(0, min(c + n, req.num_prompt_tokens) - start)
             req.num_computed_tokens += n
             req.in_flight += 1
         finished, self.finished_req_ids = self.finished_req_ids, set()
@@ -245,7 +266,7 @@ class Scheduler:
             idx = runner_out.req_id_to_index[rid]
             sampled = runner_out.sampled_token_ids[idx]
             drafts = sched_out.scheduled_spec_decode_tokens.get(rid, [])
-            out = EngineCoreOutput(rid, [])
+            out = EngineCoreOutput(rid, [], num_cached_tokens=max(req.num_cached_tokens, 0))
             if drafts and sampled:
                 num_accepted = len(sampled) - 1
                 req.num_computed_tokens -= len(drafts) - num_accepted
@@ -278,8 +299,20 @@ class Scheduler:
             kv_cache_usage=self.kv_cache_manager.usage(),
             num_preemptions=self.num_preemptions,
             spec_decoding_stats=spec_stats,
+            prefix_cache_stats=self.kv_cache_manager.take_prefix_cache_stats(),
         )
         return result
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes (e.g. after new weights); False while any request holds
+        KV blocks."""
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        if not ok:
+            logger.warning(
+                "Failed to reset the prefix cache: %d KV blocks are still in use",
+                sum(1 for c in self.kv_cache_manager.pool.ref_cnt if c),
+            )
+        return ok
 
     def _check_stop(self, req: Request) -> bool:
         params = req.sampling_params

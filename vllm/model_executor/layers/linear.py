@@ -1,0 +1,105 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Linear layers whose weight storage and matmul belong to a method object (unquantized, or a
+quantization method such as block FP8), chosen from the model's quantization config."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm.model_executor.layers.quantization import get_current_quant_config
+
+
+class LinearMethodBase:
+    """How a linear layer stores its weight and computes x @ W^T (+ bias)."""
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype
+    ) -> None:
+        raise NotImplementedError
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load_weight(self, layer: nn.Module, leaf: str, tensor: torch.Tensor, name: str) -> bool:
+        """Copy checkpoint tensor `name` into the layer's parameter `leaf`; False leaves it to
+        the default loader (a plain copy with a shape check)."""
+        return False
+
+    def finish_loading(self, layer: nn.Module, prefix: str, loaded: set[str]) -> None:
+        """After the checkpoint was read: raise naming what is inconsistent (e.g. a quantized
+        weight without its scale) and drop parameters the checkpoint did not need."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Convert the loaded weights into the form apply() computes with."""
+
+    def dequantize_(self, layer: nn.Module) -> None:
+        """Turn the layer into a plain unquantized one (no-op when it already is)."""
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype
+    ) -> None:
+        layer.weight = nn.Parameter(
+            torch.empty(output_size, input_size, dtype=params_dtype), requires_grad=False
+        )
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x @ W^T + b with W [output_size, input_size], stored and multiplied as the quant
+    config of the model being built says (unquantized without one). Every rank holds all of W.
+
+    Exposes nn.Linear's in_features / out_features / bias. Layers that must never be quantized
+    (router gates, lm_head) stay nn.Linear, so a quantized checkpoint tensor reaching them is a
+    load error instead of a silent cast.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = int(input_size)
+        self.out_features = int(output_size)
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        config = get_current_quant_config()
+        self.quant_method: LinearMethodBase = (
+            config.get_linear_method() if config is not None else UnquantizedLinearMethod()
+        )
+        self.quant_method.create_weights(
+            self, self.in_features, self.out_features, self.params_dtype
+        )
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(self.out_features, dtype=self.params_dtype), requires_grad=False
+            )
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+    def extra_repr(self) -> str:
+        method = type(self.quant_method).__name__
+        return f"in_features={self.in_features}, out_features={self.out_features}, {method}"
+
+
+def dequantize_linear_(layer: nn.Module) -> None:
+    """Store a (possibly quantized) linear layer's weight unquantized from now on: consumers
+    that transform the weight itself (MLA absorbing kv_b_proj) need it in the compute dtype."""
+    method = getattr(layer, "quant_method", None)
+    if method is not None:
+        method.dequantize_(layer)
