@@ -114,9 +114,10 @@ _available: bool | None = None  # cpu_kernels_available(), once known (cheap for
 
 
 def cpu_op_ok(x: torch.Tensor) -> bool:
-    """Whether a fused CPU op may take x: a contiguous CPU float tensor, kernels built."""
+    """Whether a CPU op may take x: a CPU float tensor whose last dimension is contiguous (the
+    callers check the rest of the layout), kernels built."""
     global _available
-    if x.device.type != "cpu" or x.dtype not in _FLOAT_DTYPES or not x.is_contiguous():
+    if x.device.type != "cpu" or x.dtype not in _FLOAT_DTYPES or x.stride(-1) != 1:
         return False
     if _available is None:
         _available = cpu_kernels_available()

@@ -9,7 +9,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -21,14 +21,16 @@
 
 namespace {
 
+// Rows of x are x_stride apart (a 2-D view with contiguous rows, e.g. a column slice); out,
+// sum_out and res are contiguous.
 template <typename T>
 __attribute__((optimize("fp-contract=off"))) void norm_rows(
-    T* out, T* sum_out, const T* x, const T* res, const T* w, int64_t rows, int64_t d,
-    float eps) {
+    T* out, T* sum_out, const T* x, int64_t x_stride, const T* res, const T* w, int64_t rows,
+    int64_t d, float eps) {
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(d);
     for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * d;
+      const T* xr = x + r * x_stride;
       float ss = 0.f;
       if (res != nullptr) {
         const T* rr = res + r * d;
@@ -58,12 +60,15 @@ __attribute__((optimize("fp-contract=off"))) void norm_rows(
   });
 }
 
-void check(const at::Tensor& x, const at::Tensor& weight) {
-  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && weight.is_contiguous(),
-              "rms_norm: contiguous CPU tensors only");
+// The row stride of x: contiguous, or 2-D with contiguous rows.
+int64_t check(const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.device().is_cpu() && weight.is_contiguous() &&
+                  (x.is_contiguous() || (x.dim() == 2 && x.stride(1) == 1)),
+              "rms_norm: CPU x with contiguous rows");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "rms_norm: x and weight dtypes differ");
   TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && x.size(-1) == weight.size(0),
               "rms_norm: weight must match the last dimension");
+  return x.is_contiguous() ? x.size(-1) : x.stride(0);
 }
 
 template <typename F>
@@ -86,12 +91,12 @@ void dispatch(const at::Tensor& x, F&& f) {
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check(x, weight);
-  at::Tensor out = at::empty_like(x);
+  const int64_t x_stride = check(x, weight);
+  at::Tensor out = at::empty(x.sizes(), x.options());
   const int64_t d = x.size(-1), rows = d ? x.numel() / d : 0;
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
-    norm_rows<T>(out.data_ptr<T>(), nullptr, x.const_data_ptr<T>(), nullptr,
+    norm_rows<T>(out.data_ptr<T>(), nullptr, x.const_data_ptr<T>(), x_stride, nullptr,
                  weight.const_data_ptr<T>(), rows, d, static_cast<float>(eps));
   });
   return out;
@@ -99,15 +104,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                 const at::Tensor& weight, double eps) {
-  check(x, weight);
+  const int64_t x_stride = check(x, weight);
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
                   residual.is_contiguous(),
               "add_rms_norm: residual must match x");
-  at::Tensor out = at::empty_like(x), sum = at::empty_like(x);
+  at::Tensor out = at::empty(x.sizes(), x.options()), sum = at::empty(x.sizes(), x.options());
   const int64_t d = x.size(-1), rows = d ? x.numel() / d : 0;
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);
-    norm_rows<T>(out.data_ptr<T>(), sum.data_ptr<T>(), x.const_data_ptr<T>(),
+    norm_rows<T>(out.data_ptr<T>(), sum.data_ptr<T>(), x.const_data_ptr<T>(), x_stride,
                  residual.const_data_ptr<T>(), weight.const_data_ptr<T>(), rows, d,
                  static_cast<float>(eps));
   });

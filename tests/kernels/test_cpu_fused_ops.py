@@ -45,7 +45,8 @@ def test_rms_norm_matches_torch(dtype, shape):
         ref_out, ref_s = _torch_norm(m, x, res)
         assert torch.equal(s, ref_s)  # the residual stream itself is exact
         torch.testing.assert_close(out, ref_out, **tol)
-        # The module takes the fused path and returns the same thing.
+        # The module takes the fused path (its torch arithmetic is not called) and agrees.
+        m._norm = _no_torch_path
         torch.testing.assert_close(m(x, res)[0], ref_out, **tol)
     x0, r0 = x.clone(), res.clone()
     ops.add_rms_norm(x, res, m.weight, 1e-5)
@@ -71,6 +72,7 @@ def test_rotary_matches_torch_exactly(dtype, head_size, rotary_dim, neox, heads_
         positions, q, k, rope._cos, rope._sin, head_size, rotary_dim, neox
     )
     assert torch.equal(oq, ref_q) and torch.equal(ok, ref_k)
+    rope._rotate = _no_torch_path
     mq, mk = rope(positions, q, k)  # the module's fused path
     assert torch.equal(mq, ref_q) and torch.equal(mk, ref_k)
 
@@ -80,3 +82,31 @@ def test_rotary_rejects_a_position_outside_the_cache():
     q = torch.randn(1, 16)
     with pytest.raises(RuntimeError, match="outside the cache"):
         ops.rotary_embedding(torch.tensor([8]), q, q, rope._cos, rope._sin, 16, 16, True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_strided_inputs_as_mla_slices_them(dtype, monkeypatch):
+    """DeepSeek's MLA hands over column slices: q_pe = q[..., nope:], k_pe and kv_c = columns of
+    one projection. The ops read them in place and return what the torch path returns."""
+    g = torch.Generator().manual_seed(2)
+    T, H, nope, rope_dim, rank = 5, 4, 16, 8, 32
+    q = torch.randn(T, H, nope + rope_dim, generator=g).to(dtype)
+    kv = torch.randn(T, rank + rope_dim, generator=g).to(dtype)
+    q_pe, (kv_c, k_pe) = q[..., nope:], kv.split([rank, rope_dim], dim=-1)
+    rope = RotaryEmbedding(rope_dim, rope_dim, 64, 10000.0, is_neox_style=False)
+    positions = torch.tensor([3, 1, 4, 1, 5])
+    cos, sin = rope._cos[positions].unsqueeze(1), rope._sin[positions].unsqueeze(1)
+    ref_q = rope._rotate(q_pe.reshape(T, -1, rope_dim), cos, sin)
+    ref_k = rope._rotate(k_pe.reshape(T, -1, rope_dim), cos, sin).reshape(T, rope_dim)
+    monkeypatch.setattr(rope, "_rotate", _no_torch_path)  # the fused op must take them
+    oq, ok = rope(positions, q_pe, k_pe)
+    assert torch.equal(oq, ref_q) and torch.equal(ok, ref_k)
+    m = RMSNorm(rank).to(dtype)
+    tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    ref = m._norm(kv_c.contiguous())
+    monkeypatch.setattr(m, "_norm", _no_torch_path)
+    torch.testing.assert_close(m(kv_c), ref, **tol)
+
+
+def _no_torch_path(*args):
+    raise AssertionError("the torch path ran where the fused CPU op should have")

@@ -22,8 +22,15 @@ class RMSNorm(nn.Module):
         return (
             type(self)._norm is RMSNorm._norm
             and self.weight.dtype == x.dtype
-            and (residual is None or (residual.dtype == x.dtype and residual.is_contiguous()))
-            and (residual is None or residual.shape == x.shape)
+            and (x.is_contiguous() or x.dim() == 2)  # 2-D: rows may be strided (a slice)
+            and (
+                residual is None
+                or (
+                    residual.dtype == x.dtype
+                    and residual.shape == x.shape
+                    and residual.is_contiguous()
+                )
+            )
             and ops.cpu_op_ok(x)
         )
 

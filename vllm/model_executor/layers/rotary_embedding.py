@@ -135,8 +135,10 @@ class RotaryEmbedding(nn.Module):
         if (
             q.dtype == k.dtype
             and positions.dtype == torch.int64
-            and k.is_contiguous()
             and positions.is_contiguous()
+            and q.dim() in (2, 3)
+            and k.dim() in (2, 3)
+            and k.stride(-1) == 1
             and ops.cpu_op_ok(q)
         ):
             # One C++ call for q and k instead of ~20 torch ops (the same arithmetic).
