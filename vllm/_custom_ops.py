@@ -67,11 +67,21 @@ def cpu_kernels_available() -> bool:
     h.update(_cpu_id().encode())
     name = f"vllm_cpu_ops_{h.hexdigest()[:16]}"
     out = build_dir() / name
+    t0 = time.perf_counter()
+    built = out / f"{name}.so"
+    if built.is_file():
+        # The name hashes every input of the build, so an existing library is current: load it
+        # without asking ninja (a second start pays ~50 ms, not ~0.4 s).
+        try:
+            torch.ops.load_library(str(built))
+            _register_fakes()
+            return True
+        except OSError as e:
+            logger.debug("rebuilding %s: %s", built, e)
     try:
         from torch.utils import cpp_extension
 
         out.mkdir(parents=True, exist_ok=True)
-        t0 = time.perf_counter()
         cpp_extension.load(
             name=name,
             sources=[str(p) for p in paths],
