@@ -25,6 +25,7 @@ def test_bench_throughput_with_hf_baseline(llama_dir, tmp_path, capsys):
     assert 0 < res["host_overhead_share"]["median"] < 1
     assert 0 < res["startup"]["init_s"] <= res["startup"]["first_token_s"]
     assert res["ratio"]["min"] <= res["ratio"]["median"] <= res["ratio"]["max"]
+    assert res["cpu_time_ratio"]["n"] == 2 and res["cpu_s_per_output_token"]["median"] > 0
     printed = capsys.readouterr().out
     assert "greedy outputs identical to HF: 3/3" in printed
     assert printed.rstrip().splitlines()[-1].startswith("ratio ours/HF")

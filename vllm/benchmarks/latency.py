@@ -71,13 +71,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if hf is not None:
             hf.generate(prompts, args.output_len, args.batch_size)
 
-    lat, ttft, decode_steps, host, hf_lat = [], [], [], [], []
+    lat, ttft, decode_steps, host, hf_lat, cpu, hf_cpu = [], [], [], [], [], [], []
     ours_ids = hf_ids = None
     for _ in range(args.num_iters):  # interleaved: ours, HF, ours, HF, ...
         with probe.record() as rec:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             outs = llm.generate(batch, sp, use_tqdm=False)
             lat.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         ours_ids = [list(o.outputs[0].token_ids) for o in outs]
         if rec.steps:
             ttft.append(rec.steps[0].end_s - t0)
@@ -86,9 +87,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if share is not None:
             host.append(share)
         if hf is not None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             hf_ids = hf.generate(prompts, args.output_len, args.batch_size)
             hf_lat.append(time.perf_counter() - t0)
+            hf_cpu.append(time.process_time() - c0)
     llm.shutdown()
 
     res: dict[str, Any] = {
@@ -106,6 +108,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "latencies": lat,
         "percentiles": {str(p): float(np.percentile(lat, p)) for p in PERCENTILES},
         "latency": summary(lat),
+        "cpu_s": summary(cpu),
         "ttft": summary(ttft) if ttft else None,
         "decode_step_s": summary(decode_steps) if decode_steps else None,
         "host_overhead_share_decode": summary(host) if host else None,
@@ -119,10 +122,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if hf is not None:
         res["hf"] = {
             "latency": summary(hf_lat),
+            "cpu_s": summary(hf_cpu),
             "load_s": hf.load_s,
             "outputs": compare_outputs(ours_ids, hf_ids),
         }
         res["speedup"] = summary([h / o for h, o in zip(hf_lat, lat)])
+        res["cpu_time_ratio"] = summary([h / o for h, o in zip(hf_cpu, cpu)])
     report(res, lat, decode_steps, hf_lat)
     write_json(args.output_json, res)
     return res
@@ -160,6 +165,11 @@ def report(res: dict[str, Any], lat: list[float], steps: list[float], hf_lat: li
         print(f"HF transformers latency: {fmt(hf_lat, 3)} s (load {res['hf']['load_s']:.2f} s)")
         o = res["hf"]["outputs"]
         print(f"greedy outputs identical to HF: {o['identical']}/{o['total']}")
+        c = res["cpu_time_ratio"]
+        print(
+            f"CPU-time ratio HF/ours (process CPU seconds per run): {c['median']:.2f}x "
+            f"[{c['min']:.2f}-{c['max']:.2f}]"
+        )
         s = res["speedup"]
         print(
             f"ratio HF latency / ours (paired interleaved runs): {s['median']:.2f}x "

@@ -68,22 +68,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if hf is not None:
             hf.generate(prompts[:batch], warm_len, batch)
 
-    ours_s, hf_s, host, decode_steps = [], [], [], []
+    ours_s, hf_s, ours_cpu, hf_cpu, host, decode_steps = [], [], [], [], [], []
     ours_ids = hf_ids = None
     for _ in range(args.num_iters):  # interleaved: ours, HF, ours, HF, ...
         with probe.record() as rec:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
             ours_s.append(time.perf_counter() - t0)
+            ours_cpu.append(time.process_time() - c0)
         ours_ids = [list(o.outputs[0].token_ids) for o in outs]
         share = rec.host_share()
         if share is not None:
             host.append(share)
         decode_steps += rec.decode_step_times()
         if hf is not None:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             hf_ids = hf.generate(prompts, args.output_len, batch)
             hf_s.append(time.perf_counter() - t0)
+            hf_cpu.append(time.process_time() - c0)
     llm.shutdown()
 
     n_out = sum(len(x) for x in ours_ids)
@@ -104,6 +106,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "total_tokens_per_s": summary(
             [args.num_prompts * (args.input_len + args.output_len) / s for s in ours_s]
         ),
+        "cpu_s_per_output_token": summary([c / n_out for c in ours_cpu]),
         "host_overhead_share": summary(host) if host else None,
         "bandwidth_GBps": bandwidth / 1e9,
         "roofline": None,
@@ -116,10 +119,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hf_tps = [n_out / s for s in hf_s]
         res["hf"] = {
             "output_tokens_per_s": summary(hf_tps),
+            "cpu_s_per_output_token": summary([c / n_out for c in hf_cpu]),
             "load_s": hf.load_s,
             "outputs": compare_outputs(ours_ids, hf_ids),
         }
         res["ratio"] = summary([a / b for a, b in zip(ours_tps, hf_tps)])
+        res["cpu_time_ratio"] = summary([h / o for h, o in zip(hf_cpu, ours_cpu)])
     report(res, ours_tps, res.get("hf") and [n_out / s for s in hf_s])
     write_json(args.output_json, res)
     return res
@@ -156,6 +161,12 @@ def report(res: dict[str, Any], ours_tps: list[float], hf_tps: list[float] | Non
             m = o["first_mismatch"]
             line += f" (first difference: prompt {m['prompt']}, output token {m['token']})"
         print(line)
+        c = res["cpu_time_ratio"]
+        print(
+            f"CPU-time ratio HF/ours (process CPU seconds per run; steadier than wall time on a "
+            f"shared machine, exact work at 1 thread): {c['median']:.2f}x "
+            f"[{c['min']:.2f}-{c['max']:.2f}]"
+        )
         r = res["ratio"]
         print(
             f"ratio ours/HF (output tok/s, paired interleaved runs): {r['median']:.2f}x "
