@@ -79,7 +79,6 @@ import importlib.metadata
 import inspect
 import json
 import os
-import re
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,6 +88,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
+
+from vllm.model_executor.layers.fused_moe import fuse_experts, split_fused_experts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -392,48 +393,6 @@ def make_qwen2(
 
 # --------------------------------------------------------------------------- DeepSeek
 
-_PER_EXPERT_RE = re.compile(
-    r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
-)
-
-
-def _split_fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Rename fused ``mlp.experts.{gate_up_proj,down_proj}`` into per-expert tensors."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            prefix = name[: -len("gate_up_proj")]
-            inter = tensor.shape[1] // 2
-            for e in range(tensor.shape[0]):
-                out[f"{prefix}{e}.gate_proj.weight"] = tensor[e, :inter].clone()
-                out[f"{prefix}{e}.up_proj.weight"] = tensor[e, inter:].clone()
-        elif name.endswith("mlp.experts.down_proj"):
-            prefix = name[: -len("down_proj")]
-            for e in range(tensor.shape[0]):
-                out[f"{prefix}{e}.down_proj.weight"] = tensor[e].clone()
-        else:
-            out[name] = tensor
-    return out
-
-
-def _fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`_split_fused_experts` (per-expert names -> fused 3-D tensors)."""
-    out: dict[str, torch.Tensor] = {}
-    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    for name, tensor in state.items():
-        m = _PER_EXPERT_RE.match(name)
-        if m is None:
-            out[name] = tensor
-            continue
-        groups.setdefault(m["prefix"], {}).setdefault(m["proj"], {})[int(m["e"])] = tensor
-    for prefix, projs in groups.items():
-        n = len(projs["down_proj"])
-        out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]], dim=0) for e in range(n)]
-        )
-        out[f"{prefix}.down_proj"] = torch.stack([projs["down_proj"][e] for e in range(n)])
-    return out
-
 
 def _read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Load every tensor of a safetensors file."""
@@ -499,7 +458,7 @@ def _mtp_state(
         block.to(dtype)
         _keep_router_bias_fp32_(block)
         prefix = f"model.layers.{idx}."
-        for k, v in _split_fused_experts(block.state_dict()).items():
+        for k, v in split_fused_experts(block.state_dict()).items():
             state[prefix + k] = v.detach().clone()
         gen = torch.Generator().manual_seed(layer_seed + 1)
 
@@ -576,7 +535,7 @@ def _make_deepseek(
                 )
             )
         if not per_expert_names:
-            shards = [_fuse_experts(s) for s in shards]
+            shards = [fuse_experts(s) for s in shards]
         _write_shards(out, shards)
 
     cfg_path = out / "config.json"

@@ -83,6 +83,7 @@ def _make_dsa(
     index_share_for_mtp_iteration: bool | None,
     seed: int,
     dtype: torch.dtype,
+    mtp_own_embed: bool = True,
 ) -> str:
     import transformers
 
@@ -108,7 +109,7 @@ def _make_dsa(
             config,
             num_nextn_predict_layers,
             seed,
-            own_embed=True,
+            own_embed=mtp_own_embed,
             copy_main_head=True,
             dtype=dtype,
             block_fn=_block_fn(glm),
@@ -181,12 +182,14 @@ def make_deepseek_v32(
     index_share_for_mtp_iteration: bool | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    mtp_own_embed: bool = True,
     **config: Any,
 ) -> str:
     """Write a tiny random ``DeepseekV32ForCausalLM`` checkpoint (+ tokenizer) to ``out_dir``.
 
     ``config`` overrides V32_DEFAULTS. With ``num_nextn_predict_layers = n > 0`` the second
-    shard holds MTP layers ``model.layers.{N+i}.*`` (each with its own indexer);
+    shard holds MTP layers ``model.layers.{N+i}.*`` (each with its own indexer, and its own
+    ``embed_tokens`` unless ``mtp_own_embed=False``: then only the top-level table exists);
     ``index_share_for_mtp_iteration`` is written to config.json when given.
     """
     return _make_dsa(
@@ -197,6 +200,7 @@ def make_deepseek_v32(
         index_share_for_mtp_iteration=index_share_for_mtp_iteration,
         seed=seed,
         dtype=dtype,
+        mtp_own_embed=mtp_own_embed,
     )
 
 

@@ -41,3 +41,18 @@ def hf_logprobs(model_dir: str, token_ids: list[int]) -> torch.Tensor:
 def make_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
+def resume_and_kill(procs: list) -> None:
+    """Teardown of a test that stopped (SIGSTOP) processes it started: continue and kill any
+    still there, so none is left behind whatever the test's outcome."""
+    import signal
+
+    import psutil
+
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        except psutil.Error:
+            pass

@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 
-from tests.checkpoints import _read_safetensors, _split_fused_experts, _write_shards
+from tests.checkpoints import _read_safetensors, _write_shards
 from tests.spec_checkpoints import _shards
+from vllm.model_executor.layers.fused_moe import split_fused_experts
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -80,7 +81,7 @@ def quantize_checkpoint(
     shards, unconverted = [], []
     for path in _shards(out):
         shard: dict[str, torch.Tensor] = {}
-        for name, t in _split_fused_experts(_read_safetensors(path)).items():
+        for name, t in split_fused_experts(_read_safetensors(path)).items():
             if not quantizable(name, t):
                 shard[name] = t
                 if t.ndim == 2 and name.endswith(".weight"):

@@ -5,6 +5,15 @@
 - make_eagle3_draft: a random EAGLE3 head (`LlamaForCausalLMEagle3` folder: fc, midlayer.*, norm,
   lm_head over a reduced draft vocabulary with d2t/t2d, optionally embed_tokens) for a Llama or
   Qwen2 target folder.
+- make_eagle_draft: an EAGLE-1 head in the public layout (config `architectures:
+  ["LlamaForCausalLM"]`; fc [H, 2H] over concat[embed, target hidden], optional fc.bias;
+  layers.{i}.* Llama decoder layers, layer 0 without input_layernorm; optionally embed_tokens /
+  lm_head), random or "self" (fc = [I | 0], attention and MLP outputs 0: the draft's output is
+  the embedding of its input token).
+- make_llama_bigram_target: a copy of a Llama checkpoint whose attention/MLP outputs are scaled
+  by target_scale, embedding rows rescaled to RMS 1 and final norm weight 1; with
+  target_scale = 0 its last hidden state at a token is that token's embedding, so the "self"
+  EAGLE-1 head predicts it exactly (every greedy draft accepted).
 - make_mtp_self_draft: a copy of a DeepSeek-V3 MTP checkpoint whose MTP layers reproduce the
   target's next-token choice, built analytically (no training):
   the target's attention and MLP outputs are scaled by `target_scale` (0: the target becomes a
@@ -28,7 +37,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-__all__ = ["make_eagle3_draft", "make_mtp_self_draft"]
+__all__ = [
+    "make_eagle3_draft",
+    "make_eagle_draft",
+    "make_llama_bigram_target",
+    "make_mtp_self_draft",
+]
 
 
 def _read_config(folder: str | os.PathLike) -> dict[str, Any]:
@@ -41,6 +55,68 @@ def _shards(folder: Path) -> list[Path]:
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [folder / n for n in names]
     return sorted(folder.glob("*.safetensors"))
+
+
+class _DraftInit:
+    """A random draft head's dimensions (from its target's config) and weight initialisers."""
+
+    def __init__(
+        self, target_dir: str | os.PathLike, seed: int, intermediate_size: int | None = None
+    ) -> None:
+        t = _read_config(target_dir)
+        self.target = t
+        self.h = int(t["hidden_size"])
+        self.vocab = int(t["vocab_size"])
+        self.heads = int(t["num_attention_heads"])
+        self.kv_heads = int(t.get("num_key_value_heads") or self.heads)
+        self.head_dim = int(t.get("head_dim") or self.h // self.heads)
+        self.inter = int(intermediate_size or t["intermediate_size"])
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def mat(self, rows: int, cols: int, gain: float = 1.0) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=self.gen) * (gain / cols**0.5)
+
+    def norm(self) -> torch.Tensor:
+        return torch.rand(self.h, generator=self.gen) + 0.5
+
+    def write(
+        self,
+        out_dir: str | os.PathLike,
+        weights: dict[str, torch.Tensor],
+        architecture: str,
+        num_layers: int,
+        **config: Any,
+    ) -> str:
+        """Save the weights and a Llama-style config.json (plus `config`); returns out_dir."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(
+            {k: v.contiguous() for k, v in weights.items()},
+            out / "model.safetensors",
+            {"format": "pt"},
+        )
+        t = self.target
+        cfg = {
+            "architectures": [architecture],
+            "model_type": "llama",
+            "hidden_size": self.h,
+            "intermediate_size": self.inter,
+            "num_hidden_layers": num_layers,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab,
+            "rms_norm_eps": float(t.get("rms_norm_eps", 1e-6)),
+            "max_position_embeddings": int(t["max_position_embeddings"]),
+            "rope_parameters": t.get(
+                "rope_parameters", {"rope_type": "default", "rope_theta": 1e4}
+            ),
+            "tie_word_embeddings": False,
+            "dtype": "float32",
+            **config,
+        }
+        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        return str(out)
 
 
 def make_eagle3_draft(
@@ -59,74 +135,122 @@ def make_eagle3_draft(
     draft_vocab_size < the target's vocabulary picks a random sorted subset of target ids
     (d2t[i] = target_id[i] - i). own_embed=False omits embed_tokens (the target's is shared).
     """
-    t = _read_config(target_dir)
-    h = int(t["hidden_size"])
-    vocab = int(t["vocab_size"])
-    heads = int(t["num_attention_heads"])
-    kv_heads = int(t.get("num_key_value_heads") or heads)
-    head_dim = int(t.get("head_dim") or h // heads)
-    inter = int(intermediate_size or t["intermediate_size"])
+    d = _DraftInit(target_dir, seed, intermediate_size)
+    h, vocab, mat, norm = d.h, d.vocab, d.mat, d.norm
+    q_rows, kv_rows = d.heads * d.head_dim, d.kv_heads * d.head_dim
     dv = int(draft_vocab_size or vocab)
-    gen = torch.Generator().manual_seed(seed)
-
-    def mat(rows: int, cols: int, gain: float = 1.0) -> torch.Tensor:
-        return torch.randn(rows, cols, generator=gen) * (gain / cols**0.5)
-
-    def norm() -> torch.Tensor:
-        return torch.rand(h, generator=gen) + 0.5
-
     w: dict[str, torch.Tensor] = {
         "fc.weight": mat(h, len(aux_layers) * h),
         "midlayer.input_layernorm.weight": norm(),
         "midlayer.hidden_norm.weight": norm(),
         "midlayer.post_attention_layernorm.weight": norm(),
-        "midlayer.self_attn.q_proj.weight": mat(heads * head_dim, 2 * h),
-        "midlayer.self_attn.k_proj.weight": mat(kv_heads * head_dim, 2 * h),
-        "midlayer.self_attn.v_proj.weight": mat(kv_heads * head_dim, 2 * h),
-        "midlayer.self_attn.o_proj.weight": mat(h, heads * head_dim),
-        "midlayer.mlp.gate_proj.weight": mat(inter, h),
-        "midlayer.mlp.up_proj.weight": mat(inter, h),
-        "midlayer.mlp.down_proj.weight": mat(h, inter),
+        "midlayer.self_attn.q_proj.weight": mat(q_rows, 2 * h),
+        "midlayer.self_attn.k_proj.weight": mat(kv_rows, 2 * h),
+        "midlayer.self_attn.v_proj.weight": mat(kv_rows, 2 * h),
+        "midlayer.self_attn.o_proj.weight": mat(h, q_rows),
+        "midlayer.mlp.gate_proj.weight": mat(d.inter, h),
+        "midlayer.mlp.up_proj.weight": mat(d.inter, h),
+        "midlayer.mlp.down_proj.weight": mat(h, d.inter),
         "norm.weight": norm(),
         "lm_head.weight": mat(dv, h, gain=4.0),
     }
     if dv < vocab:
-        ids = torch.randperm(vocab, generator=gen)[:dv].sort().values
+        ids = torch.randperm(vocab, generator=d.gen)[:dv].sort().values
         w["d2t"] = ids - torch.arange(dv)
         t2d = torch.zeros(vocab, dtype=torch.bool)
         t2d[ids] = True
         w["t2d"] = t2d
     if own_embed:
-        w["embed_tokens.weight"] = torch.randn(vocab, h, generator=gen)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {k: v.contiguous() for k, v in w.items()}, out / "model.safetensors", {"format": "pt"}
-    )
-    cfg = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "hidden_size": h,
-        "intermediate_size": inter,
-        "num_hidden_layers": 1,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "vocab_size": vocab,
-        "draft_vocab_size": dv,
-        "target_hidden_size": h,
-        "rms_norm_eps": float(t.get("rms_norm_eps", 1e-6)),
-        "max_position_embeddings": int(t["max_position_embeddings"]),
-        "rope_parameters": t.get("rope_parameters", {"rope_type": "default", "rope_theta": 1e4}),
-        "tie_word_embeddings": False,
-        "norm_before_residual": norm_before_residual,
-        "eagle_config": {
+        w["embed_tokens.weight"] = torch.randn(vocab, h, generator=d.gen)
+    return d.write(
+        out_dir,
+        w,
+        "LlamaForCausalLMEagle3",
+        1,
+        draft_vocab_size=dv,
+        target_hidden_size=h,
+        norm_before_residual=norm_before_residual,
+        eagle_config={
             "eagle_aux_hidden_state_layer_ids": list(aux_layers),
             "use_aux_hidden_state": True,
         },
-        "dtype": "float32",
-    }
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    )
+
+
+def make_eagle_draft(
+    out_dir: str | os.PathLike,
+    target_dir: str | os.PathLike,
+    *,
+    num_layers: int = 1,
+    own_embed: bool = False,
+    own_lm_head: bool = False,
+    fc_bias: bool = False,
+    add_para_norm: bool = False,
+    self_draft: bool = False,
+    model_prefix: bool = False,
+    seed: int = 0,
+) -> str:
+    """Write an EAGLE-1 draft for the Llama target in target_dir; returns out_dir.
+
+    model_prefix writes the names as `model.fc.weight`, `model.layers.0...` (both spellings
+    occur in published heads)."""
+    d = _DraftInit(target_dir, seed)
+    h, mat, norm = d.h, d.mat, d.norm
+    q_rows, kv_rows = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    out_scale = 0.0 if self_draft else 1.0  # a self draft's layers add nothing to the stream
+    w: dict[str, torch.Tensor] = {}
+    if self_draft:
+        w["fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    else:
+        w["fc.weight"] = mat(h, 2 * h)
+    if fc_bias:
+        w["fc.bias"] = torch.randn(h, generator=d.gen) * 0.1 * out_scale
+    if add_para_norm:
+        w["embedding_layernorm.weight"] = norm()
+        w["hidden_states_layernorm.weight"] = norm()
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        if i > 0:
+            w[p + "input_layernorm.weight"] = norm()
+        w[p + "post_attention_layernorm.weight"] = norm()
+        w[p + "self_attn.q_proj.weight"] = mat(q_rows, h)
+        w[p + "self_attn.k_proj.weight"] = mat(kv_rows, h)
+        w[p + "self_attn.v_proj.weight"] = mat(kv_rows, h)
+        w[p + "self_attn.o_proj.weight"] = mat(h, q_rows) * out_scale
+        w[p + "mlp.gate_proj.weight"] = mat(d.inter, h)
+        w[p + "mlp.up_proj.weight"] = mat(d.inter, h)
+        w[p + "mlp.down_proj.weight"] = mat(h, d.inter) * out_scale
+    if own_embed:
+        w["embed_tokens.weight"] = torch.randn(d.vocab, h, generator=d.gen)
+    if model_prefix:
+        w = {f"model.{k}": v for k, v in w.items()}
+    if own_lm_head:
+        w["lm_head.weight"] = mat(d.vocab, h, gain=4.0)
+    extra = {"add_para_norm": True} if add_para_norm else {}
+    return d.write(out_dir, w, "LlamaForCausalLM", num_layers, **extra)
+
+
+@torch.no_grad()
+def make_llama_bigram_target(
+    out_dir: str | os.PathLike, src_dir: str | os.PathLike, *, target_scale: float = 0.0
+) -> str:
+    """Copy the Llama checkpoint src_dir with attention/MLP outputs scaled by target_scale,
+    embedding rows of RMS 1 and a final norm weight of 1 (see the module docstring)."""
+    src, out = Path(src_dir), Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(src, out)
+    for path in _shards(out):
+        with safe_open(str(path), framework="pt") as f:
+            w = {k: f.get_tensor(k) for k in f.keys()}
+        for k, v in w.items():
+            if k.endswith("o_proj.weight") or k.endswith("down_proj.weight"):
+                w[k] = v * target_scale
+            elif k == "model.embed_tokens.weight":
+                w[k] = v / v.pow(2).mean(-1, keepdim=True).sqrt()
+            elif k == "model.norm.weight":
+                w[k] = torch.ones_like(v)
+        save_file({k: v.contiguous() for k, v in w.items()}, path, {"format": "pt"})
     return str(out)
 
 

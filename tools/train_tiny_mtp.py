@@ -13,8 +13,7 @@ shipped).  The script
 3. trains HF transformers' ``DeepseekV3ForCausalLM`` (MLA with q_lora_rank, MoE with
    sigmoid routing + ``e_score_correction_bias`` (updated aux-loss-free, as in DeepSeek-V3),
    group-limited top-k, a shared expert, ``first_k_dense_replace = 1``) jointly with
-   ``--mtp-layers`` MTP layers using DeepSeek-V3's MTP objective, exactly as SPEC 2 defines
-   the MTP forward:
+   ``--mtp-layers`` MTP layers using DeepSeek-V3's MTP objective, with this MTP forward:
 
    * depth ``k`` (1-based) at position ``t`` gets ``h_prev`` (depth 1: the main model's last
      hidden state *after* its final norm; depth ``k > 1``: depth ``k-1``'s output ``h``) and
@@ -69,6 +68,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
+
+# The engine's own converters between HF's fused in-memory experts and per-expert checkpoint
+# names (the layout the engine's loader reads).
+from vllm.model_executor.layers.fused_moe import fuse_experts, split_fused_experts  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "vllm" / "model_zoo" / "tiny-deepseek-mtp"
@@ -561,48 +564,6 @@ def rollout_acceptance(model: TinyDeepseekMTP, prompts: torch.Tensor, new_tokens
 
 
 # --------------------------------------------------------------------------- saving
-
-
-def split_fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers keeps experts fused in memory (``experts.gate_up_proj`` [E, 2I, H] = gate
-    rows then up rows, ``experts.down_proj`` [E, H, I]); checkpoints name them per expert."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base = name[: -len("gate_up_proj")]
-            inter = tensor.shape[1] // 2
-            for e in range(tensor.shape[0]):
-                out[f"{base}{e}.gate_proj.weight"] = tensor[e, :inter].clone()
-                out[f"{base}{e}.up_proj.weight"] = tensor[e, inter:].clone()
-        elif name.endswith("mlp.experts.down_proj"):
-            base = name[: -len("down_proj")]
-            for e in range(tensor.shape[0]):
-                out[f"{base}{e}.down_proj.weight"] = tensor[e].clone()
-        else:
-            out[name] = tensor
-    return out
-
-
-_EXPERT_RE = re.compile(r"^(.*mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`split_fused_experts`."""
-    out: dict[str, torch.Tensor] = {}
-    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    for name, tensor in state.items():
-        m = _EXPERT_RE.match(name)
-        if m is None:
-            out[name] = tensor
-        else:
-            groups.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = tensor
-    for base, projs in groups.items():
-        n = len(projs["down_proj"])
-        out[f"{base}.gate_up_proj"] = torch.stack(
-            [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]]) for e in range(n)]
-        )
-        out[f"{base}.down_proj"] = torch.stack([projs["down_proj"][e] for e in range(n)])
-    return out
 
 
 @torch.no_grad()

@@ -82,6 +82,8 @@ class ModelConfig:
     """Longest prompt + output; defaults to the model's max_position_embeddings."""
     trust_remote_code: bool = False
     """Passed to transformers when reading the config/tokenizer."""
+    served_model_name: str | list[str] | None = None
+    """Name(s) the server answers to and labels metrics with; defaults to the model path."""
     quantization: str | None = None
     """Weight quantization (vLLM's --quantization): None takes the checkpoint's
     quantization_config; 'fp8' = block-quantized e4m3 weights as DeepSeek / Qwen publish them."""
@@ -112,6 +114,14 @@ class ModelConfig:
                 f"max_model_len={self.max_model_len} exceeds the model's "
                 f"max_position_embeddings={max_pos}"
             )
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """served_model_name as a list (the first is the reported one), else [model]."""
+        names = self.served_model_name
+        if isinstance(names, str):
+            names = [names]
+        return list(names) if names else [self.model]
 
     @property
     def hf_text_config(self) -> Any:
@@ -370,6 +380,16 @@ class SpeculativeConfig:
     def use_eagle(self) -> bool:
         return self.method in ("eagle", "eagle3")
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """How many tokens after a position the draft's KV at that position depends on: 1 for
+        a draft that reads the next token there (EAGLE, one MTP layer); with n chained MTP
+        layers, layer s at position t reads token t + s + 1, so min(K, n)."""
+        if self.method == "mtp" and self.draft_model_config is not None:
+            n = num_mtp_layers(self.draft_model_config.hf_text_config)
+            return max(1, min(self.num_speculative_tokens, n))
+        return 1
+
     def verify_with_target(self, target: ModelConfig) -> None:
         """Check the draft against the target and point the draft config at the draft
         architecture (the MTP head of the target checkpoint, or the EAGLE head class)."""
@@ -399,6 +419,8 @@ class SpeculativeConfig:
                     n,
                 )
         else:
+            if self.method == "eagle":
+                _verify_eagle1_draft(draft, target)
             if draft.architecture in ("LlamaForCausalLM", "Qwen2ForCausalLM") and (
                 self.method == "eagle3"
             ):
@@ -413,6 +435,45 @@ class SpeculativeConfig:
                 f"speculative_config.model {draft.model!r} supports {draft.max_model_len} "
                 f"positions, fewer than max_model_len={target.max_model_len}; lower max_model_len"
             )
+
+
+# EAGLE-1 (method "eagle"): draft folder architecture -> the draft class, and the targets whose
+# last hidden state (after the final norm) the public EAGLE-1 heads are trained on.
+EAGLE1_DRAFT_ARCHITECTURES = {
+    "LlamaForCausalLM": "EagleLlamaForCausalLM",
+    "EagleLlamaForCausalLM": "EagleLlamaForCausalLM",
+}
+EAGLE1_TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+def _verify_eagle1_draft(draft: ModelConfig, target: ModelConfig) -> None:
+    """Refuse what the EAGLE-1 layout cannot run; point the draft config at its class."""
+    arch = EAGLE1_DRAFT_ARCHITECTURES.get(draft.architecture)
+    if arch is None:
+        raise ValueError(
+            f"speculative_config.method='eagle' (EAGLE-1) needs a draft whose config.json names "
+            f"architectures {sorted(EAGLE1_DRAFT_ARCHITECTURES)}; {draft.model!r} names "
+            f"{draft.architecture!r}"
+        )
+    if target.architecture not in EAGLE1_TARGET_ARCHITECTURES:
+        raise ValueError(
+            f"speculative_config.method='eagle' (EAGLE-1) supports targets "
+            f"{list(EAGLE1_TARGET_ARCHITECTURES)}, not {target.architecture}"
+        )
+    dc, tc = draft.hf_text_config, target.hf_text_config
+    n = getattr(dc, "num_hidden_layers", None)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(
+            f"speculative_config.model {draft.model!r}: num_hidden_layers must be an integer "
+            f">= 1, got {n!r}"
+        )
+    if int(dc.hidden_size) != int(tc.hidden_size):
+        raise ValueError(
+            f"speculative_config.model {draft.model!r} has hidden_size={dc.hidden_size} but the "
+            f"target's is {tc.hidden_size}: an EAGLE-1 fc reads [embedding; target hidden state] "
+            "of one size"
+        )
+    draft.hf_config.architectures = [arch]
 
 
 @dataclass
@@ -432,6 +493,55 @@ class DeviceConfig:
 
 
 @dataclass
+class CompilationConfig:
+    """The shapes the model runner's forwards take (the part of vLLM's compilation_config this
+    engine uses)."""
+
+    cudagraph_capture_sizes: list[int] | None = None
+    """Token counts a step's flattened batch is padded up to: the smallest size at or above the
+    step's token count (a larger step runs unpadded). These are the fixed shapes a captured CUDA
+    graph or a compiled forward needs; padded rows are masked out of attention, KV writes,
+    linear-attention states and sampling. None or [] (the default): no padding. Sizes above
+    max_num_batched_tokens are dropped; enforce_eager turns padding off."""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | CompilationConfig | None) -> CompilationConfig:
+        if d is None:
+            return cls()
+        if isinstance(d, CompilationConfig):
+            return d
+        if not isinstance(d, dict):
+            raise ValueError(f"compilation_config must be a dict, got {type(d).__name__}")
+        unknown = set(d) - {"cudagraph_capture_sizes"}
+        if unknown:
+            raise ValueError(
+                f"compilation_config has unsupported key(s) {sorted(unknown)}; supported: "
+                "['cudagraph_capture_sizes']"
+            )
+        return cls(**d)
+
+    def __post_init__(self) -> None:
+        sizes = self.cudagraph_capture_sizes
+        if sizes is None:
+            return
+        if not isinstance(sizes, (list, tuple)) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes
+        ):
+            raise ValueError(
+                "compilation_config.cudagraph_capture_sizes must be a list of positive "
+                f"integers, got {sizes!r}"
+            )
+        self.cudagraph_capture_sizes = sorted(set(sizes))
+
+    def padded_num_tokens(self, num_tokens: int) -> int:
+        """The size a step of num_tokens tokens runs at."""
+        for size in self.cudagraph_capture_sizes or ():
+            if size >= num_tokens:
+                return size
+        return num_tokens
+
+
+@dataclass
 class VllmConfig:
     """Everything the engine and workers need, picklable."""
 
@@ -441,12 +551,23 @@ class VllmConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig | None = None
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     enforce_eager: bool = False
     disable_log_stats: bool = True
 
     def __post_init__(self) -> None:
         mc, sc = self.model_config, self.scheduler_config
         sc.max_model_len = mc.max_model_len
+        cc = self.compilation_config
+        if cc.cudagraph_capture_sizes:
+            kept = [n for n in cc.cudagraph_capture_sizes if n <= sc.max_num_batched_tokens]
+            if len(kept) < len(cc.cudagraph_capture_sizes):
+                logger.warning(
+                    "cudagraph_capture_sizes above max_num_batched_tokens=%d dropped: %s",
+                    sc.max_num_batched_tokens,
+                    [n for n in cc.cudagraph_capture_sizes if n > sc.max_num_batched_tokens],
+                )
+            cc.cudagraph_capture_sizes = kept
         self._resolve_prefix_caching()
         if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < mc.max_model_len:
             raise ValueError(
@@ -497,6 +618,12 @@ class VllmConfig:
     @property
     def num_speculative_tokens(self) -> int:
         return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
+
+    def padded_num_tokens(self, num_tokens: int) -> int:
+        """Rows a step of num_tokens tokens runs at (every stage computes the same)."""
+        if self.enforce_eager:
+            return num_tokens
+        return self.compilation_config.padded_num_tokens(num_tokens)
 
 
 def env_flag(name: str, default: bool = False) -> bool:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 class RequestOutputKind(enum.Enum):
@@ -16,6 +19,20 @@ class RequestOutputKind(enum.Enum):
 
 
 _GREEDY_EPS = 1e-5
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+_FLOAT32_MAX = 3.4028234663852886e38  # the workers keep temperatures in float32
+
+
+def _is_int(v: object) -> bool:
+    # bool is an int subclass, but True is not a count or a token id.
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_real(v: object) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(
+        v, (bool, np.bool_)
+    )
 
 
 @dataclass
@@ -49,10 +66,21 @@ class SamplingParams:
             self.stop = [self.stop]
         elif self.stop is None:
             self.stop = []
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
+        else:
+            raise ValueError(
+                f"SamplingParams.stop must be a string or a list of strings, got {self.stop!r}"
+            )
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(
+            self.stop_token_ids or [], (list, tuple)
+        ):
+            raise ValueError(
+                f"SamplingParams.stop_token_ids must be a list of token ids, "
+                f"got {self.stop_token_ids!r}"
+            )
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None or self.top_k == -1:
+        if self.top_k is None or (_is_int(self.top_k) and self.top_k == -1):
             self.top_k = 0
         self._verify()
         if self.temperature < _GREEDY_EPS:
@@ -61,39 +89,65 @@ class SamplingParams:
         self._all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
+        """Check every field's type and range. Every number ends up in a 64-bit slot of a
+        worker's per-request arrays, so nothing out of range may get past here."""
+
         def bad(name: str, value: object, why: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} {why}, got {value!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", self.n, "must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise bad("temperature", self.temperature, "must be a number >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise bad("top_p", self.top_p, "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", self.top_k, "must be -1/0 (off) or a positive integer")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
-            raise bad("min_p", self.min_p, "must be in [0, 1]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "must be an integer or None")
-        if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
-        ):
-            raise bad("max_tokens", self.max_tokens, "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            raise bad("min_tokens", self.min_tokens, "must be an integer >= 0")
+        def integer(name: str, lo: int, hi: int = INT64_MAX, why: str = "") -> None:
+            v = getattr(self, name)
+            if not _is_int(v) or not lo <= v <= hi:
+                raise bad(name, v, why or f"must be an integer in [{lo}, {hi}]")
+
+        def real(name: str, lo: float, hi: float, why: str, lo_open: bool = False) -> None:
+            v = getattr(self, name)
+            if (
+                not _is_real(v)
+                or not math.isfinite(v)
+                or not (lo < v if lo_open else lo <= v)
+                or not v <= hi
+            ):
+                raise bad(name, v, why)
+
+        integer("n", 1)
+        real("temperature", 0.0, _FLOAT32_MAX, "must be a finite number >= 0")
+        real("top_p", 0.0, 1.0, "must be in (0, 1]", lo_open=True)
+        integer("top_k", -1, why="must be -1/0 (off) or a positive 64-bit integer")
+        real("min_p", 0.0, 1.0, "must be in [0, 1]")
+        if self.seed is not None:
+            integer("seed", INT64_MIN, why="must be None or a 64-bit signed integer")
+        if self.max_tokens is not None:
+            integer("max_tokens", 1, why="must be None or a 64-bit integer >= 1")
+        integer("min_tokens", 0, why="must be a 64-bit integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"must be <= max_tokens={self.max_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < -1):
-                raise bad(name, v, "must be None, -1 (whole vocab) or an integer >= 0")
+            if getattr(self, name) is not None:
+                integer(name, -1, why="must be None, -1 (whole vocab) or a 64-bit integer >= 0")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise bad("stop", self.stop, "must be non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", self.stop_token_ids, "must be non-negative integers")
+        if not all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "must be non-negative 64-bit integers")
+        for name in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+            "detokenize",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, getattr(self, name), "must be a bool")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", self.output_kind, "must be a RequestOutputKind")
+
+    def verify(self) -> None:
+        """Re-check every field (the engine calls this: fields may be set after construction)."""
+        if not isinstance(self.stop, list) or not isinstance(self.stop_token_ids, list):
+            raise ValueError(
+                "SamplingParams.stop and stop_token_ids must be lists when set after construction"
+            )
+        self._verify()
 
     @property
     def greedy(self) -> bool:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import overload
 
 import torch
 
@@ -14,6 +15,12 @@ class IntermediateTensors:
 
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = dict(tensors)
+
+    @overload
+    def __getitem__(self, key: str) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, key: slice) -> IntermediateTensors: ...
 
     def __getitem__(self, key: str | slice) -> torch.Tensor | IntermediateTensors:
         if isinstance(key, str):

@@ -2,15 +2,20 @@
 # Copyright 2026 The vllm-pp-spec contributors
 """Speculative decoding end to end: greedy output with speculation equals greedy output without
 it (MTP on DeepSeek-V3 with 1 and 2 MTP layers, EAGLE3 on Llama and Qwen2 with and without the
-draft's own embedding, K = 1, 2, 3, chunked prefill and preemption), a self-draft accepts
-everything, the metrics add up, and seeded sampling stays reproducible."""
+draft's own embedding, EAGLE-1 on Llama, K = 1, 2, 3, chunked prefill and preemption), a
+self-draft accepts everything, the metrics add up, and seeded sampling stays reproducible."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.engine_utils import make_prompts
-from tests.spec_checkpoints import make_eagle3_draft, make_mtp_self_draft
+from tests.spec_checkpoints import (
+    make_eagle3_draft,
+    make_eagle_draft,
+    make_llama_bigram_target,
+    make_mtp_self_draft,
+)
 from vllm import LLM, SamplingParams
 
 LENGTHS = [40, 23, 57, 9, 3, 30]
@@ -129,6 +134,33 @@ def near_self_dir(deepseek_v3_mtp1_dir, tmp_path_factory):
     )
 
 
+@pytest.fixture(scope="module")
+def eagle_random_dir(llama_dir, tmp_path_factory):
+    """EAGLE-1 head, 2 layers, fc with bias, shares the target's embedding and LM head."""
+    return make_eagle_draft(
+        tmp_path_factory.mktemp("eagle_random"), llama_dir, num_layers=2, fc_bias=True, seed=3
+    )
+
+
+@pytest.fixture(scope="module")
+def eagle_self_dir(llama_dir, tmp_path_factory):
+    return make_eagle_draft(tmp_path_factory.mktemp("eagle_self"), llama_dir, self_draft=True)
+
+
+@pytest.fixture(scope="module")
+def llama_bigram_dir(llama_dir, tmp_path_factory):
+    """A Llama whose last hidden state at a token is that token's embedding: the self EAGLE-1
+    head predicts it exactly."""
+    return make_llama_bigram_target(tmp_path_factory.mktemp("llama_bigram"), llama_dir)
+
+
+@pytest.fixture(scope="module")
+def llama_near_bigram_dir(llama_dir, tmp_path_factory):
+    return make_llama_bigram_target(
+        tmp_path_factory.mktemp("llama_near_bigram"), llama_dir, target_scale=0.3
+    )
+
+
 # ---- lossless greedy --------------------------------------------------------------------------
 
 
@@ -165,7 +197,16 @@ def test_eagle3_greedy_lossless(request, prompts, baseline, target, draft, k):
     _check_metrics(metrics, k)
 
 
-@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+@pytest.mark.parametrize("target, draft, k", [("llama_dir", "eagle_random_dir", 2)])
+def test_eagle_greedy_lossless(request, prompts, baseline, target, draft, k):
+    model = request.getfixturevalue(target)
+    spec = {"method": "eagle", "model": request.getfixturevalue(draft), "num_speculative_tokens": k}
+    outs, metrics = _run(model, prompts, speculative_config=spec)
+    assert _ids(outs) == baseline(model)
+    _check_metrics(metrics, k)
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3", "eagle"])
 def test_lossless_with_chunked_prefill_and_preemption(
     request, prompts, baseline, method, near_self_dir, qwen2_dir
 ):
@@ -174,11 +215,18 @@ def test_lossless_with_chunked_prefill_and_preemption(
     if method == "mtp":
         model, k = near_self_dir, 3
         spec = {"method": "mtp", "num_speculative_tokens": k}
-    else:
+    elif method == "eagle3":
         model, k = qwen2_dir, 2
         spec = {
             "method": "eagle3",
             "model": request.getfixturevalue("eagle3_qwen2_dir"),
+            "num_speculative_tokens": k,
+        }
+    else:
+        model, k = request.getfixturevalue("llama_near_bigram_dir"), 3
+        spec = {
+            "method": "eagle",
+            "model": request.getfixturevalue("eagle_self_dir"),
             "num_speculative_tokens": k,
         }
     probe = LLM(model=model, **COMMON, speculative_config=spec)
@@ -196,7 +244,7 @@ def test_lossless_with_chunked_prefill_and_preemption(
     assert _ids(outs) == baseline(model)
     assert metrics["vllm:num_preemptions"].value > 0
     drafts, _, accepted, per_pos = _check_metrics(metrics, k)
-    if method == "mtp":
+    if method in ("mtp", "eagle"):
         # Mixed acceptance: some drafts accepted, not all.
         assert 0 < accepted < k * drafts
         assert per_pos[0] > 0
@@ -226,6 +274,20 @@ def test_self_draft_accepts_everything(request, prompts, baseline, ckpt, k):
     drafts, draft_tokens, accepted, per_pos = _check_metrics(metrics, k)
     assert draft_tokens == k * drafts
     assert accepted == k * drafts
+    assert per_pos == [drafts] * k
+
+
+def test_eagle_self_head_accepts_everything(prompts, llama_bigram_dir, eagle_self_dir):
+    """A constructed EAGLE-1 head that predicts its target's next feature exactly (the target
+    a bigram model, the head passing the next token's embedding through): 100% acceptance,
+    which needs the feature to be the target's normed last hidden state and the draft to embed
+    with the target's table and score with its LM head."""
+    k = 3
+    spec = {"method": "eagle", "model": eagle_self_dir, "num_speculative_tokens": k}
+    outs, metrics = _run(llama_bigram_dir, prompts, speculative_config=spec)
+    assert _ids(outs) == _ids(_run(llama_bigram_dir, prompts)[0])
+    drafts, draft_tokens, accepted, per_pos = _check_metrics(metrics, k)
+    assert accepted == draft_tokens == k * drafts
     assert per_pos == [drafts] * k
 
 

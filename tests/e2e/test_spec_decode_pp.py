@@ -19,7 +19,12 @@ import pytest
 
 from tests import checkpoints
 from tests.engine_utils import make_prompts
-from tests.spec_checkpoints import make_eagle3_draft, make_mtp_self_draft
+from tests.spec_checkpoints import (
+    make_eagle3_draft,
+    make_eagle_draft,
+    make_llama_bigram_target,
+    make_mtp_self_draft,
+)
 from vllm import LLM, SamplingParams
 
 LENGTHS = [21, 6, 34]
@@ -81,12 +86,27 @@ def eagle3_qwen2_dir(qwen2_dir, tmp_path_factory) -> str:
     )
 
 
+@pytest.fixture(scope="module")
+def llama_near_bigram_dir(llama_dir, tmp_path_factory) -> str:
+    return make_llama_bigram_target(
+        tmp_path_factory.mktemp("llama_near_bigram"), llama_dir, target_scale=0.3
+    )
+
+
+@pytest.fixture(scope="module")
+def eagle_self_dir(llama_dir, tmp_path_factory) -> str:
+    """EAGLE-1 head predicting the bigram part of the target: partial acceptance on the
+    near-bigram target (so the per-position counts compared below are not all zero)."""
+    return make_eagle_draft(tmp_path_factory.mktemp("eagle_self"), llama_dir, self_draft=True)
+
+
 # model key -> (target fixture, draft fixture or None, method)
 MODELS = {
     "mtp1": ("deepseek_v3_mtp1_4l_dir", None, "mtp"),
     "mtp2": ("deepseek_v3_mtp2_4l_dir", None, "mtp"),
     "eagle3_llama": ("llama_dir", "eagle3_llama_dir", "eagle3"),
     "eagle3_qwen2": ("qwen2_dir", "eagle3_qwen2_dir", "eagle3"),
+    "eagle_llama": ("llama_near_bigram_dir", "eagle_self_dir", "eagle"),
 }
 P4_DEFAULT = {("eagle3_llama", 3), ("mtp1", 1)}
 
@@ -95,6 +115,8 @@ def _cases():
     out = []
     for pp in (2, 4):
         for model in MODELS:
+            if model == "eagle_llama" and pp == 4:
+                continue  # the EAGLE-1 draft relays nothing across stages: P = 2 says it all
             for k in (1, 3):
                 marks = () if pp == 2 or (model, k) in P4_DEFAULT else (pytest.mark.slow,)
                 out.append(pytest.param(model, pp, k, marks=marks, id=f"{model}-pp{pp}-k{k}"))
@@ -195,6 +217,40 @@ def test_mtp_self_draft_keeps_full_acceptance_at_pp2(deepseek_v3_mtp1_dir, tmp_p
     tokens, (drafts, draft_tokens, accepted, per_pos) = _run(draft, prompts, spec, 2)
     assert tokens == ref_tokens
     assert drafts > 0 and accepted == draft_tokens, (drafts, draft_tokens, accepted, per_pos)
+
+
+@pytest.fixture(scope="module")
+def top_level_embed_self_drafts(tmp_path_factory) -> dict[str, str]:
+    """DeepSeek-V3 and V3.2 self-drafts whose MTP layer ships no embed_tokens: the draft's
+    table is the checkpoint's top-level model.embed_tokens.weight."""
+    from tests.dsa_checkpoints import make_deepseek_v32
+
+    v3 = checkpoints.make_deepseek_v3(
+        tmp_path_factory.mktemp("v3_top_embed"), num_nextn_predict_layers=1, mtp_own_embed=False
+    )
+    v32 = make_deepseek_v32(
+        tmp_path_factory.mktemp("v32_top_embed"), num_nextn_predict_layers=1, mtp_own_embed=False
+    )
+    return {
+        name: make_mtp_self_draft(tmp_path_factory.mktemp(f"{name}_top_embed_self"), src)
+        for name, src in (("v3", v3), ("v32", v32))
+    }
+
+
+@pytest.mark.parametrize("family", ["v3", "v32"])
+def test_top_level_only_mtp_embedding_at_pp2(top_level_embed_self_drafts, family):
+    """On the last of two stages the target holds no embedding; the MTP layer must load the
+    top-level table from the checkpoint. The self-draft then accepts every draft, at P = 1 and
+    at P = 2 alike (a random or missing table would accept almost none)."""
+    model = top_level_embed_self_drafts[family]
+    prompts = make_prompts(512, LENGTHS, seed=13)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    tokens1, counts1 = _run(model, prompts, spec, 1)
+    tokens2, counts2 = _run(model, prompts, spec, 2)
+    assert tokens2 == tokens1
+    assert counts2 == counts1
+    drafts, draft_tokens, accepted, _ = counts2
+    assert drafts > 0 and accepted == draft_tokens, counts2
 
 
 def test_ray_eagle3_pp2_equals_mp(runs):

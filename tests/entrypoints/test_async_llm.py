@@ -6,6 +6,7 @@ request, an engine crash fails everything and marks the engine dead."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -128,3 +129,42 @@ def test_engine_crash_fails_all_and_marks_dead(model_dir):
         assert engine.executor is None  # the executor was shut down
     finally:
         llm.shutdown()
+
+
+def test_tokenising_does_not_hold_up_running_streams(async_llm, monkeypatch):
+    """While one request's prompt is being tokenised (held here until released), a running
+    stream produces every one of its tokens: tokenising happens on the tokenizer thread, not
+    on the engine thread or the event loop."""
+    engine = async_llm.engine
+    real = engine.process_prompt
+    entered, release = threading.Event(), threading.Event()
+    threads: list[str] = []
+
+    def held(prompt):
+        threads.append(threading.current_thread().name)
+        if prompt == "held back":
+            entered.set()
+            if not release.wait(120):
+                raise TimeoutError("never released")
+        return real(prompt)
+
+    monkeypatch.setattr(engine, "process_prompt", held)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        running = async_llm.generate("def f(x):", _greedy(12), "running")
+        first = await running.__anext__()
+        held_back = asyncio.ensure_future(_drain(async_llm.generate("held back", _greedy(3), "h")))
+        assert await loop.run_in_executor(None, entered.wait, 60)
+        rest = await asyncio.wait_for(_drain(running), 120)
+        assert not held_back.done()
+        release.set()
+        return [first, *rest], await asyncio.wait_for(held_back, 120)
+
+    try:
+        outs, held_outs = asyncio.run(main())
+    finally:
+        release.set()
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 12 and outs[-1].finished
+    assert held_outs[-1].finished
+    assert threads and all(name.startswith("vllm-tokenizer") for name in threads), threads

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,6 +35,7 @@ class RemoteServer:
         args: list[str] | tuple[str, ...] = (),
         log_path: str | os.PathLike | None = None,
         env: dict[str, str] | None = None,
+        cwd: str | os.PathLike | None = None,
     ) -> None:
         self.port = free_port()
         self.host = "127.0.0.1"
@@ -52,8 +54,11 @@ class RemoteServer:
         ]
         full_env = {**os.environ, **(env or {})}
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd
+        )
         self._children: list[psutil.Process] = []
+        self._stage_pids: list[int] = []
 
     @property
     def base_url(self) -> str:
@@ -84,6 +89,29 @@ class RemoteServer:
                 pass
             time.sleep(0.2)
         raise TimeoutError(f"server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def stage_pids(self) -> list[int]:
+        """Pids of the pipeline stage processes, as the server logged them at start-up."""
+        if not self._stage_pids:
+            try:
+                text = self.log_path.read_text(errors="replace")
+            except OSError:
+                text = ""
+            m = re.search(r"started \d+ pipeline stage processes \(pids \[([\d, ]+)\]\)", text)
+            self._stage_pids = [int(x) for x in m.group(1).split(",")] if m else []
+        return list(self._stage_pids)
+
+    def rss_mib(self) -> dict[str, float]:
+        """Resident memory of the API server and of every stage process, in MiB."""
+        out = {}
+        for name, pid in [("api_server", self.proc.pid)] + [
+            (f"stage{i}", pid) for i, pid in enumerate(self.stage_pids())
+        ]:
+            try:
+                out[name] = psutil.Process(pid).memory_info().rss / 2**20
+            except psutil.Error:
+                out[name] = float("nan")
+        return out
 
     def children(self) -> list[psutil.Process]:
         try:

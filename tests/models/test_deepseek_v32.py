@@ -268,6 +268,53 @@ def test_draft_loading_repoints_topk_buffers_to_the_target(k2_llm) -> None:
     assert len(attns) == 2 and all(a.topk_indices_buffer is target_buf for a in attns)
 
 
+def test_impls_read_the_target_buffer_through_their_indexers(
+    v32_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Draft loading re-points the draft indexers (the buffer's owners); the draft's sparse
+    impls reach the target's buffer only by resolving it through them. An impl that took a
+    snapshot of its buffer at construction (before loading) has none to read: the draft's first
+    sparse attention fails."""
+    from vllm.v1.attention.backends.mla.sparse_common import SharedTopkIndicesBuffer
+
+    init = SharedTopkIndicesBuffer.init_topk_indices_buffer
+
+    def snapshot(self, indexer=None, buffer=None):
+        init(self, None, indexer.topk_indices_buffer if indexer is not None else buffer)
+
+    monkeypatch.setattr(SharedTopkIndicesBuffer, "init_topk_indices_buffer", snapshot)
+    llm = _mtp_llm(v32_dir, 2)
+    try:
+        with pytest.raises(RuntimeError, match="has no top-k indices buffer"):
+            _generate_ids(llm)  # the 30-token prompt's context exceeds index_topk
+    finally:
+        llm.shutdown()
+
+
+def test_the_draft_allocates_no_topk_buffer_of_its_own(
+    v32_dir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vllm.models.deepseek_v32.model as v32_model
+    import vllm.models.deepseek_v32.mtp as v32_mtp
+
+    made: list[tuple] = []
+    new = v32_model.new_topk_indices_buffer
+
+    def counting(*args):
+        buf = new(*args)
+        made.append(tuple(buf.shape))
+        return buf
+
+    for module in (v32_model, v32_mtp):
+        monkeypatch.setattr(module, "new_topk_indices_buffer", counting, raising=False)
+    llm = _mtp_llm(v32_dir, 2)
+    try:
+        runner = llm.llm_engine.executor.worker.model_runner
+        assert made == [tuple(runner.model.model.topk_indices_buffer.shape)]  # the target's
+    finally:
+        llm.shutdown()
+
+
 def _record_sharing(spec) -> tuple[list, callable]:
     """Record set_skip_topk / compact_topk_indices calls on the real draft (calling through)
     and the skip_topk state every draft forward sees; returns (log, undo)."""
@@ -400,3 +447,60 @@ def test_mtp_greedy_lossless_pp2(variants, no_spec, name) -> None:
         assert _generate_ids(llm) == no_spec(path)
     finally:
         llm.shutdown()
+
+
+# ---- top-k ties: the selection must not depend on the batch layout ------------------------------
+
+
+def test_topk_breaks_ties_toward_the_lower_position() -> None:
+    from vllm.models.deepseek_v32.model import topk_lowest_position_first
+
+    g = torch.Generator().manual_seed(0)
+    # Few distinct values (many ties, +0.0 and -0.0 among them) and -inf padding.
+    x = torch.randint(-2, 3, (64, 40), generator=g).float()
+    x[x == -2] = float("-inf")
+    x[:, ::7] = -0.0
+    for k in (1, 8, 40):
+        vals, idx = topk_lowest_position_first(x, k)
+        ref = torch.sort(x, dim=-1, descending=True, stable=True)
+        assert torch.equal(idx, ref.indices[:, :k])
+        assert torch.equal(vals, ref.values[:, :k])
+
+
+@pytest.fixture(scope="module")
+def v32_two_index_heads_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """2 indexer heads: a key whose every head the ReLU clips scores exactly 0, so scores tie at
+    the top-k boundary often."""
+    return make_deepseek_v32(
+        tmp_path_factory.mktemp("v32_2heads"),
+        index_n_heads=2,
+        num_nextn_predict_layers=1,
+        index_share_for_mtp_iteration=True,
+    )
+
+
+def test_tied_index_scores_give_the_same_tokens_batched_alone_and_with_mtp(
+    v32_two_index_heads_dir,
+) -> None:
+    path = v32_two_index_heads_dir
+    prompts = make_prompts(512, [30, 45, 12, 60, 25], seed=5)
+    llm = LLM(model=path, **MTP_COMMON)
+    try:
+        alone = [
+            list(
+                llm.generate([{"prompt_token_ids": p}], MTP_GREEDY, use_tqdm=False)[0]
+                .outputs[0]
+                .token_ids
+            )
+            for p in prompts
+        ]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], MTP_GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == alone
+    llm = _mtp_llm(path, 2)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], MTP_GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == alone

@@ -22,8 +22,8 @@ import torch
 from tests import qwen3_5_checkpoints as q35
 from tests.engine_utils import hf_greedy, hf_logprobs, make_prompts
 from vllm import LLM, SamplingParams
-from vllm.model_executor.layers.mamba.causal_conv1d import causal_conv1d
-from vllm.model_executor.layers.mamba.gated_delta_rule import (
+from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d
+from vllm.model_executor.layers.mamba.ops.gated_delta_rule import (
     chunked_gated_delta_rule,
     l2norm,
     recurrent_gated_delta_rule,

@@ -12,6 +12,7 @@ from typing import Any
 
 from vllm.config import (
     CacheConfig,
+    CompilationConfig,
     DeviceConfig,
     ModelConfig,
     ParallelConfig,
@@ -42,10 +43,12 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     speculative_config: dict[str, Any] | str | None = None
+    compilation_config: dict[str, Any] | str | None = None
     enforce_eager: bool = False
     disable_log_stats: bool = True
     trust_remote_code: bool = False
     device: str = "auto"
+    served_model_name: str | list[str] | None = None
     quantization: str | None = None
 
     @classmethod
@@ -70,12 +73,16 @@ class EngineArgs:
             seed=self.seed,
             max_model_len=self.max_model_len,
             trust_remote_code=self.trust_remote_code,
+            served_model_name=self.served_model_name,
             quantization=self.quantization,
         )
         spec = self.speculative_config
         if isinstance(spec, str):
             spec = parse_json_arg("speculative_config", spec)
         speculative_config = SpeculativeConfig.from_dict(spec) if spec is not None else None
+        comp = self.compilation_config
+        if isinstance(comp, str):
+            comp = parse_json_arg("compilation_config", comp)
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = 2048 if self.enable_chunked_prefill else max(2048, model_config.max_model_len)
@@ -100,6 +107,7 @@ class EngineArgs:
             ),
             speculative_config=speculative_config,
             device_config=DeviceConfig(device=self.device),
+            compilation_config=CompilationConfig.from_dict(comp),
             enforce_eager=self.enforce_eager,
             disable_log_stats=self.disable_log_stats,
         )
@@ -135,6 +143,12 @@ class EngineArgs:
             type=lambda s: parse_json_arg("--speculative-config", s),
             default=None,
             help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'',
+        )
+        parser.add_argument(
+            "--compilation-config",
+            type=lambda s: parse_json_arg("--compilation-config", s),
+            default=None,
+            help="JSON, e.g. '{\"cudagraph_capture_sizes\": [1, 2, 4, 8, 16, 32]}'",
         )
         parser.add_argument("--enforce-eager", action="store_true")
         parser.add_argument("--disable-log-stats", action="store_true")

@@ -19,8 +19,8 @@ from vllm.v1.core.kv_cache_manager import (
     hash_block_tokens,
     root_block_hash,
 )
-from vllm.v1.core.sched.output import ModelRunnerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 
@@ -66,7 +66,7 @@ def test_cache_salt_separates_requests():
 
 
 def test_next_token_hashing_needs_the_token_after_the_block():
-    m = KVCacheManager(64, 4, enable_caching=True, hash_next_token=True)
+    m = KVCacheManager(64, 4, enable_caching=True, num_lookahead_tokens=1)
     # 8 tokens: block 1 has no next token yet, so only block 0 is hashable.
     assert len(m._block_hashes(_req("a", range(1, 9)), 2)) == 1
     # Same block, different next token: different hash (the draft's KV there differs).

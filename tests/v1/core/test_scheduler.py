@@ -11,8 +11,8 @@ from tests.v1.core.utils import answer as _answer
 from tests.v1.core.utils import make_request
 from tests.v1.core.utils import sched_config as _config
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.sched.output import ModelRunnerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 

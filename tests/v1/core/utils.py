@@ -9,7 +9,8 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 
 from vllm.sampling_params import SamplingParams
-from vllm.v1.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 
@@ -31,6 +32,7 @@ def sched_config(
         ),
         cache_config=SimpleNamespace(block_size=block_size, enable_prefix_caching=caching),
         num_speculative_tokens=k,
+        speculative_config=SimpleNamespace(num_lookahead_tokens=1) if k else None,
     )
 
 

@@ -65,3 +65,54 @@ def test_more_steps_than_mtp_layers_warns(deepseek_v3_mtp1_dir, caplog):
     with caplog.at_level(logging.WARNING):
         _config(deepseek_v3_mtp1_dir, {"method": "mtp", "num_speculative_tokens": 1})
     assert "acceptance decays" not in caplog.text
+
+
+def _eagle_variant(src: str, dst, **cfg) -> str:
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    path = dst / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **cfg}))
+    return str(dst)
+
+
+def test_eagle1_config_maps_to_the_eagle_llama_draft(llama_dir, tmp_path):
+    from tests.spec_checkpoints import make_eagle_draft
+
+    draft = make_eagle_draft(tmp_path / "d", llama_dir)
+    cfg = _config(llama_dir, {"method": "eagle", "model": draft, "num_speculative_tokens": 2})
+    assert cfg.speculative_config.draft_model_config.architecture == "EagleLlamaForCausalLM"
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("eagle3_layout", r"method='eagle' \(EAGLE-1\) needs a draft whose config.json names"),
+        ("deepseek_target", r"supports targets \['LlamaForCausalLM', 'Qwen2ForCausalLM'\]"),
+        ("hidden_mismatch", "has hidden_size=32 but the target's is 64"),
+        ("no_layers", "num_hidden_layers must be an integer >= 1"),
+    ],
+)
+def test_eagle1_bad_configs_raise_at_construction(
+    llama_dir, deepseek_v3_dir, tmp_path, case, match
+):
+    from tests.spec_checkpoints import make_eagle3_draft, make_eagle_draft
+
+    target = llama_dir
+    if case == "eagle3_layout":
+        draft = make_eagle3_draft(tmp_path / "d", llama_dir)
+    else:
+        draft = make_eagle_draft(tmp_path / "base", llama_dir)
+        if case == "deepseek_target":
+            target = deepseek_v3_dir
+        elif case == "hidden_mismatch":
+            draft = _eagle_variant(draft, tmp_path / "d", hidden_size=32)
+        else:
+            draft = _eagle_variant(draft, tmp_path / "d", num_hidden_layers=0)
+    with pytest.raises(ValueError, match=match):
+        LLM(
+            model=target,
+            max_model_len=128,
+            speculative_config={"method": "eagle", "model": draft, "num_speculative_tokens": 1},
+        )

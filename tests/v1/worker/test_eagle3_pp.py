@@ -218,12 +218,32 @@ def test_last_stage_builds_embed_for_eagle_draft(monkeypatch):
     assert isinstance(llama_mod.LlamaModel(CFG, keep_embed=True).embed_tokens, nn.Embedding)
 
 
-def test_text_only_target_never_gathers_mm_embeds():
+@pytest.mark.parametrize("multimodal", [False, True])
+@pytest.mark.parametrize("has_encoder_outputs", [False, True])
+def test_draft_gathers_mm_embeds_only_with_encoder_outputs_and_mm_input(
+    multimodal, has_encoder_outputs
+):
     from vllm.v1.worker.gpu.spec_decode.eagle.utils import should_gather_mm_embeds_for_draft
 
-    set_pp_group(PPGroup(rank=1, world_size=2))
-    assert should_gather_mm_embeds_for_draft(_NoRelayTarget()) is False
-    mm = _NoRelayTarget()
-    mm.supports_multimodal = True
-    with pytest.raises(NotImplementedError, match="encoder embeddings"):
-        should_gather_mm_embeds_for_draft(mm)
+    target = _NoRelayTarget()
+    if multimodal:
+        target.supports_multimodal = True
+    got = should_gather_mm_embeds_for_draft(target, has_encoder_outputs=has_encoder_outputs)
+    # Never raises: a rank without encoder outputs (or a text-only target) skips the gather.
+    assert got is (multimodal and has_encoder_outputs)
+
+
+def test_text_only_speculators_skip_the_mm_gather(deepseek_v3_mtp1_dir):
+    from vllm import LLM
+
+    llm = LLM(
+        model=deepseek_v3_mtp1_dir,
+        dtype="float32",
+        max_model_len=64,
+        max_num_seqs=2,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+    )
+    try:
+        assert llm.llm_engine.executor.worker.model_runner.speculator.supports_mm_inputs is False
+    finally:
+        llm.shutdown()

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""PPHandler: fixed-width broadcasts, dropping rows of freed slots, the FIFO apply rule, and the
-stage-to-stage tensor-dict transfer, over real gloo groups (two ranks as two threads)."""
+"""PPHandler: fixed-width broadcasts of a StepResult, dropping rows of freed slots, the FIFO
+apply rule, and the stage-to-stage tensor-dict transfer, over real gloo groups (two ranks as two
+threads); apply_step_result on its own."""
 
 from __future__ import annotations
 
@@ -15,14 +16,8 @@ import torch
 import torch.distributed as dist
 
 from vllm.distributed.parallel_state import PPGroup, recv_tensor_dict, send_tensor_dict
-from vllm.v1.worker.gpu.pp_utils import (
-    PAD_TOKEN_ID,
-    PendingRecv,
-    PPHandler,
-    compute_need_sampled_mask,
-    pad_sampled_token_ids,
-)
-from vllm.v1.worker.gpu.states import RequestStates
+from vllm.v1.worker.gpu.pp_utils import PendingRecv, PPHandler, compute_need_sampled_mask
+from vllm.v1.worker.gpu.states import PAD_TOKEN_ID, RequestStates, StepResult, apply_step_result
 
 K = 2  # draft tokens per step
 
@@ -83,15 +78,33 @@ def _handler(rank: int, group, k: int = K) -> PPHandler:
     return PPHandler(max_num_reqs=4, num_speculative_steps=k, device="cpu", pp_group=pp)
 
 
-# ---- padding and the skip rule -------------------------------------------------------------
-def test_pad_sampled_token_ids_fills_with_minus_one():
-    out = pad_sampled_token_ids(torch.tensor([[10], [20]]), 3)
-    assert PAD_TOKEN_ID == -1
-    assert out.tolist() == [[10, -1, -1], [20, -1, -1]]
-    full = torch.tensor([[1, 2, 3]])
-    assert pad_sampled_token_ids(full, 3).tolist() == [[1, 2, 3]]
-    with pytest.raises(ValueError, match="do not fit width 2"):
-        pad_sampled_token_ids(full, 2)
+def _result(sampled, num_sampled, num_rejected, drafts=None) -> StepResult:
+    return StepResult(
+        np.array(sampled, dtype=np.int64),
+        np.array(num_sampled, dtype=np.int64),
+        np.array(num_rejected, dtype=np.int64),
+        None if drafts is None else np.array(drafts, dtype=np.int64),
+    )
+
+
+# ---- applying a result and the skip rule -----------------------------------------------------
+def test_apply_step_result_rolls_back_appends_and_stores_drafts():
+    st = _states()
+    result = _result(
+        [[5, 6, 7], [8, PAD_TOKEN_ID, PAD_TOKEN_ID], [PAD_TOKEN_ID] * 3, [1, 2, PAD_TOKEN_ID]],
+        [3, 1, 0, 2],
+        [0, 2, 0, 1],
+        [[11, 12], [13, 14], [15, 16], [17, 18]],
+    )
+    # Row 2 skipped (a freed slot / no sample); rows map to slots out of order.
+    apply_step_result(st, result, np.array([3, 0, -1, 1]))
+    assert st.token_ids[3, :6].tolist() == [103, 203, 303, 5, 6, 7] and st.num_tokens[3] == 6
+    assert st.token_ids[0, :4].tolist() == [100, 200, 300, 8] and st.num_tokens[0] == 4
+    assert st.token_ids[1, :5].tolist() == [101, 201, 301, 1, 2] and st.num_tokens[1] == 5
+    assert st.num_computed.tolist() == [3 + K - 2, 3 + K - 1, 3 + K, 3 + K]
+    assert st.draft_tokens.tolist() == [[13, 14], [17, 18], [0, 0], [11, 12]]
+    assert st.num_tokens[2] == 3
+    assert result.sampled_token_lists() == [[5, 6, 7], [8], [], [1, 2]]
 
 
 def test_need_sampled_mask_is_none_when_no_row_samples():
@@ -110,14 +123,13 @@ def test_broadcast_receive_apply_over_gloo():
 
     def last_rank() -> None:
         # Batch A: slot 0 accepted both drafts (3 tokens), slot 2 rejected one (2 tokens).
-        sampled = torch.tensor([[5, 6, 7], [-1, -1, -1], [8, 9, -1]])
-        assert last.broadcast(sampled[:, :3], [3, 0, 2], [0, 0, 1], batch_a)
-        assert last.broadcast_drafts(torch.tensor([[1, 2], [3, 4], [5, 6]]), batch_a)
-        assert not last.broadcast(torch.zeros(1, 1, dtype=torch.int64), [0], [0], batch_b)
-        assert not last.broadcast_drafts(torch.zeros(1, K, dtype=torch.int64), batch_b)
-        # Batch C: narrower than K + 1 (nothing accepted anywhere): padded, same width.
-        assert last.broadcast(torch.tensor([[11], [12]]), [1, 1], [2, 2], batch_c)
-        assert last.broadcast_drafts([[21, 22], [23, 24]], batch_c)
+        a = _result([[5, 6, 7], [-1, -1, -1], [8, 9, -1]], [3, 0, 2], [0, 0, 1])
+        a.drafts = np.array([[1, 2], [3, 4], [5, 6]])
+        assert last.broadcast(a, batch_a)
+        assert not last.broadcast(_result([[-1] * 3], [0], [0], [[0, 0]]), batch_b)
+        # Batch C: nothing accepted anywhere: the same width, padded.
+        c = _result([[11, -1, -1], [12, -1, -1]], [1, 1], [2, 2], [[21, 22], [23, 24]])
+        assert last.broadcast(c, batch_c)
         last.wait_sends()
 
     def other_rank() -> None:
@@ -153,16 +165,16 @@ def test_width_is_k_plus_one_without_drafts():
     batch = _batch([2, 0], [True, True])
 
     def last_rank() -> None:
-        assert last.broadcast(torch.tensor([[7], [9]]), [1, 1], [0, 0], batch)
-        assert not last.broadcast_drafts(torch.zeros(2, 0, dtype=torch.int64), batch)
+        assert last.broadcast(_result([[7], [9]], [1, 1], [0, 0]), batch)
         last.wait_sends()
 
     def other_rank() -> None:
         other.receive(batch)
         assert other.queue[0].draft_tokens is None
-        out = other.get_prev_sampled_outputs(st)
-        assert out["idx_mapping"].tolist() == [2, 0]
-        assert out["sampled_tokens"].tolist() == [[7], [9]]
+        idx, result = other.get_prev_sampled_outputs()
+        assert idx.tolist() == [2, 0] and result.drafts is None
+        assert result.sampled.tolist() == [[7], [9]]
+        apply_step_result(st, result, idx)
         assert st.token_ids[2, 3] == 7 and st.token_ids[0, 3] == 9
 
     _run_ranks([last_rank, other_rank])
@@ -170,10 +182,15 @@ def test_width_is_k_plus_one_without_drafts():
 
 def test_broadcast_rejects_wrong_shapes():
     last = _handler(1, None)
+    batch = _batch([0], [True])
     with pytest.raises(TypeError, match="int64"):
-        last.broadcast(torch.zeros(1, 1, dtype=torch.int32), [1], [0], _batch([0], [True]))
+        bad = _result([[1, 2, 3]], [1], [0], [[0, 0]])
+        bad.sampled = bad.sampled.astype(np.int32)
+        last.broadcast(bad, batch)
+    with pytest.raises(ValueError, match="expected \\(1, 3\\)"):
+        last.broadcast(_result([[1, 2]], [1], [0], [[0, 0]]), batch)
     with pytest.raises(ValueError, match="expected \\(1, 2\\)"):
-        last.broadcast_drafts(torch.zeros(1, 3, dtype=torch.int64), _batch([0], [True]))
+        last.broadcast(_result([[1, 2, 3]], [1], [0], [[0, 0, 0]]), batch)
 
 
 # ---- the FIFO apply rule, with hand-controlled completion ------------------------------------
@@ -235,7 +252,7 @@ def test_rows_of_freed_slots_do_not_force_a_wait():
     h.on_req_idx_freed(1)  # slot 1 was freed and handed to a new request
     assert h.apply_pending(st, [1]) == 0  # the new owner does not wait for the old result
     old.works[0].done = True
-    assert h.get_prev_sampled_outputs(st) is None  # every row dropped
+    assert h.get_prev_sampled_outputs() is None  # every row dropped
     assert st.num_tokens[1] == 3
 
 
@@ -246,8 +263,9 @@ def test_get_prev_sampled_outputs_marks_dropped_rows():
     e.need_sampled_mask[1] = False
     h.queue.append(e)
     h.on_req_idx_freed(2)
-    out = h.get_prev_sampled_outputs(st)
-    assert out["idx_mapping"].tolist() == [0, -1, -1]
+    idx, result = h.get_prev_sampled_outputs()
+    assert idx.tolist() == [0, -1, -1]
+    apply_step_result(st, result, idx)
     assert st.token_ids[0, 3] == 70 and st.num_tokens[1] == 3 and st.num_tokens[2] == 3
 
 

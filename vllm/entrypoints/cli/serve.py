@@ -17,6 +17,16 @@ def _one_line(message: object) -> str:
     return " ".join(str(message).split())
 
 
+def _port(value: str) -> int:
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 65535], got {value!r}")
+    return port
+
+
 def _make_error(prog: str):
     def error(message: str) -> NoReturn:
         # argparse would print the whole usage first; a bad flag deserves one line.
@@ -42,7 +52,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     )
     parser.add_argument("--model", type=str, default=None, help="Same as MODEL")
     parser.add_argument("--host", type=str, default="0.0.0.0", help="Address to bind")
-    parser.add_argument("--port", type=int, default=8000, help="Port to bind")
+    parser.add_argument("--port", type=_port, default=8000, help="Port to bind (0: any free one)")
     parser.add_argument(
         "--served-model-name",
         type=str,
@@ -63,6 +73,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         choices=_LOG_LEVELS,
     )
     parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="Accept a chat_template in requests (rendered in a sandbox process, time-limited "
+        "by VLLM_CHAT_TEMPLATE_TIMEOUT_S); by default such requests get 400",
+    )
     parser.add_argument(
         "--timeout-graceful-shutdown",
         type=float,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import secrets
@@ -13,15 +14,17 @@ import signal
 import socket
 import time
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from http import HTTPStatus
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vllm import envs
+from vllm.entrypoints.chat_utils import ChatTemplateSandbox, check_template_kwargs, render_trusted
 from vllm.entrypoints.openai.protocol import (
     ChatChoiceLogProbs,
     ChatCompletionLogProb,
@@ -85,6 +88,19 @@ def error_response(message: str, status: int = 400, param: str | None = None) ->
     return JSONResponse(error_body(message, status, param), status_code=status)
 
 
+_MAX_CLIENT_MESSAGE = 300
+
+
+def client_message(exc: BaseException | str) -> str:
+    """What a client is told about an error: the first line of its message, bounded in length.
+    Tracebacks (a stage's included) and long dumps stay in the server log."""
+    lines = str(exc).strip().splitlines()
+    first = lines[0].strip() if lines else type(exc).__name__
+    if len(first) > _MAX_CLIENT_MESSAGE:
+        first = first[: _MAX_CLIENT_MESSAGE - 3] + "..."
+    return first
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts = []
     param = None
@@ -93,26 +109,42 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         where = ".".join(loc)
         if param is None and loc:
             param = loc[0]
+        msg = str(err.get("msg")).removeprefix("Value error, ")
         if err.get("type") == "json_invalid":
             parts.append("the request body is not valid JSON")
             param = None
         else:
-            parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+            # A validator's own message may already start with the field's name.
+            parts.append(f"{where}: {msg}" if where and not msg.startswith(where) else msg)
     return "; ".join(parts) or "invalid request", param
 
 
 # ---- auth -----------------------------------------------------------------------------------
-def _auth_dependency(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
-    expected = f"Bearer {api_key}".encode() if api_key else None
+class _APIKeyMiddleware:
+    """With --api-key, every /v1 path needs `Authorization: Bearer KEY` - also paths no route
+    serves, so an unauthenticated client cannot tell which exist."""
 
-    async def check(request: Request) -> None:
-        if expected is None:
-            return
-        got = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
-        if not secrets.compare_digest(got, expected):
-            raise APIError("Unauthorized: missing or wrong API key", 401)
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
 
-    return check
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        path = scope.get("path", "")
+        if (
+            scope["type"] == "http"
+            and scope.get("method") != "OPTIONS"
+            and (path == "/v1" or path.startswith("/v1/"))
+        ):
+            got = b""
+            for name, value in scope.get("headers", ()):
+                if name == b"authorization":
+                    got = value
+                    break
+            if not secrets.compare_digest(got, self.expected):
+                response = error_response("Unauthorized: missing or wrong API key", 401)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 # ---- helpers --------------------------------------------------------------------------------
@@ -254,26 +286,38 @@ def _chat_logprobs(out: CompletionOutput, tokenizer, top_n: int) -> ChatChoiceLo
 class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into responses."""
 
-    def __init__(self, async_llm: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(
+        self,
+        async_llm: AsyncLLM,
+        served_model_names: list[str],
+        trust_request_chat_template: bool = False,
+    ) -> None:
         self.llm = async_llm
         self.names = served_model_names
         self.model_name = served_model_names[0]
+        self.sandbox: ChatTemplateSandbox | None = None
+        if trust_request_chat_template:
+            self.sandbox = ChatTemplateSandbox(envs.VLLM_CHAT_TEMPLATE_TIMEOUT_S)
+            self.sandbox.start()  # imports in the background, before the first request needs it
 
     @property
     def tokenizer(self):
         return self.llm.tokenizer
 
+    def close(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.close()
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.names:
-            raise APIError(
-                f"The model `{model}` does not exist; this server serves {self.names}",
-                400,
-                "model",
-            )
+            raise APIError(f"The model `{model}` does not exist.", 404, "model")
 
     def _check_alive(self) -> None:
         if not self.llm.is_running:
-            raise APIError(f"the engine is not running: {self.llm.dead_error}", 503)
+            raise APIError(
+                f"the engine is not running: {client_message(self.llm.dead_error or 'stopped')}",
+                503,
+            )
 
     async def _add_all(self, prompts: list[Any], params, base_id: str) -> list[RequestStream]:
         """Add every prompt as its own engine request; on an error, abort the ones added."""
@@ -389,36 +433,71 @@ class OpenAIServing:
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         params = req.to_sampling_params()
-        prompt_ids = self._apply_chat_template(req)
+        prompt = await self._chat_prompt(req)
         rid = random_id("chatcmpl")
-        streams = await self._add_all([{"prompt_token_ids": prompt_ids}], params, rid)
+        streams = await self._add_all([prompt], params, rid)
         created = int(time.time())
         if req.stream:
             gen = self._chat_stream(req, streams[0], rid, created)
             return _sse_response(gen, streams)
         return await _unless_disconnected(raw, self._chat_full(req, streams[0], rid, created))
 
-    def _apply_chat_template(self, req: ChatCompletionRequest) -> list[int]:
+    async def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        """Render the conversation (off the event loop) and tokenise it (off the engine
+        thread); oversized input is refused by its size before either."""
         conversation = req.conversation()
         tok = self.tokenizer
-        if req.chat_template is None and not getattr(tok, "chat_template", None):
-            raise APIError("the tokenizer has no chat template and the request gives none")
         if req.continue_final_message and req.add_generation_prompt:
             raise APIError("continue_final_message and add_generation_prompt are exclusive")
         try:
-            ids = tok.apply_chat_template(
-                conversation,
-                tokenize=True,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                chat_template=req.chat_template,
-                **(req.chat_template_kwargs or {}),
+            kwargs = check_template_kwargs(req.chat_template_kwargs)
+        except ValueError as e:
+            raise APIError(str(e), 400, "chat_template_kwargs") from None
+        limit = self.llm.max_prompt_bytes
+        size = _text_bytes(conversation) + _text_bytes(kwargs)
+        if size > limit:
+            raise APIError(
+                f"the messages have {size} bytes; at most {limit} bytes are accepted "
+                f"(max_model_len={self.llm.model_config.max_model_len} tokens)",
+                400,
+                "messages",
             )
-        except Exception as e:  # noqa: BLE001 - a template failing on this input is a bad request
-            raise APIError(f"could not apply the chat template: {type(e).__name__}: {e}") from e
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        if req.chat_template is not None:
+            if self.sandbox is None:
+                raise APIError(
+                    "chat_template is not accepted in requests: this server renders only its "
+                    "own chat template (start it with --trust-request-chat-template to allow "
+                    "request-supplied templates)",
+                    400,
+                    "chat_template",
+                )
+            variables = {**_special_tokens(tok), **kwargs}
+            text = await asyncio.get_running_loop().run_in_executor(
+                None,
+                functools.partial(
+                    self.sandbox.render,
+                    req.chat_template,
+                    conversation,
+                    req.add_generation_prompt,
+                    req.continue_final_message,
+                    variables,
+                    limit,
+                ),
+            )
+        else:
+            if not getattr(tok, "chat_template", None):
+                raise APIError("the tokenizer has no chat template and the request gives none")
+            text = await self.llm.in_tokenizer_thread(
+                render_trusted,
+                tok,
+                conversation,
+                req.add_generation_prompt,
+                req.continue_final_message,
+                kwargs,
+            )
+        # The template wrote the special tokens; encoding must not add a BOS a second time.
+        ids = await self.llm.in_tokenizer_thread(self.llm.encode, text, add_special_tokens=False)
+        return {"prompt": text, "prompt_token_ids": ids}
 
     async def _chat_full(
         self, req: ChatCompletionRequest, stream: RequestStream, rid: str, created: int
@@ -518,17 +597,32 @@ def _sse_response(gen: AsyncIterator[str], streams: list[RequestStream]) -> Stre
 
 def _stream_error(e: Exception) -> dict[str, Any]:
     if isinstance(e, EngineDeadError):
-        return error_body(str(e), 503)
-    logger.exception("request failed mid-stream")
-    return error_body(f"{type(e).__name__}: {e}", 500)
+        return error_body(client_message(e), 503)
+    logger.error("request failed mid-stream", exc_info=e)
+    return error_body(f"internal server error ({type(e).__name__})", 500)
+
+
+def _text_bytes(obj: Any) -> int:
+    """UTF-8 bytes of every string in a JSON-like value (a conversation, template kwargs)."""
+    if isinstance(obj, str):
+        return len(obj.encode("utf-8", "surrogatepass"))
+    if isinstance(obj, dict):
+        return sum(_text_bytes(k) + _text_bytes(v) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return sum(_text_bytes(v) for v in obj)
+    return 0
+
+
+def _special_tokens(tokenizer) -> dict[str, Any]:
+    """bos_token, eos_token, ... as the tokenizer's own rendering passes them to templates."""
+    tokens = getattr(tokenizer, "special_tokens_map", None) or {}
+    return {k: v for k, v in tokens.items() if isinstance(v, (str, list))}
 
 
 def _completion_prompts(prompt: Any) -> list[Any]:
-    """The prompt field as a list of engine prompts (text or token-id dicts)."""
+    """The prompt field (its shape checked by CompletionRequest) as a list of engine prompts."""
     if isinstance(prompt, str):
         return [prompt]
-    if not prompt:
-        raise APIError("prompt must not be empty", 400, "prompt")
     if all(isinstance(p, int) for p in prompt):
         return [{"prompt_token_ids": list(prompt)}]
     if all(isinstance(p, str) for p in prompt):
@@ -540,15 +634,18 @@ def build_app(
     async_llm: AsyncLLM,
     served_model_name: str | list[str],
     api_key: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving one engine under the given model name(s)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name must name at least one model")
-    serving = OpenAIServing(async_llm, names)
+    serving = OpenAIServing(async_llm, names, trust_request_chat_template)
     app = FastAPI(title="vllm", version=__version__)
     app.state.serving = serving
     app.state.async_llm = async_llm
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -565,19 +662,20 @@ def build_app(
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return error_response(str(exc), 400)
+        return error_response(client_message(exc), 400)
 
     @app.exception_handler(TypeError)
     async def _type_error(_: Request, exc: TypeError) -> JSONResponse:
-        return error_response(str(exc), 400)
+        return error_response(client_message(exc), 400)
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(str(exc), 503)
+        return error_response(client_message(exc), 503)
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(f"{type(exc).__name__}: {exc}", 500)
+        # Starlette re-raises it after this answer, so the traceback reaches the server log.
+        return error_response(f"internal server error ({type(exc).__name__})", 500)
 
     @app.get("/health")
     async def health() -> Response:
@@ -593,7 +691,7 @@ def build_app(
 
         return Response(generate_latest(async_llm.registry), media_type=CONTENT_TYPE_LATEST)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(api_key))])
+    v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")
     async def models() -> ModelList:
@@ -639,6 +737,8 @@ class _Signals:
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """Bind the listening address before the model loads: a taken port fails at once."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"--port must be an integer in [0, 65535], got {port!r}")
     family, kind, proto, _, addr = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
@@ -681,9 +781,16 @@ def run_server(args: argparse.Namespace) -> int:
     except BaseException:
         sock.close()
         raise
+    serving: OpenAIServing | None = None
     try:
-        names = getattr(args, "served_model_name", None) or [async_llm.model_config.model]
-        app = build_app(async_llm, names, api_key)
+        names = async_llm.model_config.served_model_names
+        app = build_app(
+            async_llm,
+            names,
+            api_key,
+            trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+        )
+        serving = app.state.serving
         config = uvicorn.Config(
             app,
             host=args.host,
@@ -697,13 +804,16 @@ def run_server(args: argparse.Namespace) -> int:
         signals.server = server
         signals.loading = False
         if signals.received is None and async_llm.is_running:
-            logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)
+            port = sock.getsockname()[1]
+            logger.info("serving %s on http://%s:%d", names[0], args.host, port)
             server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     finally:
         signals.loading = False
         sock.close()
+        if serving is not None:
+            serving.close()
         async_llm.shutdown()
         logger.info("engine shut down")
     if async_llm.errored:

@@ -6,16 +6,44 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams
 
 MAX_N = 16
 """Most completions one request may ask for (`n`)."""
 MAX_LOGPROBS = 20
 """Most alternatives per position in `logprobs` / `top_logprobs`."""
+
+
+def _not_bool(v: Any) -> Any:
+    # JSON true/false would otherwise pass as the integers 1/0.
+    if isinstance(v, bool):
+        raise ValueError("must be an integer, not a boolean")
+    return v
+
+
+# Every integer a request carries ends up in a 64-bit slot of a worker: bound it here, where the
+# error can name the field, never inside a stage.
+Int64 = Annotated[int, BeforeValidator(_not_bool), Field(ge=INT64_MIN, le=INT64_MAX)]
+NonNegInt64 = Annotated[int, BeforeValidator(_not_bool), Field(ge=0, le=INT64_MAX)]
+TopK = Annotated[int, BeforeValidator(_not_bool), Field(ge=-1, le=INT64_MAX)]
+NumLogprobs = Annotated[int, BeforeValidator(_not_bool), Field(ge=0, le=MAX_LOGPROBS)]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+_PROMPT_SHAPES = (
+    "must be a string, a list of strings, a list of token ids (integers) "
+    "or a list of token-id lists"
+)
+
+
+def _check_token_ids(ids: list, where: str) -> None:
+    for j, t in enumerate(ids):
+        if type(t) is not int:
+            kind = "a boolean" if isinstance(t, bool) else type(t).__name__
+            raise ValueError(f"{where}[{j}] must be a token id (an integer), got {kind}")
 
 
 def random_id(prefix: str) -> str:
@@ -93,25 +121,25 @@ class _SamplingRequest(OpenAIBaseModel):
         return data
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
+    n: Annotated[int, BeforeValidator(_not_bool), Field(ge=1, le=MAX_N)] = 1
+    temperature: FiniteFloat | None = None
+    top_p: FiniteFloat | None = None
+    top_k: TopK | None = None
+    min_p: FiniteFloat | None = None
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[NonNegInt64] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: NonNegInt64 = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    best_of: int | None = None
+    presence_penalty: FiniteFloat | None = 0.0
+    frequency_penalty: FiniteFloat | None = 0.0
+    repetition_penalty: FiniteFloat | None = None
+    logit_bias: dict[str, FiniteFloat] | None = None
+    best_of: Int64 | None = None
     user: str | None = None
 
     def _check_unsupported(self) -> None:
@@ -155,10 +183,30 @@ class _SamplingRequest(OpenAIBaseModel):
 # ---- completions ----------------------------------------------------------------------------
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: Int64 | None = 16
+    logprobs: NumLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise ValueError(_PROMPT_SHAPES)
+        if not v:
+            raise ValueError("must not be empty")
+        if all(isinstance(p, str) for p in v):
+            return v
+        if all(isinstance(p, list) for p in v):
+            for i, ids in enumerate(v):
+                _check_token_ids(ids, f"prompt[{i}]")
+            return v
+        if any(isinstance(p, (str, list)) for p in v):
+            raise ValueError(_PROMPT_SHAPES)
+        _check_token_ids(v, "prompt")
+        return v
 
     def to_sampling_params(self) -> SamplingParams:
         if self.echo:
@@ -220,10 +268,10 @@ class ChatMessage(OpenAIBaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None

@@ -1,14 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""Reference mixture-of-experts in torch: top-k routing and the expert loop over stacked weights."""
+"""Mixture of experts: top-k routing, the stacked-experts layer with its (quantizable) weight
+methods, the torch reference expert loop, and loading expert weights from either checkpoint
+layout (per-expert names, or the fused 3-D tensors HF keeps in memory)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vllm.model_executor.layers.quantization import get_current_quant_config
+from vllm.model_executor.model_loader.weight_utils import WeightLoadError, reject_quantized_tensor
 
 
 def fused_moe(
@@ -76,17 +82,51 @@ class UnquantizedFusedMoEMethod:
             torch.empty(e, h, i, dtype=params_dtype), requires_grad=False
         )
 
+    def load_expert_weight(
+        self, dst: torch.Tensor, tensor: torch.Tensor, ckpt_name: str, param_name: str
+    ) -> None:
+        """Copy one checkpoint tensor into its slice `dst` of the stacked parameter."""
+        reject_quantized_tensor(ckpt_name, tensor, param_name)
+        dst.copy_(tensor.to(dst.dtype))
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass
 
     def apply(
         self,
-        layer: nn.Module,
+        layer: FusedMoE,
         hidden_states: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
         return fused_moe(hidden_states, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+
+
+class FusedMoE(nn.Module):
+    """The routed experts of a MoE block (the module at `<layer>.mlp.experts`), stacked as
+    w13_weight [E, 2I, H] (gate rows, then up) and w2_weight [E, H, I] and stored as the quant
+    config of the model being built says (e.g. FP8 with per-block scales). Routing is the
+    caller's (select_experts): forward takes the chosen experts and their weights."""
+
+    w13_weight: nn.Parameter
+    w2_weight: nn.Parameter
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        config = get_current_quant_config()
+        self.quant_method = (
+            config.get_moe_method() if config is not None else UnquantizedFusedMoEMethod()
+        )
+        self.quant_method.create_weights(
+            self, num_experts, hidden_size, intermediate_size, torch.get_default_dtype()
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
 
 
 def select_experts(
@@ -116,6 +156,8 @@ def select_experts(
         raise ValueError(f"scoring_func must be 'softmax' or 'sigmoid', got {scoring_func!r}")
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if num_expert_group is not None and num_expert_group > 1:
+        if topk_group is None:
+            raise ValueError(f"num_expert_group={num_expert_group} needs topk_group")
         num_tokens, num_experts = choice.shape
         grouped = choice.view(num_tokens, num_expert_group, num_experts // num_expert_group)
         if correction_bias is not None:
@@ -134,3 +176,187 @@ def select_experts(
     if renormalize:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     return topk_weights * routed_scaling_factor, topk_ids
+
+
+# ---- expert weights in checkpoints ----------------------------------------------------------
+
+# `<p>.mlp.experts.{e}.{gate,up,down}_proj.weight` (DeepSeek / Qwen releases) or the fused
+# `<p>.mlp.experts.{gate_up_proj,down_proj}` [E, 2I, H] / [E, H, I] (HF's in-memory layout), each
+# optionally with a `_scale_inv` block-scale twin. The prefix may be empty (a layer's own dict).
+_EXPERT_WEIGHT = re.compile(
+    r"^(?P<prefix>(?:.+\.)?mlp\.experts)\."
+    r"(?:(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight(?P<scale>_scale_inv)?"
+    r"|(?P<fused>gate_up_proj|down_proj)(?P<fused_scale>_scale_inv)?)$"
+)
+
+# Which (gate | up | down) slices of an expert a checkpoint tensor of each name fills.
+_EXPERT_PARTS = {
+    "gate_proj": ("gate",),
+    "up_proj": ("up",),
+    "down_proj": ("down",),
+    "gate_up_proj": ("gate", "up"),
+}
+_EXPERT_STACKS = ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")
+
+
+def _expert_target(m: re.Match[str]) -> tuple[str, bool, tuple[str, ...]]:
+    """(stacked parameter, is a scale, gate|up|down parts) an expert checkpoint name fills."""
+    proj = m["fused"] or m["proj"]
+    scale = bool(m["scale"] or m["fused_scale"])
+    stack = "w2_weight" if proj == "down_proj" else "w13_weight"
+    return f"{m['prefix']}.{stack}{'_scale_inv' if scale else ''}", scale, _EXPERT_PARTS[proj]
+
+
+def _expert_slices(m: re.Match[str], num_experts: int) -> set[tuple[int, str]]:
+    experts = range(num_experts) if m["fused"] else (int(m["expert"]),)
+    return {(e, p) for e in experts for p in _expert_target(m)[2]}
+
+
+class ExpertWeightLoader:
+    """Fills the stacked parameters of FusedMoE layers (`*.mlp.experts.w13_weight` /
+    `w2_weight`, and for FP8 experts their `*_scale_inv` block scales) from either checkpoint
+    layout, each slice through the layer's quant method; a slice filled twice (under two
+    names) is an error naming it. check_experts_loaded then finds the slices never filled."""
+
+    def __init__(self) -> None:
+        self._filled: dict[str, set[tuple[int, str]]] = {}
+
+    def load(
+        self,
+        name: str,
+        tensor: torch.Tensor,
+        params: dict[str, nn.Parameter],
+        modules: dict[str, nn.Module],
+    ) -> bool:
+        """Copy one expert checkpoint tensor (already renamed to the model's names); False
+        when name is not an expert weight or names no stacked parameter (the caller decides)."""
+        m = _EXPERT_WEIGHT.match(name)
+        if m is None:
+            return False
+        param_name, scale, parts = _expert_target(m)
+        param = params.get(param_name)
+        method = getattr(modules.get(m["prefix"]), "quant_method", None)
+        if param is None or method is None:
+            return False
+        num_experts = param.shape[0]
+        dst = param.data
+        if not m["fused"]:
+            e = int(m["expert"])
+            if e >= num_experts:
+                raise WeightLoadError(
+                    f"checkpoint weight {name!r} names expert {e} but {param_name!r} holds "
+                    f"{num_experts} experts"
+                )
+            # Scales of w13 stack the gate's grid over the up projection's, as weights stack.
+            half = param.shape[1] // 2
+            dst = {"gate": dst[e, :half], "up": dst[e, half:], "down": dst[e]}[parts[0]]
+        if tuple(tensor.shape) != tuple(dst.shape):
+            what = "block scale" if scale else "weight"
+            raise WeightLoadError(
+                f"{what} {name!r} has shape {tuple(tensor.shape)} in the checkpoint but the "
+                f"model expects {tuple(dst.shape)} (a slice of {param_name!r})"
+            )
+        filled = self._filled.setdefault(param_name, set())
+        slices = _expert_slices(m, num_experts)
+        twice = slices & filled
+        if twice:
+            e, p = min(twice)
+            raise WeightLoadError(
+                f"expert weight {m['prefix']}.{e}.{p}_proj.weight{'_scale_inv' if scale else ''} "
+                f"is loaded twice (again by {name!r})"
+            )
+        with torch.no_grad():
+            method.load_expert_weight(dst, tensor, name, param_name)
+        filled |= slices
+        return True
+
+
+def check_experts_loaded(
+    model: nn.Module, loaded: set[str], is_missing_here: Callable[[str], bool]
+) -> None:
+    """Raise naming every expert slice of model no name in loaded filled (an FP8 slice without
+    its scale by both names), skipping parameters is_missing_here says another stage holds;
+    add every complete stack to loaded."""
+    params = dict(model.named_parameters())
+    filled: dict[str, set[tuple[int, str]]] = {}
+    for name in loaded:
+        m = _EXPERT_WEIGHT.match(name)
+        param_name = _expert_target(m)[0] if m is not None else None
+        if m is not None and param_name in params:
+            slices = _expert_slices(m, params[param_name].shape[0])
+            filled.setdefault(param_name, set()).update(slices)
+    missing: list[str] = []
+    for param_name, param in params.items():
+        prefix, _, leaf = param_name.rpartition(".")
+        if not prefix.endswith("mlp.experts") or leaf not in _EXPERT_STACKS:
+            continue
+        if is_missing_here(param_name):
+            continue
+        parts = ("down",) if leaf.startswith("w2_") else ("gate", "up")
+        suffix = "_scale_inv" if leaf.endswith("_scale_inv") else ""
+        done = filled.get(param_name, set())
+        absent = [
+            f"{prefix}.{e}.{p}_proj.weight{suffix}"
+            for e in range(param.shape[0])
+            for p in parts
+            if (e, p) not in done
+        ]
+        if absent:
+            missing += absent
+        else:
+            loaded.add(param_name)
+    if not missing:
+        return
+    lone = [
+        n for n in missing if n.endswith("_scale_inv") and n[: -len("_scale_inv")] not in missing
+    ]
+    if lone:
+        more = f" (+{len(lone) - 4} more)" if len(lone) > 4 else ""
+        pairs = [f"{n[:-10]!r} without {n!r}" for n in lone[:4]]
+        raise WeightLoadError(
+            f"checkpoint expert weight(s) of {type(model).__name__} are FP8 but their block "
+            f"scales are missing: {', '.join(pairs)}{more}"
+        )
+    more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
+    raise WeightLoadError(
+        f"checkpoint is missing expert weight(s) for {type(model).__name__}: {missing[:8]}{more}"
+    )
+
+
+def split_fused_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF transformers keeps experts fused in memory (`mlp.experts.gate_up_proj` [E, 2I, H],
+    gate rows then up rows; `mlp.experts.down_proj` [E, H, I]); checkpoints name them per
+    expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`). Other names pass through."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        m = _EXPERT_WEIGHT.match(name)
+        if m is None or m["fused"] is None or m["fused_scale"]:
+            out[name] = tensor
+        elif m["fused"] == "gate_up_proj":
+            inter = tensor.shape[1] // 2
+            for e in range(tensor.shape[0]):
+                out[f"{m['prefix']}.{e}.gate_proj.weight"] = tensor[e, :inter].clone()
+                out[f"{m['prefix']}.{e}.up_proj.weight"] = tensor[e, inter:].clone()
+        else:
+            for e in range(tensor.shape[0]):
+                out[f"{m['prefix']}.{e}.down_proj.weight"] = tensor[e].clone()
+    return out
+
+
+def fuse_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of split_fused_experts (per-expert names -> fused 3-D tensors)."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, tensor in state.items():
+        m = _EXPERT_WEIGHT.match(name)
+        if m is None or m["expert"] is None or m["scale"]:
+            out[name] = tensor
+            continue
+        groups.setdefault(m["prefix"], {}).setdefault(m["proj"], {})[int(m["expert"])] = tensor
+    for prefix, projs in groups.items():
+        n = len(projs["down_proj"])
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]], dim=0) for e in range(n)]
+        )
+        out[f"{prefix}.down_proj"] = torch.stack([projs["down_proj"][e] for e in range(n)])
+    return out

@@ -36,8 +36,36 @@ def safetensors_weights_iterator(model_dir: str) -> Iterator[tuple[str, torch.Te
                 yield name, fh.get_tensor(name)
 
 
+def safetensors_weight_names(model_dir: str) -> set[str]:
+    """Names of every tensor in the checkpoint (headers only; no tensor is read)."""
+    names: set[str] = set()
+    for f in safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            names.update(fh.keys())
+    return names
+
+
 class WeightLoadError(ValueError):
     """A checkpoint that does not fit the model: a missing, unexpected or misshaped weight."""
+
+
+# Every 8-bit float a checkpoint could hold: one reaching a layer that is not FP8 is an error.
+FP8_DTYPES = frozenset(
+    getattr(torch, n)
+    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+    if hasattr(torch, n)
+)
+
+
+def reject_quantized_tensor(ckpt_name: str, tensor: torch.Tensor, param_name: str) -> None:
+    """A quantized (FP8) checkpoint tensor may only fill a quantized layer: cast into a plain
+    parameter it would silently lose its scale."""
+    if tensor.dtype in FP8_DTYPES:
+        raise WeightLoadError(
+            f"checkpoint weight {ckpt_name!r} is stored quantized ({tensor.dtype}) but "
+            f"{param_name!r} is not a quantized parameter (does config.json lack its "
+            "quantization_config, or is this layer never quantized?)"
+        )
 
 
 class TrackedWeights:

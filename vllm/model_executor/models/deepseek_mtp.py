@@ -14,17 +14,15 @@ from torch import nn
 from vllm.config import ModelConfig, VllmConfig, num_mtp_layers
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.models.base import DraftModelBase, build_lm_head
 from vllm.model_executor.models.deepseek_v2 import (
     DeepseekV2DecoderLayer,
-    ExpertWeightLoader,
     get_spec_layer_idx_from_weight_name,
 )
-from vllm.model_executor.models.interfaces import SupportsEagleBase, SupportsPP
 from vllm.model_executor.models.utils import (
     WeightLoadError,
     check_all_loaded,
     load_params_strict,
-    make_empty_intermediate_tensors_factory,
     maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
@@ -39,7 +37,7 @@ class SharedHead(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.norm = RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6))
-        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head = build_lm_head(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.norm(hidden_states)
@@ -47,6 +45,9 @@ class SharedHead(nn.Module):
 
 class DeepSeekMultiTokenPredictorLayer(nn.Module):
     """x = eh_proj([enorm(embed(next token)), hnorm(h_prev)]); h = block(x) incl. residual."""
+
+    # Its own table, or one shared with another MTP layer / the target after loading.
+    embed_tokens: nn.Module
 
     def __init__(
         self, config: Any, prefix: str, layer_idx: int, mtp_block: nn.Module | None = None
@@ -111,8 +112,13 @@ class DeepSeekMultiTokenPredictor(nn.Module):
             }
         )
 
+    def mtp_layers(self) -> list[DeepSeekMultiTokenPredictorLayer]:
+        return [self.layer_for_step(s) for s in range(self.num_mtp_layers)]
+
     def layer_for_step(self, spec_step_idx: int) -> DeepSeekMultiTokenPredictorLayer:
-        return self.layers[str(self.mtp_start_layer_idx + spec_step_idx % self.num_mtp_layers)]
+        layer = self.layers[str(self.mtp_start_layer_idx + spec_step_idx % self.num_mtp_layers)]
+        assert isinstance(layer, DeepSeekMultiTokenPredictorLayer)
+        return layer
 
     def forward(
         self,
@@ -130,26 +136,22 @@ class DeepSeekMultiTokenPredictor(nn.Module):
         return head.head(head(hidden_states)).float()
 
 
-class DeepSeekMTP(nn.Module, SupportsPP, SupportsEagleBase):
-    """DeepSeek-V2/V3 MTP draft model. It never runs split over stages, but implements
-    SupportsPP so a pipeline-parallel engine can build it on its last stage."""
+class DeepSeekMTP(DraftModelBase):
+    """DeepSeek-V2/V3 MTP draft model: each MTP layer has its own embedding and head."""
 
-    supports_pp = True
     has_own_embed_tokens = True
     has_own_lm_head = True
+    model: DeepSeekMultiTokenPredictor
 
     def __init__(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
     ) -> None:
-        super().__init__()
-        config = model_config.hf_text_config
-        self.config = config
-        self.model = self._init_model(vllm_config, config, maybe_prefix(prefix, "model"))
-        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states", "residual"], config.hidden_size
-        )
+        super().__init__(vllm_config, model_config, prefix)
+        self.model = self._init_model(vllm_config, self.config, maybe_prefix(prefix, "model"))
 
-    def _init_model(self, vllm_config: VllmConfig, config: Any, prefix: str) -> nn.Module:
+    def _init_model(
+        self, vllm_config: VllmConfig, config: Any, prefix: str
+    ) -> DeepSeekMultiTokenPredictor:
         """The predictor; subclasses with a different MTP block (V3.2) override this."""
         return DeepSeekMultiTokenPredictor(config, prefix=prefix)
 
@@ -189,18 +191,18 @@ class DeepSeekMTP(nn.Module, SupportsPP, SupportsEagleBase):
                 return name
             return f"{prefix}mtp_block.{rest}"
 
-        experts = ExpertWeightLoader()
-
         def custom(name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> bool:
             if name == "model.embed_tokens.weight":
                 top_embed.append(tensor)
                 return True
-            return experts.load_layer_weight(name, tensor, params)
+            return False
 
         loaded = load_params_strict(self, weights, rename, custom=custom)
-        experts.finish(self, loaded)
         params = dict(self.named_parameters())
-        for idx in self.model.layers:
+        # Layers without a table of their own share one copy of the top-level table.
+        top_table: nn.Module | None = None
+        for idx, layer in self.model.layers.items():
+            assert isinstance(layer, DeepSeekMultiTokenPredictorLayer)
             name = f"model.layers.{idx}.embed_tokens.weight"
             if name in loaded:
                 continue
@@ -214,8 +216,29 @@ class DeepSeekMTP(nn.Module, SupportsPP, SupportsEagleBase):
                     f"weight 'model.embed_tokens.weight' has shape {tuple(top_embed[0].shape)} "
                     f"but {name!r} expects {tuple(params[name].shape)}"
                 )
-            with torch.no_grad():
-                params[name].copy_(top_embed[0].to(params[name].dtype))
+            if top_table is None:
+                with torch.no_grad():
+                    params[name].copy_(top_embed[0].to(params[name].dtype))
+                top_table = layer.embed_tokens
+            else:
+                layer.embed_tokens = top_table
             loaded.add(name)
+        _dedupe_embeddings(self.model.mtp_layers())
         check_all_loaded(self, loaded)
         return {n for n in loaded if n in params}
+
+
+def _dedupe_embeddings(layers: list[DeepSeekMultiTokenPredictorLayer]) -> None:
+    """Alias MTP layers whose embedding tables are equal to one module: one copy in memory
+    (under pipeline parallelism nothing else shares them; see load_eagle_model)."""
+    kept: list[nn.Module] = []
+    for layer in layers:
+        table = layer.embed_tokens
+        weight = table.get_parameter("weight")
+        same = next(
+            (k for k in kept if k is table or torch.equal(k.get_parameter("weight"), weight)), None
+        )
+        if same is None:
+            kept.append(table)
+        else:
+            layer.embed_tokens = same

@@ -4,35 +4,18 @@
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from vllm.config import ModelConfig, VllmConfig
-from vllm.distributed.parallel_state import get_pp_group
 from vllm.model_executor.layers.attention import MLAAttention
-from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod, select_experts
+from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
-from vllm.model_executor.layers.quantization import get_current_quant_config
-from vllm.model_executor.layers.quantization.fp8 import FP8_DTYPE, load_fp8_tensor
 from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params, yarn_get_mscale
+from vllm.model_executor.models.base import CausalLMBase, DecoderLayerBase, DecoderModelBase
 from vllm.model_executor.models.llama import LlamaMLP
-from vllm.model_executor.models.utils import (
-    PPMissingLayer,
-    WeightLoadError,
-    check_all_loaded,
-    init_pp_decoder,
-    is_pp_missing_parameter,
-    load_params_strict,
-    maybe_prefix,
-    reject_quantized_tensor,
-    spec_decode_needs_target_embed,
-)
-from vllm.sequence import IntermediateTensors
 
 
 def get_spec_layer_idx_from_weight_name(config: Any, weight_name: str) -> int | None:
@@ -82,39 +65,16 @@ class DeepseekV2MoEGate(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+        self.e_score_correction_bias: nn.Parameter | None = None
         if correction_bias:
             # Kept in float32 whatever the model dtype (as HF does): it breaks near-ties.
             self.e_score_correction_bias = nn.Parameter(
                 torch.zeros(num_experts, dtype=torch.float32), requires_grad=False
             )
-        else:
-            self.e_score_correction_bias = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Router logits in float32 [T, E]."""
         return nn.functional.linear(hidden_states.float(), self.weight.float())
-
-
-class DeepseekV2Experts(nn.Module):
-    """Routed experts stacked as w13_weight [E, 2I, H] (gate rows, then up) and w2_weight, stored
-    as the model's quant config says (e.g. FP8 with per-block scales)."""
-
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.num_experts = num_experts
-        self.intermediate_size = intermediate_size
-        config = get_current_quant_config()
-        self.quant_method = (
-            config.get_moe_method() if config is not None else UnquantizedFusedMoEMethod()
-        )
-        self.quant_method.create_weights(
-            self, num_experts, hidden_size, intermediate_size, torch.get_default_dtype()
-        )
-
-    def forward(
-        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
-    ) -> torch.Tensor:
-        return self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
 
 
 class DeepseekV2MoE(nn.Module):
@@ -147,18 +107,15 @@ class DeepseekV2MoE(nn.Module):
         self.renormalize = bool(getattr(config, "norm_topk_prob", False))
         self.routed_scaling_factor = float(getattr(config, "routed_scaling_factor", 1.0) or 1.0)
         self.gate = DeepseekV2MoEGate(config.hidden_size, num_experts, topk_method == "noaux_tc")
-        self.experts = DeepseekV2Experts(
-            num_experts, config.hidden_size, int(config.moe_intermediate_size)
-        )
+        self.experts = FusedMoE(num_experts, config.hidden_size, int(config.moe_intermediate_size))
         n_shared = int(getattr(config, "n_shared_experts", 0) or 0)
+        self.shared_experts: LlamaMLP | None = None
         if n_shared:
             self.shared_experts = LlamaMLP(
                 config.hidden_size,
                 int(config.moe_intermediate_size) * n_shared,
                 bool(getattr(config, "mlp_bias", False)),
             )
-        else:
-            self.shared_experts = None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(
@@ -270,7 +227,7 @@ class DeepseekV2MLAAttention(nn.Module):
         return q_nope, q_pe, kv_c, k_pe, q_c
 
 
-class DeepseekV2DecoderLayer(nn.Module):
+class DeepseekV2DecoderLayer(DecoderLayerBase):
     """One decoder block; layer_idx may be an MTP layer's (>= num_hidden_layers)."""
 
     def __init__(
@@ -289,6 +246,7 @@ class DeepseekV2DecoderLayer(nn.Module):
         if self_attn is None:
             self_attn = DeepseekV2MLAAttention(config, prefix=f"{prefix}.self_attn")
         self.self_attn = self_attn
+        self.mlp: nn.Module
         if is_moe_layer(config, layer_idx):
             self.mlp = DeepseekV2MoE(config, prefix=f"{prefix}.mlp")
         else:
@@ -301,258 +259,22 @@ class DeepseekV2DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pre-norm block with the fused residual stream: returns (mlp output, residual)."""
-        if residual is None:
-            residual, hidden_states = hidden_states, self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        attn_out = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(attn_out, residual)
-        return self.mlp(hidden_states), residual
+
+class DeepseekV2Model(DecoderModelBase):
+    def make_layer(self, layer_idx: int, prefix: str) -> nn.Module:
+        return DeepseekV2DecoderLayer(self.config, prefix, layer_idx=layer_idx)
 
 
-_EXPERT_WEIGHT = re.compile(
-    r"^(?P<prefix>.+\.mlp\.experts)\."
-    r"(?:(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight(?P<scale>_scale_inv)?"
-    r"|(?P<fused>gate_up_proj|down_proj)(?P<fused_scale>_scale_inv)?)$"
-)
-
-
-# Which (gate | up | down) slices of an expert a checkpoint tensor of each name fills.
-_EXPERT_PARTS = {
-    "gate_proj": ("gate",),
-    "up_proj": ("up",),
-    "down_proj": ("down",),
-    "gate_up_proj": ("gate", "up"),
-}
-_EXPERT_STACKS = ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv")
-
-
-class ExpertWeightLoader:
-    """Fills stacked expert parameters (`*.mlp.experts.w13_weight` / `w2_weight`, and for FP8
-    experts their `*_scale_inv` block scales).
-
-    Accepts per-expert checkpoint names `<p>.mlp.experts.{e}.{gate,up,down}_proj.weight` (DeepSeek
-    releases) and the fused `<p>.mlp.experts.gate_up_proj` [E, 2I, H] / `<p>.mlp.experts.down_proj`
-    [E, H, I] (HF's in-memory layout), each optionally with a `..._scale_inv` block-scale twin.
-    Tracks every (expert, gate|up|down) slice so a slice loaded twice, or never, is an error
-    naming it. Use `load_layer_weight` as load_params_strict's `custom` hook, then `finish`.
-    """
-
-    def __init__(self) -> None:
-        self._filled: dict[str, set[tuple[int, str]]] = {}
-
-    def load_layer_weight(
-        self, name: str, tensor: torch.Tensor, params: dict[str, nn.Parameter]
-    ) -> bool:
-        """Copy one expert checkpoint tensor (already renamed to the model's prefix); False when
-        name is not an expert weight or names no stacked parameter (the caller then decides)."""
-        m = _EXPERT_WEIGHT.match(name)
-        if m is None:
-            return False
-        prefix, fused = m["prefix"], m["fused"]
-        proj = fused or m["proj"]
-        scale = bool(m["scale"] or m["fused_scale"])
-        stack = "w2_weight" if proj == "down_proj" else "w13_weight"
-        param_name = f"{prefix}.{stack}{'_scale_inv' if scale else ''}"
-        param = params.get(param_name)
-        if param is None:
-            return False
-        num_experts = param.shape[0]
-        # Scales of w13 stack the gate's grid over the up projection's, as weights stack rows.
-        half = param.shape[1] // 2
-        parts = _EXPERT_PARTS[proj]
-        if fused:
-            experts = list(range(num_experts))
-            dst = param.data
-        else:
-            e = int(m["expert"])
-            if e >= num_experts:
-                raise WeightLoadError(
-                    f"checkpoint weight {name!r} names expert {e} but {param_name!r} holds "
-                    f"{num_experts} experts"
-                )
-            experts = [e]
-            dst = param.data[e]
-            if proj == "gate_proj":
-                dst = dst[:half]
-            elif proj == "up_proj":
-                dst = dst[half:]
-        if tuple(tensor.shape) != tuple(dst.shape):
-            what = "block scale" if scale else "weight"
-            raise WeightLoadError(
-                f"{what} {name!r} has shape {tuple(tensor.shape)} in the checkpoint but the "
-                f"model expects {tuple(dst.shape)} (a slice of {param_name!r})"
-            )
-        filled = self._filled.setdefault(param_name, set())
-        slices = {(e, p) for e in experts for p in parts}
-        twice = slices & filled
-        if twice:
-            e, p = min(twice)
-            raise WeightLoadError(
-                f"expert weight {prefix}.{e}.{p}_proj.weight{'_scale_inv' if scale else ''} is "
-                f"loaded twice (again by {name!r})"
-            )
-        with torch.no_grad():
-            if scale or dst.dtype == FP8_DTYPE:
-                load_fp8_tensor(dst, tensor, name)
-            else:
-                reject_quantized_tensor(name, tensor, param_name)
-                dst.copy_(tensor.to(dst.dtype))
-        filled |= slices
-        return True
-
-    def finish(self, model: nn.Module, loaded: set[str]) -> None:
-        """Raise naming every expert slice of this stage never loaded (an FP8 slice without its
-        scale by both names); mark full stacks loaded."""
-        missing: list[str] = []
-        for param_name, param in model.named_parameters():
-            prefix, _, leaf = param_name.rpartition(".")
-            if not prefix.endswith(".mlp.experts") or leaf not in _EXPERT_STACKS:
-                continue
-            if is_pp_missing_parameter(param_name, model):
-                continue
-            parts = ("down",) if leaf.startswith("w2_") else ("gate", "up")
-            suffix = "_scale_inv" if leaf.endswith("_scale_inv") else ""
-            filled = self._filled.get(param_name, set())
-            absent = [
-                f"{prefix}.{e}.{p}_proj.weight{suffix}"
-                for e in range(param.shape[0])
-                for p in parts
-                if (e, p) not in filled
-            ]
-            if absent:
-                missing += absent
-            else:
-                loaded.add(param_name)
-        if not missing:
-            return
-        lone = [
-            n
-            for n in missing
-            if n.endswith("_scale_inv") and n[: -len("_scale_inv")] not in missing
-        ]
-        if lone:
-            more = f" (+{len(lone) - 4} more)" if len(lone) > 4 else ""
-            pairs = [f"{n[:-10]!r} without {n!r}" for n in lone[:4]]
-            raise WeightLoadError(
-                f"checkpoint expert weight(s) of {type(model).__name__} are FP8 but their block "
-                f"scales are missing: {', '.join(pairs)}{more}"
-            )
-        more = f" (+{len(missing) - 8} more)" if len(missing) > 8 else ""
-        raise WeightLoadError(
-            f"checkpoint is missing expert weight(s) for {type(model).__name__}: "
-            f"{missing[:8]}{more}"
-        )
-
-
-class DeepseekV2Model(nn.Module):
-    def __init__(
-        self,
-        config: Any,
-        prefix: str = "model",
-        layer_fn: Callable[[str], nn.Module] | None = None,
-    ) -> None:
-        """layer_fn(prefix) builds one decoder layer (default: DeepseekV2DecoderLayer)."""
-        super().__init__()
-        self.config = config
-        init_pp_decoder(
-            self,
-            config,
-            layer_fn or (lambda p: DeepseekV2DecoderLayer(config, p)),
-            lambda: RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6)),
-            prefix,
-            embed_on_last=bool(getattr(config, "tie_word_embeddings", False)),
-        )
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        if intermediate_tensors is not None:
-            hidden = intermediate_tensors["hidden_states"]
-            residual = intermediate_tensors["residual"]
-        else:
-            hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
-            residual = None
-        for i in range(self.start_layer, self.end_layer):
-            hidden, residual = self.layers[i](positions, hidden, residual)
-        if get_pp_group().is_last_rank:
-            return self.norm(hidden, residual)[0]
-        return IntermediateTensors({"hidden_states": hidden, "residual": residual})
-
-
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(CausalLMBase):
     """DeepSeek-V2 causal LM (MLA + MoE); supports pipeline parallelism."""
 
-    supports_pp = True
+    model_cls = DeepseekV2Model
 
-    def __init__(
-        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
-    ) -> None:
-        super().__init__()
-        config = model_config.hf_text_config
-        self.config = config
-        self.model = self._init_model(vllm_config, config, maybe_prefix(prefix, "model"))
-        if spec_decode_needs_target_embed(vllm_config) and isinstance(
-            self.model.embed_tokens, PPMissingLayer
-        ):
-            # An EAGLE draft on this (last) stage shares the target's table; the loader fills it.
-            self.model.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        if get_pp_group().is_last_rank:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-            if self.tied:
-                self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            self.lm_head = PPMissingLayer()
-        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-
-    def _init_model(self, vllm_config: VllmConfig, config: Any, prefix: str) -> nn.Module:
-        """The inner decoder; subclasses with a different decoder (V3.2) override this."""
-        return DeepseekV2Model(config, prefix=prefix)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_input_ids(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        def rename(name: str) -> str | None:
-            if "rotary_emb.inv_freq" in name:
-                return None
-            if get_spec_layer_idx_from_weight_name(self.config, name) is not None:
-                return None  # MTP layers: loaded by the MTP drafter
-            if self.tied and name == "lm_head.weight":
-                return None  # tied checkpoints may still carry a copy
-            return name
-
-        experts = ExpertWeightLoader()
-        loaded = load_params_strict(self, weights, rename, custom=experts.load_layer_weight)
-        experts.finish(self, loaded)
-        shared = {"lm_head.weight"} if self.tied else set()
-        check_all_loaded(self, loaded, shared)
-        params = dict(self.named_parameters(remove_duplicate=False))
-        return {n for n in loaded if n in params}
+    def skip_weight(self, name: str) -> bool:
+        # MTP layers (model.layers.{N+i}) are the MTP drafter's.
+        return get_spec_layer_idx_from_weight_name(
+            self.config, name
+        ) is not None or super().skip_weight(name)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

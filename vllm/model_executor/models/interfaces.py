@@ -5,7 +5,8 @@
 from __future__ import annotations
 
 import inspect
-from typing import ClassVar, Protocol, runtime_checkable
+from collections.abc import Iterable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -25,8 +26,8 @@ class SupportsPP(Protocol):
 
 def supports_pp(model: object) -> bool:
     """A class qualifies by its flag and forward signature; an instance must also have a
-    make_empty_intermediate_tensors (models usually set it in __init__)."""
-    cls = model if isinstance(model, type) else type(model)
+    make_empty_intermediate_tensors."""
+    cls: Any = model if isinstance(model, type) else type(model)
     if not getattr(cls, "supports_pp", False):
         return False
     if not isinstance(model, type) and not callable(
@@ -34,6 +35,16 @@ def supports_pp(model: object) -> bool:
     ):
         return False
     return "intermediate_tensors" in inspect.signature(cls.forward).parameters
+
+
+def check_supports_pp(model: object) -> None:
+    """Refuse a model class (or instance) that cannot run under pipeline parallelism."""
+    if not supports_pp(model):
+        cls = model if isinstance(model, type) else type(model)
+        raise ValueError(
+            f"{cls.__name__} does not support pipeline parallelism "
+            "(Pipeline parallelism is not supported for this model)"
+        )
 
 
 # ---- speculative decoding (EAGLE / EAGLE3 / MTP drafts and the targets that feed them) --------
@@ -65,7 +76,7 @@ class EagleModelMixin:
     _aux_slot_base_cached: int = 0
     _aux_upstream_total_cached: int = 0
 
-    def _set_aux_hidden_state_layers(self, layers) -> None:
+    def _set_aux_hidden_state_layers(self, layers: Iterable[int]) -> None:
         self.aux_hidden_state_layers = tuple(sorted({int(x) for x in layers}))
         self._aux_slot_base_cached = 0
         self._aux_upstream_total_cached = 0
@@ -101,13 +112,18 @@ class EagleModelMixin:
         base = self._aux_slot_base_cached
         return {f"{self.AUX_HIDDEN_STATE_KEY}{base + i}": t for i, t in enumerate(aux)}
 
+    def upstream_aux_hidden_state_keys(self) -> tuple[str, ...]:
+        """The aux slots this stage receives from the stages before it (a middle stage relays
+        them unchanged; its receive buffer must hold them): empty on the first stage."""
+        return tuple(f"{self.AUX_HIDDEN_STATE_KEY}{i}" for i in range(self._aux_slot_base_cached))
+
     def collect_remote_aux_hidden_states(
         self, intermediate_tensors: IntermediateTensors | None
     ) -> list[torch.Tensor]:
         total = self._aux_upstream_total_cached
         if total == 0 or intermediate_tensors is None:
             return []
-        out = []
+        out: list[torch.Tensor] = []
         for i in range(total):
             key = f"{self.AUX_HIDDEN_STATE_KEY}{i}"
             if key not in intermediate_tensors:
@@ -124,11 +140,12 @@ class SupportsEagle3(SupportsEagleBase):
     """A target whose decoder (`self.model`, an EagleModelMixin) can return aux hidden states."""
 
     supports_eagle3: ClassVar[bool] = True
+    config: Any
+    model: Any
 
-    def set_aux_hidden_state_layers(self, layers) -> None:
-        inner = (
-            self.get_language_model().model if hasattr(self, "get_language_model") else self.model
-        )
+    def set_aux_hidden_state_layers(self, layers: Iterable[int]) -> None:
+        lm = getattr(self, "get_language_model", lambda: self)()
+        inner = lm.model
         if not isinstance(inner, EagleModelMixin):
             raise RuntimeError(f"{type(inner).__name__} cannot tap aux hidden states")
         inner._set_aux_hidden_state_layers(layers)

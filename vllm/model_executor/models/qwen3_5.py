@@ -7,34 +7,27 @@ sigmoid output gate), chosen per layer by config.layer_types."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.config import ModelConfig, VllmConfig
-from vllm.distributed.parallel_state import get_pp_group
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.fused_moe import select_experts
+from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.mamba import MambaBase
-from vllm.model_executor.layers.mamba.gated_delta_rule import l2norm
-from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params
-from vllm.model_executor.models.deepseek_v2 import DeepseekV2Experts, ExpertWeightLoader
-from vllm.model_executor.models.llama import LlamaMLP
-from vllm.model_executor.models.utils import (
-    PPMissingLayer,
-    check_all_loaded,
-    init_pp_decoder,
-    load_params_strict,
-    maybe_prefix,
+from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_varlen
+from vllm.model_executor.layers.mamba.ops.gated_delta_rule import (
+    gated_delta_rule_varlen,
+    l2norm,
 )
-from vllm.sequence import IntermediateTensors
-from vllm.v1.attention.backends.gdn_attn import causal_conv1d_varlen, gated_delta_rule_varlen
+from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params
+from vllm.model_executor.models.base import CausalLMBase, DecoderLayerBase, DecoderModelBase
+from vllm.model_executor.models.llama import LlamaMLP
 
 logger = init_logger(__name__)
 
@@ -230,7 +223,7 @@ class Qwen3_5MoeSparseMoeBlock(nn.Module):
         self.top_k = int(config.num_experts_per_tok)
         num_experts = int(config.num_experts)
         self.gate = nn.Linear(h, num_experts, bias=False)
-        self.experts = DeepseekV2Experts(num_experts, h, int(config.moe_intermediate_size))
+        self.experts = FusedMoE(num_experts, h, int(config.moe_intermediate_size))
         self.shared_expert = LlamaMLP(h, int(config.shared_expert_intermediate_size))
         self.shared_expert_gate = ReplicatedLinear(h, 1, bias=False)
 
@@ -243,7 +236,7 @@ class Qwen3_5MoeSparseMoeBlock(nn.Module):
         return out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
 
 
-class Qwen3_5DecoderLayer(nn.Module):
+class Qwen3_5DecoderLayer(DecoderLayerBase):
     def __init__(self, config: Any, layer_type: str, prefix: str, moe: bool = False) -> None:
         super().__init__()
         eps = getattr(config, "rms_norm_eps", 1e-6)
@@ -254,6 +247,7 @@ class Qwen3_5DecoderLayer(nn.Module):
             self.self_attn = Qwen3_5Attention(config, prefix=f"{prefix}.self_attn")
         else:
             raise ValueError(f"Qwen3.5: unknown layer type {layer_type!r}")
+        self.mlp: nn.Module
         if moe:
             self.mlp = Qwen3_5MoeSparseMoeBlock(config)
         else:
@@ -261,142 +255,57 @@ class Qwen3_5DecoderLayer(nn.Module):
         self.input_layernorm = Qwen3_5RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = Qwen3_5RMSNorm(config.hidden_size, eps)
 
-    def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+    def mix(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.layer_type == LINEAR_ATTENTION:
-            hidden_states = self.linear_attn(hidden_states)
-        else:
-            hidden_states = self.self_attn(positions, hidden_states)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+            return self.linear_attn(hidden_states)
+        return self.self_attn(positions, hidden_states)
 
 
-class Qwen3_5Model(nn.Module):
-    moe = False
+class Qwen3_5Model(DecoderModelBase):
+    moe: ClassVar[bool] = False
+    norm_cls = Qwen3_5RMSNorm
 
-    def __init__(self, config: Any, tied: bool, prefix: str = "model") -> None:
-        super().__init__()
+    def validate_config(self, config: Any) -> None:
         _check_config(config)
-        self.config = config
-        types = list(config.layer_types)
-        init_pp_decoder(
-            self,
-            config,
-            lambda p: Qwen3_5DecoderLayer(config, types[int(p.rsplit(".", 1)[1])], p, moe=self.moe),
-            lambda: Qwen3_5RMSNorm(config.hidden_size, getattr(config, "rms_norm_eps", 1e-6)),
-            prefix,
-            embed_on_last=tied,
+
+    def make_layer(self, layer_idx: int, prefix: str) -> nn.Module:
+        return Qwen3_5DecoderLayer(
+            self.config, self.config.layer_types[layer_idx], prefix, moe=self.moe
         )
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        if intermediate_tensors is None:
-            hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-            residual = None
-        else:
-            hidden = intermediate_tensors["hidden_states"]
-            residual = intermediate_tensors["residual"]
-        for idx in range(self.start_layer, self.end_layer):
-            hidden, residual = self.layers[idx](positions, hidden, residual)
-        if not get_pp_group().is_last_rank:
-            return IntermediateTensors({"hidden_states": hidden, "residual": residual})
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
 
 class Qwen3_5MoeModel(Qwen3_5Model):
     moe = True
 
 
-def _tie_word_embeddings(model_config: ModelConfig) -> bool:
-    # Multimodal checkpoints keep the flag at the top level, text-only ones in the text config.
-    top = getattr(model_config.hf_config, "tie_word_embeddings", None)
-    if top is not None:
-        return bool(top)
-    return bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
+_VISION_PREFIXES = ("model.visual.", "visual.")
 
 
-class Qwen3_5ForCausalLM(nn.Module):
+class Qwen3_5ForCausalLM(CausalLMBase):
     """Qwen3.5 causal LM (also the text path of Qwen3_5ForConditionalGeneration checkpoints,
     whose `model.language_model.*` weights load here and whose vision weights are skipped)."""
 
-    supports_pp = True
     is_hybrid = True
     model_cls = Qwen3_5Model
+    skip_prefixes = ("mtp.",)  # the MTP draft (qwen3_5_mtp.py) loads these
+    hf_to_vllm_prefix = {"model.language_model.": "model."}
+    _skipped_vision = 0
 
-    def __init__(
-        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
-    ) -> None:
-        super().__init__()
-        config = model_config.hf_text_config
-        self.config = config
-        self.tied = _tie_word_embeddings(model_config)
-        self.model = self.model_cls(config, self.tied, prefix=maybe_prefix(prefix, "model"))
-        if get_pp_group().is_last_rank:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-            if self.tied:
-                self.lm_head.weight = self.model.embed_tokens.weight
-        else:
-            self.lm_head = PPMissingLayer()
-        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_input_ids(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor | IntermediateTensors:
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()
+    def skip_weight(self, name: str) -> bool:
+        if name.startswith(_VISION_PREFIXES):
+            self._skipped_vision += 1
+            return True
+        return super().skip_weight(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        skipped_vision = 0
-
-        def rename(name: str) -> str | None:
-            nonlocal skipped_vision
-            if name.startswith("mtp."):
-                return None  # the MTP draft (qwen3_5_mtp.py) loads these
-            if name.startswith(("model.visual.", "visual.")):
-                skipped_vision += 1
-                return None
-            if "rotary_emb.inv_freq" in name:
-                return None
-            if name.startswith("model.language_model."):
-                name = "model." + name[len("model.language_model.") :]
-            if self.tied and name == "lm_head.weight":
-                return None  # tied checkpoints may still carry a copy
-            return name
-
-        experts = ExpertWeightLoader()
-        loaded = load_params_strict(self, weights, rename, custom=experts.load_layer_weight)
-        experts.finish(self, loaded)
-        if skipped_vision:
+        self._skipped_vision = 0
+        loaded = super().load_weights(weights)
+        if self._skipped_vision:
             logger.info(
                 "%s: skipped %d vision-encoder weights (only the text path is supported)",
                 type(self).__name__,
-                skipped_vision,
+                self._skipped_vision,
             )
-        check_all_loaded(self, loaded, {"lm_head.weight"} if self.tied else set())
         return loaded
 
 

@@ -11,34 +11,32 @@ normed hidden gives the logits (through the target's lm_head) and feeds the next
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from vllm.config import ModelConfig, VllmConfig, num_mtp_layers
 from vllm.model_executor.layers.linear import ReplicatedLinear
-from vllm.model_executor.models.deepseek_v2 import ExpertWeightLoader
-from vllm.model_executor.models.interfaces import SupportsEagleBase, SupportsPP
+from vllm.model_executor.models.base import DraftModelBase, build_lm_head, tie_word_embeddings
 from vllm.model_executor.models.qwen3_5 import (
     FULL_ATTENTION,
     Qwen3_5DecoderLayer,
     Qwen3_5RMSNorm,
-    _tie_word_embeddings,
 )
 from vllm.model_executor.models.utils import (
     WeightLoadError,
     check_all_loaded,
     load_params_strict,
-    make_empty_intermediate_tensors_factory,
     maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
 
 
 class Qwen3_5MultiTokenPredictor(nn.Module):
-    moe = False
+    moe: ClassVar[bool] = False
 
-    def __init__(self, config, prefix: str = "model") -> None:
+    def __init__(self, config: Any, prefix: str = "model") -> None:
         super().__init__()
         self.num_mtp_layers = num_mtp_layers(config)
         if self.num_mtp_layers <= 0:
@@ -56,9 +54,6 @@ class Qwen3_5MultiTokenPredictor(nn.Module):
         self.norm = Qwen3_5RMSNorm(h, eps)
         self.pre_fc_norm_hidden = Qwen3_5RMSNorm(h, eps)
         self.pre_fc_norm_embedding = Qwen3_5RMSNorm(h, eps)
-        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states", "residual"], h
-        )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -76,6 +71,7 @@ class Qwen3_5MultiTokenPredictor(nn.Module):
         # which is not the first, yet it must still combine the embedding with the hidden state.
         if intermediate_tensors is None:
             if inputs_embeds is None:
+                assert input_ids is not None, "the draft embeds input_ids"
                 inputs_embeds = self.embed_input_ids(input_ids)
             x = torch.cat(
                 [self.pre_fc_norm_embedding(inputs_embeds), self.pre_fc_norm_hidden(hidden_states)],
@@ -95,31 +91,23 @@ class Qwen3_5MoeMultiTokenPredictor(Qwen3_5MultiTokenPredictor):
     moe = True
 
 
-class Qwen3_5MTP(nn.Module, SupportsPP, SupportsEagleBase):
-    """Qwen3.5 MTP draft. It never runs split over stages, but implements SupportsPP so a
-    pipeline-parallel engine can build it on its last stage; it loads its own embedding and LM
-    head from the checkpoint's target names (the target holds neither there under PP)."""
+class Qwen3_5MTP(DraftModelBase):
+    """Qwen3.5 MTP draft. It loads its own embedding and LM head from the checkpoint's target
+    names (the target holds neither on the last stage under PP)."""
 
-    supports_pp = True
     has_own_embed_tokens = True
     has_own_lm_head = True
-    predictor_cls = Qwen3_5MultiTokenPredictor
+    predictor_cls: ClassVar[type[Qwen3_5MultiTokenPredictor]] = Qwen3_5MultiTokenPredictor
+    model: Qwen3_5MultiTokenPredictor
 
     def __init__(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
     ) -> None:
-        super().__init__()
-        config = model_config.hf_text_config
-        self.config = config
-        self.tied = _tie_word_embeddings(model_config)
+        super().__init__(vllm_config, model_config, prefix)
+        config = self.config
+        self.tied = tie_word_embeddings(model_config)
         self.model = self.predictor_cls(config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
-        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_input_ids(input_ids)
+        self.lm_head = build_lm_head(config, self.model.embed_tokens if self.tied else None)
 
     def forward(
         self,
@@ -133,9 +121,6 @@ class Qwen3_5MTP(nn.Module, SupportsPP, SupportsEagleBase):
         return self.model(
             input_ids, positions, hidden_states, intermediate_tensors, inputs_embeds, spec_step_idx
         )
-
-    def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """`mtp.*` -> `model.*`; the embedding and LM head come from the target's names
@@ -154,15 +139,13 @@ class Qwen3_5MTP(nn.Module, SupportsPP, SupportsEagleBase):
                 return name
             return None
 
-        experts = ExpertWeightLoader()
-        loaded = load_params_strict(self, weights, rename, custom=experts.load_layer_weight)
+        loaded = load_params_strict(self, weights, rename)
         if not seen_mtp:
             raise WeightLoadError(
                 "speculative method 'mtp' needs the checkpoint's mtp.* weights, but it has none "
                 "(config.json declares mtp_num_hidden_layers="
                 f"{self.model.num_mtp_layers}); use a checkpoint that ships the MTP head"
             )
-        experts.finish(self, loaded)
         check_all_loaded(self, loaded, {"lm_head.weight"} if self.tied else set())
         return loaded
 

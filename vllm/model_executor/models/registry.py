@@ -26,6 +26,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV32MTP": ("vllm.models.deepseek_v32.mtp", "DeepseekV32MTP"),
     "Qwen3_5MTP": ("vllm.model_executor.models.qwen3_5_mtp", "Qwen3_5MTP"),
     "Qwen3_5MoeMTP": ("vllm.model_executor.models.qwen3_5_mtp", "Qwen3_5MoeMTP"),
+    "EagleLlamaForCausalLM": ("vllm.model_executor.models.llama_eagle", "EagleLlamaForCausalLM"),
     "LlamaForCausalLMEagle3": ("vllm.model_executor.models.llama_eagle3", "LlamaForCausalLMEagle3"),
     "Eagle3LlamaForCausalLM": ("vllm.model_executor.models.llama_eagle3", "LlamaForCausalLMEagle3"),
 }

@@ -4,25 +4,27 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.distributed.utils import get_pp_indices
-from vllm.model_executor.layers.quantization.fp8 import FP8_DTYPES
-from vllm.model_executor.model_loader.weight_utils import WeightLoadError
+from vllm.model_executor.layers.fused_moe import ExpertWeightLoader, check_experts_loaded
+from vllm.model_executor.model_loader.weight_utils import WeightLoadError, reject_quantized_tensor
 from vllm.sequence import IntermediateTensors
 
 
 class PPMissingLayer(nn.Identity):
     """Placeholder for a layer another pipeline stage owns; returns its first input."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__()
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         return args[0] if args else next(iter(kwargs.values()), None)
 
 
@@ -47,33 +49,33 @@ def get_pp_missing_layer_names(model: nn.Module) -> list[str]:
     return [name + "." for name, m in model.named_modules() if isinstance(m, PPMissingLayer)]
 
 
+_PP_MISSING_NAMES: weakref.WeakKeyDictionary[nn.Module, list[str]] = weakref.WeakKeyDictionary()
+
+
 def is_pp_missing_parameter(name: str, model: nn.Module) -> bool:
     """True when the weight belongs to a layer this stage does not hold."""
-    names = getattr(model, "_pp_missing_names", None)
+    names = _PP_MISSING_NAMES.get(model)
     if names is None:
-        names = get_pp_missing_layer_names(model)
-        model._pp_missing_names = names
+        # Which layers a stage holds never changes once it is built.
+        names = _PP_MISSING_NAMES[model] = get_pp_missing_layer_names(model)
     return any(name.startswith(p) for p in names)
 
 
-def make_empty_intermediate_tensors_factory(keys: list[str], hidden_size: int):
+IntermediateTensorsFactory = Callable[[int, torch.dtype, torch.device], IntermediateTensors]
+
+
+def make_empty_intermediate_tensors_factory(
+    keys: Iterable[str], hidden_size: int
+) -> IntermediateTensorsFactory:
+    """make(batch_size, dtype, device): zeros [batch_size, hidden_size] for each key."""
+    keys = tuple(keys)
+
     def make(batch_size: int, dtype: torch.dtype, device: torch.device) -> IntermediateTensors:
         return IntermediateTensors(
             {k: torch.zeros(batch_size, hidden_size, dtype=dtype, device=device) for k in keys}
         )
 
     return make
-
-
-def reject_quantized_tensor(ckpt_name: str, tensor: torch.Tensor, param_name: str) -> None:
-    """A quantized (FP8) checkpoint tensor may only fill a quantized layer: cast into a plain
-    parameter it would silently lose its scale."""
-    if tensor.dtype in FP8_DTYPES:
-        raise WeightLoadError(
-            f"checkpoint weight {ckpt_name!r} is stored quantized ({tensor.dtype}) but "
-            f"{param_name!r} is not a quantized parameter (does config.json lack its "
-            "quantization_config, or is this layer never quantized?)"
-        )
 
 
 def load_params_strict(
@@ -86,16 +88,20 @@ def load_params_strict(
     """Copy checkpoint tensors into the model's parameters, strictly.
 
     rename maps a checkpoint name to a parameter name (None: skip the weight on purpose).
-    custom(name, tensor, params) may consume a weight itself (stacked/expert tensors) and returns
-    True when it did. A layer with a quant_method (quantized linears) loads its own weights and
-    scales. Every parameter must be loaded exactly once unless it is listed in shared
-    (tied/derived) or lives in a layer of another pipeline stage. Misshaped, unknown or missing
-    weights raise WeightLoadError naming them. When weights has a note_loaded(tensor) method it
-    is told about every tensor this stage used (the loader's memory report).
+    custom(name, tensor, params) may consume a weight itself and returns True when it did.
+    Routed-expert tensors (either layout) fill their FusedMoE stacks; a layer with a
+    quant_method (quantized linears) loads its own weights and scales. Every parameter must be
+    loaded exactly once unless it is listed in shared (tied/derived) or lives in a layer of
+    another pipeline stage. Misshaped or unknown weights raise WeightLoadError naming them,
+    missing ones check_all_loaded. When weights has a
+    note_loaded(tensor) method it is told about every tensor this stage used (the loader's
+    memory report). Returns the names loaded (parameters, and checkpoint names of the expert
+    slices).
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
     note_loaded = getattr(weights, "note_loaded", None)
+    experts = ExpertWeightLoader()
     loaded: set[str] = set()
     for ckpt_name, tensor in weights:
         name = rename(ckpt_name)
@@ -105,7 +111,9 @@ def load_params_strict(
             raise WeightLoadError(f"weight {ckpt_name!r} appears twice in the checkpoint")
         if note_loaded is not None:
             note_loaded(tensor)
-        if custom is not None and custom(name, tensor, params):
+        if (custom is not None and custom(name, tensor, params)) or experts.load(
+            name, tensor, params, modules
+        ):
             loaded.add(name)
             continue
         owner_name, _, leaf = name.rpartition(".")
@@ -135,11 +143,12 @@ def load_params_strict(
 
 def check_all_loaded(model: nn.Module, loaded: set[str], shared: Iterable[str] = ()) -> None:
     """Raise naming every parameter of this stage that no checkpoint weight filled (first each
-    quantized layer checks its weight against its scales)."""
+    quantized layer checks its weight against its scales, and every expert slice is checked)."""
     for prefix, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if method is not None and hasattr(method, "finish_loading"):
             method.finish_loading(module, prefix, loaded)
+    check_experts_loaded(model, loaded, lambda n: is_pp_missing_parameter(n, model))
     shared = set(shared)
     missing = [
         n
@@ -156,7 +165,7 @@ def check_all_loaded(model: nn.Module, loaded: set[str], shared: Iterable[str] =
 EAGLE_FAMILY_METHODS = ("eagle", "eagle3")
 
 
-def spec_decode_needs_target_embed(vllm_config) -> bool:
+def spec_decode_needs_target_embed(vllm_config: Any) -> bool:
     """Whether the target must keep `embed_tokens` on this stage for its draft.
 
     An EAGLE-family draft that ships no embedding shares the target's; the draft lives on the
@@ -168,29 +177,3 @@ def spec_decode_needs_target_embed(vllm_config) -> bool:
         return False
     pp = get_pp_group()
     return pp.world_size > 1 and pp.is_last_rank
-
-
-def init_pp_decoder(
-    module: nn.Module,
-    config,
-    layer_fn: Callable[[str], nn.Module],
-    norm_fn: Callable[[], nn.Module],
-    prefix: str,
-    embed_on_last: bool = False,
-) -> None:
-    """The pipeline-stage skeleton every decoder shares: embed_tokens on the first stage (and
-    on the last when embed_on_last: tied weights, or an EAGLE draft there), this stage's layers
-    (PPMissingLayer elsewhere), the final norm on the last stage, and the factory for the
-    hidden_states/residual tensors that travel between stages."""
-    pp = get_pp_group()
-    if pp.is_first_rank or (embed_on_last and pp.is_last_rank):
-        module.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-    else:
-        module.embed_tokens = PPMissingLayer()
-    module.start_layer, module.end_layer, module.layers = make_layers(
-        int(config.num_hidden_layers), layer_fn, prefix=f"{prefix}.layers"
-    )
-    module.norm = norm_fn() if pp.is_last_rank else PPMissingLayer()
-    module.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-        ["hidden_states", "residual"], config.hidden_size
-    )

@@ -62,6 +62,24 @@ def check_dsa_config(config: Any) -> None:
         )
 
 
+def topk_lowest_position_first(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the k largest scores along the last dim, equal scores ordered by
+    lower index first - the order a stable descending sort gives.
+
+    torch.topk breaks ties arbitrarily (differently for different row lengths, i.e. batch
+    layouts), and ties are common here: with few indexer heads every head can be clipped to 0
+    by the ReLU. Each score is packed with its index into one int64 key (an order-preserving
+    integer image of the float above, the inverted index below), so the keys are distinct."""
+    # + 0.0 turns -0.0 into +0.0, which the integer image would otherwise order below it.
+    s = (scores.float() + 0.0).contiguous()
+    bits = s.view(torch.int32).to(torch.int64)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # negative floats: flip order
+    n = s.shape[-1]
+    inv_index = (n - 1) - torch.arange(n, device=s.device, dtype=torch.int64)
+    _, idx = (ordered * (1 << 32) + inv_index).topk(k, dim=-1)
+    return scores.gather(-1, idx), idx
+
+
 def _rope(config: Any, head_size: int, interleaved: bool) -> RotaryEmbedding:
     theta, scaling = rope_params(config)
     return get_rope(
@@ -89,10 +107,12 @@ class DeepseekV32IndexerCache(AttentionLayerBase):
 class DeepseekV32Indexer(nn.Module):
     """Lightning indexer: score(t, s) = sum_h w_h(t) * relu(q_h(t) . k(s) / sqrt(D)) over the
     causal context; writes each token's top-index_topk positions (TOPK_PAD-padded) to the shared
-    buffer. RoPE covers the first qk_rope_head_dim dims: half-split for DeepSeek-V3.2,
-    interleaved pairs for GLM-MoE-DSA (as HF transformers)."""
+    buffer, equal scores resolved toward the lower position so the selection never depends on
+    the batch layout (every sparse backend reads this one selection). RoPE covers the first
+    qk_rope_head_dim dims: half-split for DeepSeek-V3.2, interleaved pairs for GLM-MoE-DSA (as
+    HF transformers)."""
 
-    def __init__(self, config: Any, prefix: str, topk_indices_buffer: torch.Tensor) -> None:
+    def __init__(self, config: Any, prefix: str, topk_indices_buffer: torch.Tensor | None) -> None:
         super().__init__()
         h = config.hidden_size
         self.n_heads = int(config.index_n_heads)
@@ -108,8 +128,8 @@ class DeepseekV32Indexer(nn.Module):
         self.softmax_scale = self.head_dim**-0.5
         self.rotary_emb = _rope(config, self.head_dim, interleaved=is_glm_dsa(config))
         self.k_cache = DeepseekV32IndexerCache(self.head_dim, prefix=f"{prefix}.k_cache")
-        # A plain attribute (not a registered buffer): the MTP proposer re-points it to the
-        # target's buffer after loading.
+        # A plain attribute (not a registered buffer): the owner of the buffer, which draft
+        # loading re-points to the target's (None in an MTP draft until then).
         self.topk_indices_buffer = topk_indices_buffer
         self.num_calls = 0  # forwards that computed a selection (tests, benchmarks)
 
@@ -122,6 +142,11 @@ class DeepseekV32Indexer(nn.Module):
             return  # profiling / dummy run
         T = meta.num_tokens
         buf = self.topk_indices_buffer
+        if buf is None:
+            raise RuntimeError(
+                "the indexer has no top-k indices buffer (an MTP draft's is its target's, "
+                "set when the draft is loaded next to it)"
+            )
         if T > buf.shape[0]:
             raise RuntimeError(f"{T} tokens exceed the top-k buffer's {buf.shape[0]} rows")
         self.num_calls += 1
@@ -146,7 +171,7 @@ class DeepseekV32Indexer(nn.Module):
                 scores = torch.einsum("rqhd,rsd->rqhs", q_pad[qi], keys) * self.softmax_scale
                 index = torch.einsum("rqh,rqhs->rqs", w_pad[qi], F.relu(scores))
                 index = index.masked_fill(~g.mask[:, 0, a : a + step], float("-inf"))
-                vals, idx = index.topk(kk, dim=-1)
+                vals, idx = topk_lowest_position_first(index, kk)
                 sel[:, a : a + step] = idx.masked_fill(vals == float("-inf"), TOPK_PAD)
             buf[g.token_index, :kk] = sel.reshape(rows * q_len, kk)[g.valid].to(buf.dtype)
 
@@ -155,12 +180,14 @@ class DeepseekV32MLAAttention(DeepseekV2MLAAttention):
     """V3 MLA whose attention is sparse over the indexer's selection (its own indexer, or, for
     GLM "shared" layers, whatever the previous indexer left in the model-wide buffer)."""
 
+    attn: SparseMLAAttention
+
     def __init__(
         self,
         config: Any,
         prefix: str,
         layer_idx: int,
-        topk_indices_buffer: torch.Tensor,
+        topk_indices_buffer: torch.Tensor | None,
     ) -> None:
         super().__init__(config, prefix)
         if self.rotary_emb.is_neox_style:  # V3.2 MLA always rotates interleaved pairs
@@ -197,7 +224,7 @@ class DeepseekV32DecoderLayer(DeepseekV2DecoderLayer):
         self,
         config: Any,
         prefix: str,
-        topk_indices_buffer: torch.Tensor,
+        topk_indices_buffer: torch.Tensor | None,
         layer_idx: int | None = None,
     ) -> None:
         if layer_idx is None:
@@ -219,15 +246,20 @@ class DeepseekV32Model(DeepseekV2Model):
     """The decoder; owns the model-wide `topk_indices_buffer` its indexers write and its sparse
     MLA layers read."""
 
-    def __init__(self, config: Any, prefix: str, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        config: Any,
+        prefix: str,
+        max_num_batched_tokens: int,
+        *,
+        tied: bool | None = None,
+        keep_embed: bool = False,
+    ) -> None:
         check_dsa_config(config)
-        buf = new_topk_indices_buffer(config, max_num_batched_tokens)
-        super().__init__(
-            config,
-            prefix,
-            layer_fn=lambda p: DeepseekV32DecoderLayer(config, p, topk_indices_buffer=buf),
-        )
-        self.topk_indices_buffer = buf
+        # Before the base builds the layers, which are handed the buffer (a plain tensor
+        # attribute, so it may be set before nn.Module.__init__).
+        self.topk_indices_buffer = new_topk_indices_buffer(config, max_num_batched_tokens)
+        super().__init__(config, prefix, tied=tied, keep_embed=keep_embed)
         if self.start_layer < self.end_layer and not layer_has_indexer(config, self.start_layer):
             raise ValueError(
                 f"pipeline stage {get_pp_group().rank} starts at layer {self.start_layer}, whose "
@@ -235,12 +267,25 @@ class DeepseekV32Model(DeepseekV2Model):
                 "stage); choose VLLM_PP_LAYER_PARTITION so every stage starts at a 'full' layer"
             )
 
+    def make_layer(self, layer_idx: int, prefix: str) -> nn.Module:
+        return DeepseekV32DecoderLayer(
+            self.config, prefix, topk_indices_buffer=self.topk_indices_buffer, layer_idx=layer_idx
+        )
+
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V3.2 causal LM (DSA sparse MLA + MoE); supports pipeline parallelism."""
 
-    def _init_model(self, vllm_config: VllmConfig, config: Any, prefix: str) -> nn.Module:
-        return DeepseekV32Model(config, prefix, vllm_config.scheduler_config.max_num_batched_tokens)
+    def _init_model(
+        self, vllm_config: VllmConfig, prefix: str, keep_embed: bool
+    ) -> DeepseekV32Model:
+        return DeepseekV32Model(
+            self.config,
+            prefix,
+            vllm_config.scheduler_config.max_num_batched_tokens,
+            tied=self.tied,
+            keep_embed=keep_embed,
+        )
 
 
 class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from vllm.config import VllmConfig
 from vllm.model_executor.models.deepseek_mtp import (
@@ -18,14 +17,14 @@ from vllm.model_executor.models.deepseek_mtp import (
 )
 from vllm.models.deepseek_v32.model import (
     DeepseekV32DecoderLayer,
+    DeepseekV32MLAAttention,
     check_dsa_config,
-    new_topk_indices_buffer,
 )
 
 
 class DeepseekV32MultiTokenPredictorLayer(DeepSeekMultiTokenPredictorLayer):
     def __init__(
-        self, config: Any, prefix: str, layer_idx: int, topk_indices_buffer: torch.Tensor
+        self, config: Any, prefix: str, layer_idx: int, topk_indices_buffer: torch.Tensor | None
     ) -> None:
         block = DeepseekV32DecoderLayer(
             config, f"{prefix}.mtp_block", topk_indices_buffer, layer_idx=layer_idx
@@ -34,21 +33,22 @@ class DeepseekV32MultiTokenPredictorLayer(DeepSeekMultiTokenPredictorLayer):
 
 
 class DeepseekV32MultiTokenPredictor(DeepSeekMultiTokenPredictor):
-    """MTP layers sharing one top-k buffer (re-pointed to the target's after loading), so a
-    later draft step can read the selection step 0 left there."""
+    """MTP layers whose indexers all write the target's top-k buffer, so a later draft step can
+    read the selection step 0 left there. The draft allocates none of its own: draft loading
+    points the indexers (the buffer's owners) at the target's, and the sparse attention impls
+    see it through them (SharedTopkIndicesBuffer)."""
 
-    def __init__(self, config: Any, prefix: str, max_num_batched_tokens: int) -> None:
+    def __init__(self, config: Any, prefix: str) -> None:
         check_dsa_config(config)
-        buf = new_topk_indices_buffer(config, max_num_batched_tokens)
         super().__init__(
             config,
             prefix,
-            layer_fn=lambda p, i: DeepseekV32MultiTokenPredictorLayer(config, p, i, buf),
+            layer_fn=lambda p, i: DeepseekV32MultiTokenPredictorLayer(config, p, i, None),
         )
-        self.topk_indices_buffer = buf
+        self.topk_indices_buffer: torch.Tensor | None = None
 
-    def _attentions(self) -> list[nn.Module]:
-        return [layer.mtp_block.self_attn for layer in self.layers.values()]
+    def _attentions(self) -> list[DeepseekV32MLAAttention]:
+        return [m for m in self.modules() if isinstance(m, DeepseekV32MLAAttention)]
 
     def set_skip_topk(self, skip: bool) -> None:
         """skip=True: the MTP layers' indexers do not run; attention reads the buffer as is."""
@@ -72,7 +72,7 @@ class DeepseekV32MTP(DeepSeekMTP):
     """MTP draft for DeepSeek-V3.2 and GLM-MoE-DSA checkpoints (SupportsPP, own embed_tokens
     and spec-layer weight names by inheritance from DeepSeekMTP)."""
 
-    def _init_model(self, vllm_config: VllmConfig, config: Any, prefix: str) -> nn.Module:
-        return DeepseekV32MultiTokenPredictor(
-            config, prefix, vllm_config.scheduler_config.max_num_batched_tokens
-        )
+    def _init_model(
+        self, vllm_config: VllmConfig, config: Any, prefix: str
+    ) -> DeepseekV32MultiTokenPredictor:
+        return DeepseekV32MultiTokenPredictor(config, prefix)

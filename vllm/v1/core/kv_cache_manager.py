@@ -138,12 +138,12 @@ class KVCacheManager:
         block_size: int,
         num_state_slots: int = 0,
         enable_caching: bool = False,
-        hash_next_token: bool = False,
+        num_lookahead_tokens: int = 0,
     ) -> None:
-        """hash_next_token: a draft model writes KV into the same blocks, and its KV at a
-        position is computed from the token after it, so a block is only reusable by a request
-        that also agrees on the first token of the next block; that token joins the block's
-        hash (and a block is registered once that token is known)."""
+        """num_lookahead_tokens: a draft model writes KV into the same blocks, and its KV at a
+        position is computed from up to that many tokens after it (1: the next token), so a
+        block is only reusable by a request that also agrees on the first tokens of the next
+        block; they join the block's hash (and a block is registered once they are known)."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[int]] = {}
@@ -151,7 +151,9 @@ class KVCacheManager:
         self.num_state_slots = num_state_slots
         self.req_to_state_slot: dict[str, int] = {}
         self.enable_caching = enable_caching
-        self._extra = 1 if hash_next_token else 0
+        if num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens must be >= 0, got {num_lookahead_tokens}")
+        self._extra = num_lookahead_tokens
         # Leading blocks of each request already registered in the pool (or found duplicate).
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
@@ -218,8 +220,8 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, num_computed: int) -> None:
         """Register the request's full blocks whose KV is final once num_computed tokens are:
-        blocks of known tokens only (never of unverified drafts) and, with hash_next_token,
-        only once the token after the block is known too."""
+        blocks of known tokens only (never of unverified drafts) and, with lookahead tokens,
+        only once the tokens after the block are known too."""
         rid = request.request_id
         num_final = min(num_computed, request.num_tokens - self._extra)
         num_full = num_final // self.block_size
@@ -283,7 +285,7 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release a finished or preempted request's blocks. Blocks that became final since the
-        last allocation (with hash_next_token, the one completed by the last sampled token) are
+        last allocation (with lookahead tokens, the one completed by the last sampled token) are
         registered first, so a preempted request finds all of its prefix again."""
         blocks = self.req_to_blocks.get(request.request_id)
         if blocks and self.enable_caching:

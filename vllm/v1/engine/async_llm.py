@@ -7,21 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.logger import init_logger
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.v1.engine.llm_engine import LLMEngine, PromptType
+from vllm.v1.engine.llm_engine import LLMEngine, PromptType, check_params
 from vllm.v1.metrics.reader import Metric
 
 logger = init_logger(__name__)
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -147,6 +150,11 @@ class AsyncLLM:
         self._dead: BaseException | None = None
         self._errored = False
         self._flush = False
+        # One thread: prompts are tokenised in arrival order, and an HF fast tokenizer may
+        # raise 'Already borrowed' when two threads encode with it at once.
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="vllm-tokenizer"
+        )
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
 
@@ -181,6 +189,15 @@ class AsyncLLM:
         return self.engine.model_config
 
     @property
+    def max_prompt_bytes(self) -> int:
+        """Longest prompt text (UTF-8 bytes) the engine accepts before tokenising it."""
+        return self.engine.max_prompt_bytes
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenise checked text (blocking: run it through in_tokenizer_thread)."""
+        return self.engine.encode(text, add_special_tokens)
+
+    @property
     def registry(self):
         """The engine's prometheus_client registry (thread-safe to read)."""
         return self.engine.prom.registry
@@ -196,18 +213,37 @@ class AsyncLLM:
         sampling_params: SamplingParams | None = None,
     ) -> RequestStream:
         """Add a request; errors in the prompt or params are raised here, to this caller only."""
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+        params = check_params(sampling_params)
+        self._check_running()
+        # Tokenising and checking the prompt run on the tokenizer thread: neither the event
+        # loop (other clients, /health) nor the engine thread (every running stream) waits.
+        text, ids, salt = await self.in_tokenizer_thread(self.engine.preprocess, prompt)
         stream = RequestStream(self, request_id, params.output_kind)
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._send(("add", request_id, prompt, params, stream, fut))
+        self._send(("add", request_id, text, ids, salt, params, stream, fut))
         try:
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
             self._abort_nowait(request_id)  # queued after the add, so it finds the request
             raise
         return stream
+
+    async def in_tokenizer_thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run fn (tokenising, rendering a chat template) on the tokenizer thread."""
+        self._check_running()
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self._tokenizer_pool, functools.partial(fn, *args, **kwargs)
+            )
+        except RuntimeError as e:
+            if self._dead is not None:  # the pool was shut down with the engine
+                raise EngineDeadError(f"the engine is not running: {self._dead}") from e
+            raise
+
+    def _check_running(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is not running: {self._dead}") from self._dead
 
     async def generate(
         self,
@@ -273,11 +309,11 @@ class AsyncLLM:
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, prompt, params, stream, fut = cmd
+            _, rid, text, ids, salt, params, stream, fut = cmd
             if not fut.set_running_or_notify_cancel():
                 return
             try:
-                self.engine.add_request(rid, prompt, params)
+                self.engine.add_processed_request(rid, text, ids, params, cache_salt=salt)
             except Exception as e:  # noqa: BLE001 - a bad request fails only its caller
                 fut.set_exception(e)
                 return
@@ -344,6 +380,7 @@ class AsyncLLM:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine thread and the executor (and its worker processes)."""
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             if self._dead is None:
                 self._commands.put(_STOP)

@@ -25,6 +25,40 @@ logger = init_logger(__name__)
 
 PromptType = str | dict[str, Any] | list[int]
 
+# Text longer than max_model_len tokens of the tokenizer's longest vocabulary entry cannot fit;
+# the margin covers normalisers that shrink text before it is split into tokens.
+_PROMPT_BYTES_MARGIN = 2
+
+
+def prompt_byte_limit(tokenizer, max_model_len: int) -> int:
+    """Most UTF-8 bytes a prompt may have: anything longer has more than max_model_len tokens.
+
+    A vocabulary entry's own UTF-8 spelling is never shorter than the text it stands for
+    (byte-level BPE spells each byte as one or two-byte characters, SentencePiece a space as a
+    3-byte '\u2581'), so rejecting by this bound never refuses a prompt that would fit."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary view: assume 64 bytes
+        vocab = {}
+    longest = max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=64)
+    return max_model_len * max(longest, 4) * _PROMPT_BYTES_MARGIN
+
+
+def check_params(params: SamplingParams | None) -> SamplingParams:
+    """The request's SamplingParams (default if None), re-verified: fields may have been set
+    after construction, and nothing out of range may reach a worker."""
+    params = params if params is not None else SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+    params.verify()
+    return params
+
+
+def child_seed(seed: int, index: int) -> int:
+    """The seed of completion `index` of an n > 1 request, wrapped into the signed 64-bit range
+    (seed = 2**63 - 1 with n = 2 must not overflow the workers' int64 seed slots)."""
+    return (seed + index + 2**63) % 2**64 - 2**63
+
 
 def num_state_slots(vllm_config: VllmConfig) -> int:
     """Hybrid models (linear-attention layers) keep one state slot per running request."""
@@ -76,8 +110,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._rng = random.Random(mc.seed)
+        self.max_prompt_bytes = prompt_byte_limit(self.tokenizer, mc.max_model_len)
         k = vllm_config.num_speculative_tokens
-        self.prom = PrometheusStatLogger(mc.model, k)
+        self.prom = PrometheusStatLogger(mc.served_model_names[0], k)
         self.log_stats = not vllm_config.disable_log_stats
         self.stat_logger = LoggingStatLogger(k) if self.log_stats else None
         self._req_counter = 0
@@ -88,10 +123,31 @@ class LLMEngine:
         return cls(engine_args.create_engine_config())
 
     # ---- inputs -------------------------------------------------------------------------
+    def check_prompt_text(self, text: str) -> None:
+        """Refuse text that cannot be tokenised or cannot fit, before spending time on it."""
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            raise ValueError(
+                f"the prompt is not valid Unicode text: {e.reason} at position {e.start}"
+            ) from None
+        if size > self.max_prompt_bytes:
+            raise ValueError(
+                f"the prompt has {size} bytes; at most {self.max_prompt_bytes} bytes are "
+                f"accepted (max_model_len={self.model_config.max_model_len} tokens)"
+            )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenise checked text (thread-safe: the server calls it from a tokenizer thread)."""
+        self.check_prompt_text(text)
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Validate a prompt and return (text, token ids); errors name what is wrong."""
+        """Validate a prompt and return (text, token ids); errors name what is wrong.
+
+        Reads only the tokenizer and fixed limits, so it may run off the engine thread."""
         if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            text, ids = prompt, self.encode(prompt)
         elif isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 text, ids = prompt.get("prompt"), prompt["prompt_token_ids"]
@@ -99,7 +155,7 @@ class LLMEngine:
                 text = prompt["prompt"]
                 if not isinstance(text, str):
                     raise TypeError(f"prompt must be a string, got {type(text).__name__}")
-                ids = self.tokenizer.encode(text)
+                ids = self.encode(text)
             else:
                 raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
         elif isinstance(prompt, (list, tuple)):
@@ -138,13 +194,31 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"expected SamplingParams, got {type(params).__name__}")
+        params = check_params(params)
+        text, ids, cache_salt = self.preprocess(prompt)
+        self.add_processed_request(request_id, text, ids, params, arrival_time, cache_salt)
+
+    def preprocess(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        """(text, checked token ids, cache_salt) of a prompt; thread-safe like process_prompt."""
+        cache_salt = self._cache_salt(prompt)
+        text, ids = self.process_prompt(prompt)
+        return text, ids, cache_salt
+
+    def add_processed_request(
+        self,
+        request_id: str,
+        text: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Add a request whose prompt already went through preprocess (the server does that
+        on a tokenizer thread, so a long prompt never holds up the engine thread)."""
+        params = check_params(params)
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.process_prompt(prompt)
-        cache_salt = self._cache_salt(prompt)
+        ids = prompt_token_ids
         arrival_time = arrival_time if arrival_time is not None else time.time()
         children: dict[str, ChildState] = {}
         requests = []
@@ -153,7 +227,7 @@ class LLMEngine:
             child_params.n = 1
             child_params.update_from_tokenizer(self.eos_token_id)
             if params.seed is not None:
-                seed = params.seed + i
+                seed = child_seed(params.seed, i)
             else:
                 seed = self._rng.getrandbits(62)
             cid = request_id if params.n == 1 else f"{i}_{request_id}"
@@ -181,12 +255,14 @@ class LLMEngine:
     def abort_request(self, request_ids: str | list[str]) -> None:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
+        now = time.time()
         for rid in request_ids:
             st = self.output_processor.requests.get(rid)
             if st is None:
                 continue
             self.scheduler.finish_requests(list(st.children), RequestStatus.FINISHED_ABORTED)
             self.output_processor.remove(rid)
+            self.prom.record_finished("abort", now - st.arrival_time)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)

@@ -12,8 +12,8 @@ import tokenizers
 
 from vllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.v1.core.sched.output import LogprobsLists
-from vllm.v1.core.sched.scheduler import EngineCoreOutput
+from vllm.v1.engine import EngineCoreOutput
+from vllm.v1.outputs import LogprobsLists
 
 
 class IncrementalDetokenizer:

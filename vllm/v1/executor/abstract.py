@@ -9,7 +9,8 @@ from abc import ABC, abstractmethod
 from collections import deque
 
 from vllm.config import VllmConfig
-from vllm.v1.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 
 
 class Executor(ABC):

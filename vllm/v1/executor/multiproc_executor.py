@@ -5,7 +5,9 @@
 Each stage process runs a Worker and reads (method, args) messages from its pipe. Every stage
 receives every SchedulerOutput in the same order; only the last stage answers execute_model
 (with the ModelRunnerOutput), the others speak only to report an error. A stage that raises or
-dies makes the engine raise a RuntimeError at once and every stage process is stopped.
+dies makes the engine raise a RuntimeError at once and every stage process is stopped. So does
+a stage that hangs (stopped, deadlocked): a step, or an idle liveness ping, that gets no answer
+within VLLM_PP_STEP_TIMEOUT_S fails the same way.
 """
 
 from __future__ import annotations
@@ -23,10 +25,14 @@ from collections import deque
 from multiprocessing import connection as mp_connection
 from typing import Any
 
+import psutil
+
+from vllm import envs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.v1.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.executor.abstract import Executor
+from vllm.v1.outputs import ModelRunnerOutput
 
 logger = init_logger(__name__)
 
@@ -35,6 +41,8 @@ logger = init_logger(__name__)
 # in a collective with a peer that is gone.
 _ORPHAN_GRACE_S = 2.0
 _JOIN_TIMEOUT_S = 5.0
+# After a failure every stage is killed: a hung (e.g. stopped) one never acts on SIGTERM.
+_FAIL_JOIN_TIMEOUT_S = 1.0
 # On a stage's error report, how long to look for a peer that died first (the root cause).
 _CAUSE_WAIT_S = 1.0
 
@@ -146,7 +154,7 @@ def _stop_processes(procs: list, conns: list, graceful: bool = True) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()
-    _join_all(procs, _JOIN_TIMEOUT_S)
+    _join_all(procs, _JOIN_TIMEOUT_S if graceful else _FAIL_JOIN_TIMEOUT_S)
     for p in procs:
         if p.is_alive():
             p.kill()
@@ -162,6 +170,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
         self.world_size = vllm_config.parallel_config.pipeline_parallel_size
+        self.step_timeout_s = envs.VLLM_PP_STEP_TIMEOUT_S  # read now: a bad value fails at start
         self._failed: str | None = None
         self._inflight = 0
         self._stash: list[deque] = [deque() for _ in range(self.world_size)]
@@ -246,21 +255,42 @@ class MultiprocExecutor(Executor):
         except (EOFError, OSError):
             self._died(rank)
         if msg[0] == "error":
+            # The stage's traceback goes to the log; the error (and so every client) gets the
+            # exception's first line only.
+            report = msg[1] or "unknown error"
+            logger.error("pipeline stage %d failed:\n%s", rank, report)
+            first = report.splitlines()[0]
             culprit = self._silently_dead(exclude=rank)
             if culprit is not None:
-                first = msg[1].splitlines()[0] if msg[1] else ""
                 self._died(culprit, then=f"; then stage {rank} failed: {first}")
-            self._fail(f"pipeline stage {rank} failed: {msg[1]}")
+            self._fail(f"pipeline stage {rank} failed: {first}")
         return msg[1]
 
-    def _wait_for(self, rank: int) -> Any:
-        """The next reply of stage rank; raises as soon as any stage reports an error or dies."""
+    def _hung(self, waited: float, what: str) -> None:
+        stuck = []
+        for r, p in enumerate(self._procs):
+            try:
+                if psutil.Process(p.pid).status() == psutil.STATUS_STOPPED:
+                    stuck.append(f"stage {r} (pid {p.pid}) is stopped")
+            except psutil.Error:
+                pass
+        detail = "; ".join(stuck) or "a stage hangs"
+        self._fail(
+            f"no pipeline stage answered {what} within {waited:.0f} s "
+            f"(VLLM_PP_STEP_TIMEOUT_S): {detail}"
+        )
+
+    def _wait_for(self, rank: int, timeout: float | None = None, what: str = "") -> Any:
+        """The next reply of stage rank; raises as soon as any stage reports an error or dies,
+        or, with a timeout, when no stage said anything for that long (a hung stage)."""
         if self._stash[rank]:
             return self._stash[rank].popleft()
         target = self._conns[rank]
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
         while True:
-            ready = mp_connection.wait([*self._conns, *sentinels], timeout=None)
+            ready = mp_connection.wait([*self._conns, *sentinels], timeout=timeout)
+            if not ready:
+                self._hung(timeout, what)
             for r, c in enumerate(self._conns):
                 if c in ready and c is not target:
                     self._stash[r].append(self._take(r))
@@ -288,12 +318,14 @@ class MultiprocExecutor(Executor):
             except (BrokenPipeError, OSError) as e:
                 self._fail(f"pipeline stage {r} is unreachable: {e}")
 
-    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
-        """Call Worker.method(*args) on every stage and return their results (rank order)."""
+    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """Call Worker.method(*args) on every stage and return their results (rank order);
+        with a timeout, a stage that does not answer within it counts as hung."""
         if self._inflight:
             raise RuntimeError(f"collective_rpc({method!r}) while {self._inflight} steps in flight")
         self._send_all(method, *args)
-        return [self._wait_for(r) for r in range(self.world_size)]
+        what = f"{method}()"
+        return [self._wait_for(r, timeout, what) for r in range(self.world_size)]
 
     # ---- executor API -------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -311,7 +343,7 @@ class MultiprocExecutor(Executor):
         self._check_alive()
         if not self._inflight:
             raise RuntimeError("get_output() with no step in flight")
-        out = self._wait_for(self.world_size - 1)
+        out = self._wait_for(self.world_size - 1, self.step_timeout_s, "a step")
         self._inflight -= 1
         return out
 
@@ -323,10 +355,14 @@ class MultiprocExecutor(Executor):
         return self.collective_rpc("comm_stats")
 
     def check_health(self) -> None:
+        """Idle liveness check: every stage process exists and answers a ping (a stopped or
+        wedged stage is alive but silent)."""
         self._check_alive()
         for r, p in enumerate(self._procs):
             if not p.is_alive():
                 self._fail(f"pipeline stage {r} (pid {p.pid}) is not running")
+        if not self._inflight:
+            self.collective_rpc("check_health", timeout=self.step_timeout_s)
 
     def shutdown(self) -> None:
         self._inflight = 0

@@ -6,19 +6,21 @@ Joins the cluster named by RAY_ADDRESS (or an already initialised Ray); otherwis
 Ray with a bounded number of CPUs and shuts it down again with the executor. The actors run the
 same Worker as the multiprocessing executor; stages talk over torch.distributed (gloo on CPU,
 nccl on CUDA). An actor that raises or dies makes the engine raise at once; every actor is then
-killed.
+killed. So does one that hangs: a step or a health check unanswered for VLLM_PP_STEP_TIMEOUT_S.
 """
 
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from collections import deque
 from typing import Any
 
+from vllm import envs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
-from vllm.v1.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.executor.multiproc_executor import (
     WorkerFailure,
@@ -26,6 +28,7 @@ from vllm.v1.executor.multiproc_executor import (
     get_open_port,
     vllm_env,
 )
+from vllm.v1.outputs import ModelRunnerOutput
 
 logger = init_logger(__name__)
 
@@ -62,6 +65,17 @@ class RayStage:
         return getattr(self.worker, method)(*args)
 
 
+def _summary(error: BaseException) -> str:
+    """One line for an actor's error: the stage's own exception when Ray wraps one (its text
+    carries the remote traceback, which belongs in the log)."""
+    inner = getattr(error, "cause", None)
+    if isinstance(inner, BaseException):
+        lines = str(inner).strip().splitlines()
+        return f"{type(inner).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
 def _stop_actors(state: dict[str, Any]) -> None:
     """Kill the actors, drop the placement group, and stop Ray if this executor started it."""
     import ray
@@ -95,6 +109,7 @@ class RayExecutor(Executor):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.world_size = P = vllm_config.parallel_config.pipeline_parallel_size
+        self.step_timeout_s = envs.VLLM_PP_STEP_TIMEOUT_S  # read now: a bad value fails at start
         self._failed: str | None = None
         self._inflight: deque[list] = deque()
         self._unchecked: list = []  # finished-or-not refs of non-last stages, checked for errors
@@ -169,16 +184,33 @@ class RayExecutor(Executor):
     def _get(self, ref) -> Any:
         return self._get_all([ref])[0]
 
-    def _get_all(self, refs: list) -> list[Any]:
-        """Results of refs (one per stage, rank order); raises at the first failure."""
+    def _get_all(self, refs: list, timeout: float | None = None, what: str = "") -> list[Any]:
+        """Results of refs (one per stage, rank order); raises at the first failure, or when
+        (with a timeout) no stage answered for that long."""
         self._rank_of.update({r: i for i, r in enumerate(refs)})
         results: dict[Any, Any] = {}
         pending = list(refs)
+        last_progress = time.monotonic()
         while pending:
             ready, pending = self._ray.wait(pending, num_returns=1, timeout=_POLL_S)
             for r in ready:
                 results[r] = self._unwrap(r, pending)
+            if ready:
+                last_progress = time.monotonic()
+            else:
+                self._check_deadline(last_progress, timeout, what, pending)
         return [results[r] for r in refs]
+
+    def _check_deadline(
+        self, since: float, timeout: float | None, what: str, pending: list
+    ) -> None:
+        if timeout is None or time.monotonic() - since < timeout:
+            return
+        ranks = sorted({self._rank_of.get(r, "?") for r in pending}, key=str)
+        self._fail(
+            f"no answer to {what} from pipeline stage(s) {ranks} within {timeout:.0f} s "
+            "(VLLM_PP_STEP_TIMEOUT_S): a stage hangs"
+        )
 
     def _unwrap(self, ref, others: list) -> Any:
         """ray.get(ref); on failure names the stage, preferring a dead actor among the other
@@ -200,7 +232,8 @@ class RayExecutor(Executor):
                     except ray.exceptions.RayError:
                         pass
             what = "died" if isinstance(cause, ray.exceptions.RayActorError) else "failed"
-            self._fail(f"pipeline stage {culprit} {what}: {cause}", cause)
+            logger.error("pipeline stage %s %s:\n%s", culprit, what, cause)
+            self._fail(f"pipeline stage {culprit} {what}: {_summary(cause)}", cause)
 
     def _check_unchecked(self) -> None:
         if not self._unchecked:
@@ -211,11 +244,12 @@ class RayExecutor(Executor):
         for r in ready:
             self._unwrap(r, self._unchecked)
 
-    def collective_rpc(self, method: str, *args: Any) -> list[Any]:
+    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         self._check_alive()
         if self._inflight:
             raise RuntimeError(f"collective_rpc({method!r}) while steps are in flight")
-        return self._get_all([a.call.remote(method, *args) for a in self.actors])
+        refs = [a.call.remote(method, *args) for a in self.actors]
+        return self._get_all(refs, timeout, f"{method}()")
 
     # ---- executor API -------------------------------------------------------------------
     def determine_num_blocks(self) -> int:
@@ -239,8 +273,14 @@ class RayExecutor(Executor):
         # or raises upstream leaves the last stage waiting, so its error must surface instead.
         watch = [last, *refs[:-1], *self._unchecked]
         self._unchecked = []
+        timeout = self.step_timeout_s
+        last_progress = time.monotonic()
         while True:
             ready, watch = self._ray.wait(watch, num_returns=1, timeout=_POLL_S)
+            if ready:
+                last_progress = time.monotonic()
+            elif last in watch:
+                self._check_deadline(last_progress, timeout, "a step", [last])
             for r in ready:
                 value = self._unwrap(r, watch)
                 if r == last:
@@ -257,7 +297,8 @@ class RayExecutor(Executor):
 
     def check_health(self) -> None:
         self._check_alive()
-        self.collective_rpc("check_health")
+        if not self._inflight:
+            self.collective_rpc("check_health", timeout=self.step_timeout_s)
 
     def shutdown(self) -> None:
         self._inflight.clear()

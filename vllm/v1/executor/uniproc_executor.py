@@ -5,8 +5,9 @@
 from __future__ import annotations
 
 from vllm.config import VllmConfig
-from vllm.v1.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.executor.abstract import Executor
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.worker import Worker
 
 

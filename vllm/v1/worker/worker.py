@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 
 import torch
 
@@ -41,7 +42,8 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.device = torch.device(vllm_config.device_config.device)
         self.model_runner: ModelRunner | None = None
-        self._pending_sends: list[PendingSend] = []
+        # Stage-to-stage sends not reaped yet; at most one per batch in flight (world_size).
+        self._pending_sends: deque[PendingSend] = deque()
         # Seconds spent in stage-to-stage transfers (see comm_stats).
         self._comm = {
             "steps": 0,
@@ -127,10 +129,31 @@ class Worker:
             return out
         if isinstance(out, IntermediateTensors):
             t0 = time.perf_counter()
-            self._pending_sends = [p for p in self._pending_sends if not p.is_completed()]
+            self._reap_sends(keep=self.world_size - 1)
             self._pending_sends.append(send_tensor_dict(out.tensors, pp.next_rank))
             self._comm["send_s"] += time.perf_counter() - t0
         return None
+
+    def _reap_sends(self, keep: int) -> None:
+        """Free the tensors of sends the next stage has taken, keeping at most `keep` posted.
+
+        Over gloo a send's is_completed() stays False until wait() is called, so dropping only
+        completed sends kept every step's tensors forever. The engine keeps at most world_size
+        batches in flight, so a send older than that was received (its batch's output came
+        back before this batch started): waiting on it returns at once. The newest sends stay
+        posted, so this stage never waits for the next one to catch up (pipelining)."""
+        pending = self._pending_sends
+        while pending and (len(pending) > keep or pending[0].is_completed()):
+            pending.popleft().wait()
+
+    def pending_sends(self) -> dict[str, int]:
+        """Sends this stage posted and still holds: stage-to-stage tensors and (last stage)
+        the broadcasts of sampled tokens (tests assert both stay bounded)."""
+        handler = self.model_runner.pp_handler if self.model_runner else None
+        return {
+            "p2p": len(self._pending_sends),
+            "broadcast": handler.num_pending_sends if handler is not None else 0,
+        }
 
     def _recv(self, src: int) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
@@ -156,6 +179,6 @@ class Worker:
         return True
 
     def shutdown(self) -> None:
-        self._pending_sends = []
+        self._pending_sends.clear()
         if self.world_size > 1:
             destroy_distributed()

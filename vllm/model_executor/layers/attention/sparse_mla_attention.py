@@ -1,133 +1,38 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""Sparse MLA (DeepSeek-V3.2 DSA): the shared top-k indices buffer every sparse impl reads, the
-common sparse impl, the attention layer that uses it, and the registry of sparse backends."""
+"""Sparse MLA attention layer (DeepSeek-V3.2 DSA): MLA whose impl is a registered sparse backend
+reading the model-wide top-k indices buffer, and re-pointing a model's layers at another buffer
+(a draft reading its target's). The impls and their shared buffer view are in
+v1/attention/backends/mla/sparse_common.py."""
 
 from __future__ import annotations
 
-import importlib
-import os
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from vllm.model_executor.layers.attention import MLAAttention
-from vllm.v1.attention.backends.mla.torch_mla import TorchMLAImpl
-from vllm.v1.attention.backends.torch_paged import AttentionMetadata
+from vllm.v1.attention.backends.mla.sparse_common import (
+    TOPK_PAD,
+    SharedTopkIndicesBuffer,
+    SparseMLACommonImpl,
+)
+from vllm.v1.attention.backends.registry import get_sparse_mla_impl_cls, select_sparse_mla_impl
 
-# Entry value of an unused top-k slot (fewer selectable positions than index_topk).
-TOPK_PAD = -1
-
-
-class SharedTopkIndicesBuffer:
-    """Mixin giving a sparse MLA impl its view of the model-wide top-k indices buffer.
-
-    The buffer ([max_num_batched_tokens, index_topk] int32, positions in each token's request
-    context, TOPK_PAD for unused slots) is resolved on every read: from the indexer when one is
-    attached, else from the explicitly given buffer. Draft loading re-points the draft indexers'
-    buffers to the target's after the impls were built; a snapshot taken at construction would
-    read a buffer nobody writes. Assigning `topk_indices_buffer` sets an explicit buffer and
-    detaches the indexer (explicit wins).
-    """
-
-    def init_topk_indices_buffer(
-        self, indexer: Any | None = None, buffer: torch.Tensor | None = None
-    ) -> None:
-        # object.__setattr__: on an nn.Module host the indexer must not become a submodule.
-        object.__setattr__(self, "_topk_indexer", indexer)
-        object.__setattr__(self, "_topk_explicit_buffer", buffer)
-
-    @property
-    def topk_indices_buffer(self) -> torch.Tensor | None:
-        indexer = self.__dict__.get("_topk_indexer")
-        if indexer is not None:
-            return indexer.topk_indices_buffer
-        return self.__dict__.get("_topk_explicit_buffer")
-
-    @topk_indices_buffer.setter
-    def topk_indices_buffer(self, buffer: torch.Tensor | None) -> None:
-        self.init_topk_indices_buffer(None, buffer)
-
-
-class SparseMLACommonImpl(TorchMLAImpl, SharedTopkIndicesBuffer):
-    """MLA attending, for each query token, only to the context positions its indexer selected.
-
-    The latent cache layout, the write and the q/out projections are the dense impl's; only the
-    attention core differs. Backends implement `sparse_attend`. When every context of the step is
-    no longer than topk_tokens the selection is the whole (causal) context, so the dense path is
-    used; it gives the same result.
-    """
-
-    is_sparse = True
-
-    def __init__(
-        self,
-        num_heads: int,
-        qk_nope_head_dim: int,
-        qk_rope_head_dim: int,
-        v_head_dim: int,
-        kv_lora_rank: int,
-        scale: float,
-        topk_tokens: int,
-        indexer: Any | None = None,
-        topk_indices_buffer: torch.Tensor | None = None,
-    ) -> None:
-        super().__init__(
-            num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank, scale
-        )
-        self.topk_tokens = int(topk_tokens)
-        self.dense_when_short = True
-        self.init_topk_indices_buffer(indexer, topk_indices_buffer)
-
-    def attend_latent(
-        self, q: torch.Tensor, latent: torch.Tensor, meta: AttentionMetadata, mask_fn=None
-    ) -> torch.Tensor:
-        if mask_fn is not None:
-            raise ValueError(f"{type(self).__name__} takes its mask from the top-k indices")
-        if self.dense_when_short and int(np.max(meta.seq_lens_np, initial=0)) <= self.topk_tokens:
-            return super().attend_latent(q, latent, meta)
-        slots = self.topk_slots(meta)
-        return self.sparse_attend(q, latent, slots)
-
-    def topk_slots(self, meta: AttentionMetadata) -> torch.Tensor:
-        """[T, topk] cache slot of every selected position of every query token (-1: none).
-
-        Rows of tokens whose context fits in topk select their whole causal context, whatever
-        the buffer holds (a row reused from an earlier draft step may predate this position).
-        """
-        buf = self.topk_indices_buffer
-        if buf is None:
-            raise RuntimeError(f"{type(self).__name__} has no top-k indices buffer")
-        T, k = meta.num_tokens, self.topk_tokens
-        if T > buf.shape[0]:
-            raise RuntimeError(
-                f"{T} tokens in one forward exceed the top-k buffer's {buf.shape[0]} rows"
-            )
-        out = torch.full((T, k), -1, dtype=torch.long, device=buf.device)
-        ar = torch.arange(k, device=buf.device)
-        for g in meta.groups:
-            q_len = g.q_index.shape[1]
-            row = g.valid // q_len
-            q_pos = g.q_positions.reshape(-1)[g.valid].unsqueeze(1)  # [n, 1]
-            sel = buf[g.token_index].long()
-            sel = torch.where(q_pos < k, ar.unsqueeze(0), sel)
-            ok = (sel >= 0) & (sel <= q_pos)
-            slots = g.kv_slots[row].gather(1, sel.clamp(0, g.kv_slots.shape[1] - 1))
-            out[g.token_index] = torch.where(ok, slots, -1)
-        return out
-
-    def sparse_attend(
-        self, q: torch.Tensor, latent: torch.Tensor, slots: torch.Tensor
-    ) -> torch.Tensor:
-        """q [T, H, rank + rope] over latent [num_slots, 1, rank + rope] restricted to each
-        token's slots [T, topk] (-1 = unused); returns [T, H, rank]."""
-        raise NotImplementedError
+__all__ = [
+    "TOPK_PAD",
+    "SharedTopkIndicesBuffer",
+    "SparseMLAAttention",
+    "SparseMLACommonImpl",
+    "share_topk_indices_buffer",
+]
 
 
 class SparseMLAAttention(MLAAttention):
     """MLA layer whose impl is a registered sparse backend reading the shared top-k buffer."""
+
+    impl: SparseMLACommonImpl
 
     def __init__(
         self,
@@ -171,6 +76,9 @@ class SparseMLAAttention(MLAAttention):
             topk_indices_buffer=topk_indices_buffer,
         )
 
+        # Whether the impl reads its indexer's buffer (else the explicit one it was given).
+        self.reads_indexer_buffer = indexer is not None
+
     @property
     def topk_indices_buffer(self) -> torch.Tensor | None:
         return self.impl.topk_indices_buffer
@@ -180,46 +88,20 @@ class SparseMLAAttention(MLAAttention):
         self.impl.topk_indices_buffer = buffer
 
 
-# ---- registry of sparse MLA impls ---------------------------------------------------------
+def share_topk_indices_buffer(model: nn.Module, buffer: torch.Tensor) -> int:
+    """Make every sparse MLA layer of `model` read `buffer` (a draft reading its target's).
 
-_SPARSE_MLA_IMPLS: dict[str, tuple[str, str]] = {
-    "TORCH_MLA_SPARSE": ("vllm.v1.attention.backends.mla.torch_mla_sparse", "TorchMLASparseImpl"),
-    "TRITON_MLA_SPARSE": (
-        "vllm.v1.attention.backends.mla.triton_mla_sparse",
-        "TritonMLASparseImpl",
-    ),
-}
-SPARSE_MLA_BACKEND_ENV = "VLLM_SPARSE_MLA_BACKEND"
-
-
-def register_sparse_mla_impl(name: str, module: str, cls_name: str) -> None:
-    """Add a sparse backend; its impl class must use SharedTopkIndicesBuffer (tested)."""
-    _SPARSE_MLA_IMPLS[name] = (module, cls_name)
-
-
-def sparse_mla_impl_names() -> list[str]:
-    return sorted(_SPARSE_MLA_IMPLS)
-
-
-def get_sparse_mla_impl_cls(name: str) -> type:
-    if name not in _SPARSE_MLA_IMPLS:
-        raise ValueError(
-            f"sparse MLA backend {name!r} is not registered; choose one of "
-            f"{sparse_mla_impl_names()}"
-        )
-    module, cls_name = _SPARSE_MLA_IMPLS[name]
-    return getattr(importlib.import_module(module), cls_name)
-
-
-def select_sparse_mla_impl(device: torch.device | str) -> type:
-    """VLLM_SPARSE_MLA_BACKEND if set; else Triton on GPUs (CUDA and ROCm) when triton is
-    importable, the torch reference otherwise."""
-    name = os.environ.get(SPARSE_MLA_BACKEND_ENV)
-    if name:
-        return get_sparse_mla_impl_cls(name)
-    if torch.device(device).type == "cuda":
-        from vllm.v1.attention.backends.mla.triton_mla_sparse import HAS_TRITON
-
-        if HAS_TRITON:
-            return get_sparse_mla_impl_cls("TRITON_MLA_SPARSE")
-    return get_sparse_mla_impl_cls("TORCH_MLA_SPARSE")
+    The owners of the buffer are re-pointed: the indexers, and any module keeping the
+    model-wide buffer as a plain attribute. A layer built with an indexer then sees the new
+    buffer through it, as SharedTopkIndicesBuffer resolves; only layers without an indexer (that
+    reuse another layer's selection) get the buffer assigned explicitly. Returns how many
+    owners were re-pointed."""
+    owners = 0
+    for m in model.modules():
+        if isinstance(m, SparseMLAAttention):
+            if not m.reads_indexer_buffer:
+                m.topk_indices_buffer = buffer
+        elif "topk_indices_buffer" in m.__dict__:
+            m.topk_indices_buffer = buffer
+            owners += 1
+    return owners

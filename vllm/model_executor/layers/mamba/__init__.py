@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""Layers with a fixed-size per-request state (linear attention, Gated DeltaNet) and their torch
-reference kernels; the model runner allocates their states next to the paged KV cache."""
+"""Layers with a fixed-size per-request state (linear attention, Gated DeltaNet); their kernels
+are in ops/. The model runner allocates their states next to the paged KV cache."""
 
 from __future__ import annotations
 

@@ -27,18 +27,12 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod, fused_moe
 from vllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization import QuantizationConfig
-from vllm.model_executor.model_loader.weight_utils import WeightLoadError
+from vllm.model_executor.model_loader.weight_utils import FP8_DTYPES, WeightLoadError
 
 logger = init_logger(__name__)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-# Every 8-bit float a checkpoint could hold: one reaching a layer that is not FP8 is an error.
-FP8_DTYPES = frozenset(
-    getattr(torch, n)
-    for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
-    if hasattr(torch, n)
-)
 # What block scales may be stored as (Qwen's FP8 releases use bfloat16); converted to float32.
 _SCALE_DTYPES = frozenset(
     [torch.float32, torch.bfloat16, torch.float16]
@@ -330,6 +324,12 @@ class Fp8MoEMethod:
         layer.w2_weight_scale_inv = param(e, gh2, gi2, dtype=torch.float32)
         layer.params_dtype = params_dtype
         layer.fp8_gemm_scales = None
+
+    def load_expert_weight(
+        self, dst: torch.Tensor, tensor: torch.Tensor, ckpt_name: str, param_name: str
+    ) -> None:
+        """An FP8 slice of a stacked weight, or a float slice of its block scales."""
+        load_fp8_tensor(dst, tensor, ckpt_name)
 
     def _dense_w13(self, w: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantize w13 rows [..., 2I, H]: gate and up each against their own grid."""

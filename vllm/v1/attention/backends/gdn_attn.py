@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""Gated DeltaNet (linear attention) over per-request state slots: step metadata and the torch
-reference varlen ops (CPU and CUDA).
+"""Gated DeltaNet (linear attention) over per-request state slots: the step metadata its varlen
+kernels (layers/mamba/ops) run on.
 
 Every linear-attention layer owns a conv state [S, P, C, k - 1] and a recurrent state
 [S, P, H, dk, dv]: S state slots (one per running request, owned by the KV cache manager) and P
@@ -21,12 +21,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm.model_executor.layers.mamba.causal_conv1d import causal_conv1d, conv_state_at
-from vllm.model_executor.layers.mamba.gated_delta_rule import (
-    chunked_gated_delta_rule,
-    recurrent_gated_delta_rule,
-)
-
 
 @dataclass
 class GDNShortGroup:
@@ -41,6 +35,11 @@ class GDNShortGroup:
     store_slots: torch.Tensor  # [N] state slot it is written to
     store_pos: torch.Tensor  # [N] position within that slot
 
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """Flat per-token x [T, ...] -> [Rg, L, ...] with zeros in the padding."""
+        x_pad = torch.cat([x, x.new_zeros(1, *x.shape[1:])], dim=0)
+        return x_pad[self.token_index]
+
 
 @dataclass
 class GDNAttentionMetadata:
@@ -54,6 +53,13 @@ class GDNAttentionMetadata:
     short: GDNShortGroup | None
     long_rows: list[int]  # rows run one by one; their final state goes to position 0
     state_slots_np: np.ndarray  # [R]
+
+    def initial_states(self, states: torch.Tensor) -> torch.Tensor:
+        """[R, ...] initial state of every request in states [S, P, ...] (zeros where it has
+        none); a copy, so writing the new states afterwards cannot disturb it."""
+        init = states[self.state_slots, self.init_index]
+        mask = self.has_initial_state.view(-1, *([1] * (init.dim() - 1)))
+        return torch.where(mask, init, torch.zeros((), dtype=init.dtype, device=init.device))
 
 
 def build_gdn_metadata(
@@ -112,95 +118,3 @@ def build_gdn_metadata(
         long_rows=long_rows,
         state_slots_np=slots,
     )
-
-
-def _initial(states: torch.Tensor, meta: GDNAttentionMetadata) -> torch.Tensor:
-    """[R, ...] initial state of every request (zeros where it has none); a copy, so writing
-    the new states afterwards cannot disturb it."""
-    init = states[meta.state_slots, meta.init_index]
-    mask = meta.has_initial_state.view(-1, *([1] * (init.dim() - 1)))
-    return torch.where(mask, init, torch.zeros((), dtype=init.dtype, device=init.device))
-
-
-def _padded(x: torch.Tensor, group: GDNShortGroup) -> torch.Tensor:
-    """[T, ...] -> [Rg, L, ...] with zeros in the padding."""
-    x_pad = torch.cat([x, x.new_zeros(1, *x.shape[1:])], dim=0)
-    return x_pad[group.token_index]
-
-
-def causal_conv1d_varlen(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_states: torch.Tensor,
-    meta: GDNAttentionMetadata,
-    activation: str | None = "silu",
-) -> torch.Tensor:
-    """Causal depthwise conv of the flattened x [T, C] per request, continuing and updating
-    conv_states [S, P, C, k - 1]; returns [T, C]."""
-    k = conv_states.shape[-1] + 1
-    out = torch.zeros_like(x)
-    init = _initial(conv_states, meta)
-    g = meta.short
-    if g is not None:
-        xg = _padded(x, g).transpose(1, 2)  # [Rg, C, L]
-        y, padded = causal_conv1d(xg, weight, init[g.rows], bias, activation)
-        out[g.token_flat] = y.transpose(1, 2).reshape(-1, x.shape[1])[g.valid]
-        conv_states[g.store_slots, g.store_pos] = conv_state_at(
-            padded, g.store_rows, g.store_steps, k
-        ).to(conv_states.dtype)
-    qsl = meta.query_start_loc_np
-    for r in meta.long_rows:
-        a, b = int(qsl[r]), int(qsl[r + 1])
-        y, padded = causal_conv1d(x[a:b].t()[None], weight, init[r : r + 1], bias, activation)
-        out[a:b] = y[0].t()
-        slot = int(meta.state_slots_np[r])
-        conv_states[slot, 0] = padded[0, :, -(k - 1) :].to(conv_states.dtype)
-    return out
-
-
-def gated_delta_rule_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    recurrent_states: torch.Tensor,
-    meta: GDNAttentionMetadata,
-) -> torch.Tensor:
-    """Gated delta rule per request over flattened q, k [T, H, dk], v [T, H, dv], g, beta
-    [T, H], continuing and updating recurrent_states [S, P, H, dk, dv]; returns o [T, H, dv]
-    (float32)."""
-    T, H, dv = v.shape
-    out = torch.zeros(T, H, dv, dtype=torch.float32, device=v.device)
-    init = _initial(recurrent_states, meta).float()
-    grp = meta.short
-    if grp is not None:
-        # Padding steps have g = 0 and beta = 0: they leave the state unchanged.
-        o, kept = recurrent_gated_delta_rule(
-            _padded(q, grp),
-            _padded(k, grp),
-            _padded(v, grp),
-            _padded(g, grp),
-            _padded(beta, grp),
-            init[grp.rows],
-            keep_states=True,
-        )
-        out[grp.token_flat] = o.reshape(-1, H, dv)[grp.valid]
-        recurrent_states[grp.store_slots, grp.store_pos] = kept[grp.store_rows, grp.store_steps].to(
-            recurrent_states.dtype
-        )
-    qsl = meta.query_start_loc_np
-    for r in meta.long_rows:
-        a, b = int(qsl[r]), int(qsl[r + 1])
-        o, final = chunked_gated_delta_rule(
-            q[a:b][None],
-            k[a:b][None],
-            v[a:b][None],
-            g[a:b][None],
-            beta[a:b][None],
-            init[r : r + 1],
-        )
-        out[a:b] = o[0]
-        recurrent_states[int(meta.state_slots_np[r]), 0] = final[0].to(recurrent_states.dtype)
-    return out

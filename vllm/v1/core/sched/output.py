@@ -51,22 +51,3 @@ class SchedulerOutput:
     @classmethod
     def empty(cls, finished: set[str], step_id: int = 0) -> SchedulerOutput:
         return cls([], CachedRequestData(), {}, 0, {}, finished, step_id)
-
-
-@dataclass
-class LogprobsLists:
-    """Top logprobs of one sampled token: ids[0] is the sampled token, then the top-k."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    sampled_rank: int
-
-
-@dataclass
-class ModelRunnerOutput:
-    req_ids: list[str]
-    req_id_to_index: dict[str, int]
-    sampled_token_ids: list[list[int]]
-    logprobs: list[list[LogprobsLists]] | None = None
-    prompt_logprobs: dict[str, list[LogprobsLists | None]] = field(default_factory=dict)
-    draft_token_ids: list[list[int]] | None = None

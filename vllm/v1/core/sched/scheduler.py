@@ -17,32 +17,13 @@ from dataclasses import dataclass, field
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.sched.output import (
-    CachedRequestData,
-    LogprobsLists,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.metrics.stats import SchedulerStats, SpecDecodingStats
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[LogprobsLists] | None = None
-    prompt_logprobs: list[LogprobsLists | None] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_cached_tokens: int = 0
 
 
 @dataclass
@@ -67,7 +48,11 @@ class Scheduler:
             num_state_slots,
             enable_caching=self.enable_prefix_caching,
             # A draft writes its own KV into the target's blocks (see KVCacheManager).
-            hash_next_token=self.num_spec_tokens > 0,
+            num_lookahead_tokens=(
+                vllm_config.speculative_config.num_lookahead_tokens
+                if vllm_config.speculative_config is not None
+                else 0
+            ),
         )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -327,11 +312,3 @@ class Scheduler:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False
-
-    def make_stats(self) -> SchedulerStats:
-        return SchedulerStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage(),
-            num_preemptions=self.num_preemptions,
-        )

@@ -19,7 +19,9 @@ class InputBatch:
     num_reqs: int
     idx_mapping_np: np.ndarray  # [R] batch row -> request-state slot
     num_scheduled_tokens: np.ndarray  # [R]
-    num_tokens: int
+    num_tokens: int  # real tokens T
+    # Rows the forward runs on (>= T: padded to a fixed shape); rows past T are padding that
+    # attention, KV writes, linear-attention states and sampling never see.
     num_tokens_after_padding: int
     query_start_loc_np: np.ndarray  # [R + 1]
     seq_lens_np: np.ndarray  # [R]
@@ -27,15 +29,17 @@ class InputBatch:
     prefill_len_np: np.ndarray  # [R] known tokens (history) of each request
     input_ids_np: np.ndarray  # [T]
     positions_np: np.ndarray  # [T]
-    input_ids: torch.Tensor
-    positions: torch.Tensor
+    input_ids: torch.Tensor  # [num_tokens_after_padding] (padding: token 0)
+    positions: torch.Tensor  # [num_tokens_after_padding] (padding: position 0)
     # Rows of the flattened batch whose logits are sampled: per request with a sample this step,
     # the last known token and each draft token after it (1 + num_drafts rows).
     logits_indices: torch.Tensor
     logits_indices_np: np.ndarray
+    logits_req_np: np.ndarray  # [N] batch row of each logits row
     cu_num_logits_np: np.ndarray  # [R + 1]
     num_draft_tokens_np: np.ndarray  # [R]
     need_sample_np: np.ndarray  # [R] bool: not a non-final prefill chunk
+    block_table_np: np.ndarray  # [R, max_blocks] each row's KV block ids
     attn_metadata: AttentionMetadata
 
     @property
@@ -50,8 +54,10 @@ def prepare_inputs(
     block_size: int,
     device: torch.device,
     short_query_len: int,
+    num_tokens_padded: int | None = None,
 ) -> InputBatch:
-    """Build the batch from the request states (before num_computed is advanced)."""
+    """Build the batch from the request states (before num_computed is advanced).
+    num_tokens_padded: rows the forward runs on (default: the real token count)."""
     slots = np.array([states.slot(r) for r in req_ids], dtype=np.int64)
     n = np.asarray(num_scheduled, dtype=np.int64)
     c = states.num_computed[slots].copy()
@@ -59,6 +65,9 @@ def prepare_inputs(
     qsl = np.zeros(len(slots) + 1, dtype=np.int64)
     np.cumsum(n, out=qsl[1:])
     T = int(qsl[-1])
+    T_pad = T if num_tokens_padded is None else int(num_tokens_padded)
+    if T_pad < T:
+        raise ValueError(f"num_tokens_padded={T_pad} is smaller than the {T} scheduled tokens")
     row = np.repeat(np.arange(len(slots)), n)
     positions = np.arange(T, dtype=np.int64) - np.repeat(qsl[:-1], n) + c[row]
     slot_row = slots[row]
@@ -79,9 +88,8 @@ def prepare_inputs(
     cu = np.zeros(len(slots) + 1, dtype=np.int64)
     np.cumsum(num_logits, out=cu[1:])
     # The logits rows of a request are the last num_logits rows of its query.
-    logits_idx = np.repeat(qsl[1:] - num_logits, num_logits) + (
-        np.arange(int(cu[-1])) - np.repeat(cu[:-1], num_logits)
-    )
+    logits_req = np.repeat(np.arange(len(slots)), num_logits)
+    logits_idx = (qsl[1:] - num_logits)[logits_req] + (np.arange(int(cu[-1])) - cu[:-1][logits_req])
     block_table = states.block_table[slots]
     slot_mapping = block_table[row, positions // block_size] * block_size + positions % block_size
     meta = build_attn_metadata(
@@ -100,19 +108,29 @@ def prepare_inputs(
         idx_mapping_np=slots,
         num_scheduled_tokens=n,
         num_tokens=T,
-        num_tokens_after_padding=T,
+        num_tokens_after_padding=T_pad,
         query_start_loc_np=qsl,
         seq_lens_np=seq_lens,
         num_computed_tokens_np=c,
         prefill_len_np=known,
         input_ids_np=input_ids,
         positions_np=positions,
-        input_ids=torch.from_numpy(input_ids).to(device),
-        positions=torch.from_numpy(positions).to(device),
+        input_ids=torch.from_numpy(_pad(input_ids, T_pad)).to(device),
+        positions=torch.from_numpy(_pad(positions, T_pad)).to(device),
         logits_indices=torch.from_numpy(logits_idx).to(device),
         logits_indices_np=logits_idx,
+        logits_req_np=logits_req,
         cu_num_logits_np=cu,
         num_draft_tokens_np=num_drafts,
         need_sample_np=need_sample,
+        block_table_np=block_table,
         attn_metadata=meta,
     )
+
+
+def _pad(x: np.ndarray, n: int) -> np.ndarray:
+    if len(x) == n:
+        return x
+    out = np.zeros(n, dtype=x.dtype)
+    out[: len(x)] = x
+    return out

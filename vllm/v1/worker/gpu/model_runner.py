@@ -5,6 +5,8 @@ on the last stage samples (or verifies drafts) and proposes the next drafts."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -14,14 +16,22 @@ from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import AttentionLayerBase
 from vllm.model_executor.model_loader import get_model
-from vllm.model_executor.models.interfaces import supports_pp
+from vllm.model_executor.models.interfaces import check_supports_pp
+from vllm.model_executor.models.registry import resolve_model_cls
 from vllm.sequence import IntermediateTensors
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.core.kv_cache_manager import cdiv
-from vllm.v1.core.sched.output import LogprobsLists, ModelRunnerOutput, SchedulerOutput
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.worker.gpu.input_batch import InputBatch, prepare_inputs
 from vllm.v1.worker.gpu.linear_attn_states import LinearAttnStates
-from vllm.v1.worker.gpu.sample.sampler import compute_logprobs, sample_tokens
-from vllm.v1.worker.gpu.states import RequestStates
+from vllm.v1.worker.gpu.pp_utils import PPHandler
+from vllm.v1.worker.gpu.sample.sampler import SamplingArrays, compute_logprobs
+from vllm.v1.worker.gpu.spec_decode import init_speculator
+from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import configure_target_aux_taps
+from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
+from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
+from vllm.v1.worker.gpu.states import RequestStates, StepResult, apply_step_result
 
 logger = init_logger(__name__)
 
@@ -43,40 +53,29 @@ class ModelRunner:
         )
         self.model: torch.nn.Module | None = None
         self.attn_layers: dict[str, AttentionLayerBase] = {}
-        self.speculator = None
+        self.speculator: BaseSpeculator | None = None
+        # Verifies drafts (or, without any, takes each request's one sampled token).
+        self.rejection_sampler = RejectionSampler(self.num_spec)
         self.kv_caches: dict[str, torch.Tensor] = {}
         # Hybrid models: per-request linear-attention states in the KV manager's state slots.
         self.linear_attn_states: LinearAttnStates | None = None
-        # P > 1: the last stage broadcasts what it sampled; the others apply it (pp_utils).
-        self.pp_handler = None
+        # P > 1: the last stage broadcasts each batch's StepResult; the others apply it.
+        self.pp_handler: PPHandler | None = None
         if self.pp.world_size > 1:
-            from vllm.v1.worker.gpu.pp_utils import PPHandler
-
             self.pp_handler = PPHandler(self.max_num_reqs, self.num_spec, self.device)
+        # Slots whose request entered this step (the speculator keeps nothing from before).
+        self._new_slots = np.zeros(0, dtype=np.int64)
 
     # ---- setup --------------------------------------------------------------------------
     def load_model(self) -> None:
         if self.pp.world_size > 1:
-            from vllm.model_executor.models.registry import resolve_model_cls
-
-            cls = resolve_model_cls(self.vllm_config.model_config.architecture)
-            if not supports_pp(cls):
-                raise ValueError(
-                    f"{cls.__name__} does not support pipeline parallelism "
-                    "(Pipeline parallelism is not supported for this model)"
-                )
+            check_supports_pp(resolve_model_cls(self.vllm_config.model_config.architecture))
         self.model = get_model(self.vllm_config, device=self.device)
         if self.vllm_config.speculative_config is not None and self.pp.is_last_rank:
-            from vllm.v1.worker.gpu.spec_decode import init_speculator
-
             self.speculator = init_speculator(self.vllm_config, self.device)
             self.speculator.load_model(self.model)
         elif self.vllm_config.speculative_config is not None:
             # EAGLE3: stages without the drafter still produce (and relay) its aux taps.
-            from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
-                configure_target_aux_taps,
-            )
-
             configure_target_aux_taps(self.model, self.vllm_config)
         if self.pp_handler is not None:
             self.pp_handler.configure_aux_hidden_state_relay(self.model)
@@ -87,7 +86,8 @@ class ModelRunner:
             self._all_modules(), self.max_num_reqs, self.num_spec, self.dtype, self.device
         )
 
-    def _all_modules(self):
+    def _all_modules(self) -> Iterator[tuple[str, torch.nn.Module]]:
+        assert self.model is not None
         yield from self.model.named_modules()
         if self.speculator is not None and self.speculator.model is not None:
             for name, m in self.speculator.model.named_modules():
@@ -119,15 +119,14 @@ class ModelRunner:
         if self.linear_attn_states is not None:
             self.linear_attn_states.allocate()
         if self.speculator is not None:
-            self.speculator.warmup(self)
+            self.speculator.capture()
 
     # ---- per step -----------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         st = self.states
         for rid in so.finished_req_ids:
             st.remove(rid)
-        for data in so.scheduled_new_reqs:
-            st.add(data)
+        self._new_slots = np.array([st.add(d) for d in so.scheduled_new_reqs], dtype=np.int64)
         cr = so.scheduled_cached_reqs
         for rid, blocks, nc in zip(cr.req_ids, cr.new_block_ids, cr.num_computed_tokens):
             s = st.slot(rid)
@@ -148,6 +147,7 @@ class ModelRunner:
             self.block_size,
             self.device,
             short_query_len=self.num_spec + 1 if self.num_spec else 1,
+            num_tokens_padded=self.vllm_config.padded_num_tokens(int(num_sched.sum())),
         )
 
     @torch.inference_mode()
@@ -160,6 +160,13 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {}, []) if self.pp.is_last_rank else None
         batch = self.prepare(so)
+        if intermediate_tensors is not None:
+            rows = intermediate_tensors["hidden_states"].shape[0]
+            if rows != batch.num_tokens_after_padding:
+                raise RuntimeError(
+                    f"stage {self.pp.rank} received {rows} rows of hidden states for a step of "
+                    f"{batch.num_tokens_after_padding} (padded) tokens"
+                )
         with set_forward_context(batch.attn_metadata, self._linear_attn_metadata(batch)):
             out = self.model(
                 batch.input_ids if self.pp.is_first_rank else None,
@@ -173,9 +180,9 @@ class ModelRunner:
                 out = self.pp_handler.relay_aux_hidden_states(intermediate_tensors, out)
                 self.pp_handler.receive(batch)
             return out
-        return self._sample_and_propose(so, batch, out)
+        return self._sample_and_propose(batch, out)
 
-    def _linear_attn_metadata(self, batch: InputBatch):
+    def _linear_attn_metadata(self, batch: InputBatch) -> GDNAttentionMetadata | None:
         if self.linear_attn_states is None:
             return None
         return self.linear_attn_states.prepare(
@@ -189,6 +196,7 @@ class ModelRunner:
     def _pp_apply_prev_results(self, so: SchedulerOutput) -> None:
         """Non-last stages: apply the last stage's results that this step's requests need."""
         st, h = self.states, self.pp_handler
+        assert h is not None
         for rid in so.finished_req_ids:
             if rid in st.req_id_to_slot:
                 h.on_req_idx_freed(st.slot(rid))
@@ -196,81 +204,87 @@ class ModelRunner:
         h.apply_pending(st, [st.slot(r) for r in cached if r in st.req_id_to_slot])
 
     def _sample_and_propose(
-        self, so: SchedulerOutput, batch: InputBatch, hidden: torch.Tensor
+        self,
+        batch: InputBatch,
+        out: torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]],
     ) -> ModelRunnerOutput:
-        aux = None
-        if isinstance(hidden, tuple):
-            hidden, aux = hidden
+        """Last stage: sample (verifying drafts), propose the next drafts, apply the step's
+        result to the request states and send it to the other stages."""
+        assert self.model is not None
+        hidden, aux = out if isinstance(out, tuple) else (out, None)
         st = self.states
         slots = batch.idx_mapping_np
         prompt_lp = self._prompt_logprobs(batch, hidden)
-        sampled_lists: list[list[int]] = [[] for _ in range(batch.num_reqs)]
-        logprob_lists: list[list[LogprobsLists]] | None = None
-        num_sampled = np.zeros(batch.num_reqs, dtype=np.int64)
-        num_rejected = np.zeros(batch.num_reqs, dtype=np.int64)
+        logits: torch.Tensor | None = None
+        tokens = np.zeros(0, dtype=np.int64)
         if len(batch.logits_indices_np):
             logits = self.model.compute_logits(hidden[batch.logits_indices])
-            rows = np.repeat(np.arange(batch.num_reqs), np.diff(batch.cu_num_logits_np))
-            rslots = slots[rows]
+            rslots = slots[batch.logits_req_np]
             # Position of the token each logits row predicts.
             positions = batch.positions_np[batch.logits_indices_np] + 1
             self._apply_min_tokens(logits, rslots, positions)
-            tokens = sample_tokens(
-                logits,
-                st.temperature[rslots],
-                st.top_k[rslots],
-                st.top_p[rslots],
-                st.min_p[rslots],
-                st.seed[rslots],
-                positions,
-            )
-            if batch.has_drafts:
-                from vllm.v1.worker.gpu.spec_decode.rejection_sampler import rejection_sample
-
-                sampled_lists, keep_rows = rejection_sample(
-                    self, batch, logits, tokens, rows, positions
-                )
-            else:
-                keep_rows = np.arange(len(rows))
-                tok_list = tokens.tolist()
-                for j, r in enumerate(rows.tolist()):
-                    sampled_lists[r].append(tok_list[j])
-            if (st.num_logprobs[rslots] >= -1).any():
-                kept = torch.from_numpy(keep_rows).to(logits.device)
-                sampled_flat = torch.tensor(
-                    [t for lst in sampled_lists for t in lst],
-                    dtype=torch.long,
-                    device=logits.device,
-                )
-                lps = compute_logprobs(
-                    logits[kept], sampled_flat, st.num_logprobs[rslots[keep_rows]]
-                )
-                logprob_lists = [[] for _ in range(batch.num_reqs)]
-                for j, r in enumerate(rows[keep_rows].tolist()):
-                    logprob_lists[r].append(lps[j])
-        for i, s in enumerate(slots.tolist()):
-            toks = sampled_lists[i]
-            num_sampled[i] = len(toks)
-            if toks:
-                num_rejected[i] = batch.num_draft_tokens_np[i] + 1 - len(toks)
-                st.num_computed[s] -= num_rejected[i]
-                st.append_sampled(s, toks)
-        self._after_sample(batch, sampled_lists, num_sampled, num_rejected)
+            tokens = SamplingArrays.of(st, rslots).sample(logits, positions).cpu().numpy()
+        sampled, num_sampled = self.rejection_sampler(batch, tokens)
+        num_rejected = np.where(num_sampled > 0, batch.num_draft_tokens_np + 1 - num_sampled, 0)
         drafts = None
         if self.speculator is not None:
+            # The prompt tokens after each row's chunk: the draft's next inputs where nothing
+            # was sampled (a non-final prefill chunk).
+            ahead = np.arange(self.speculator.num_lookahead_tokens)
+            chunk_end = batch.num_computed_tokens_np + batch.num_scheduled_tokens
+            cols = np.minimum(chunk_end[:, None] + ahead, st.token_ids.shape[1] - 1)
+            next_prefill = st.token_ids[slots[:, None], cols]
             drafts = self.speculator.propose(
-                self, batch, hidden, aux, sampled_lists, num_sampled, num_rejected
+                batch,
+                hidden,
+                aux,
+                sampled,
+                num_sampled,
+                num_rejected,
+                next_prefill,
+                SamplingArrays.of(st, slots),
+                np.isin(slots, self._new_slots),
             )
-            if self.pp_handler is not None:
-                self._broadcast_drafts(batch, drafts)
+        result = StepResult(sampled, num_sampled, num_rejected, drafts)
+        apply_step_result(st, result, np.where(batch.need_sample_np, slots, -1))
+        if self.pp_handler is not None:
+            self.pp_handler.broadcast(result, batch)
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
-            sampled_token_ids=sampled_lists,
-            logprobs=logprob_lists,
+            sampled_token_ids=result.sampled_token_lists(),
+            logprobs=self._logprobs(batch, logits, result),
             prompt_logprobs=prompt_lp,
-            draft_token_ids=drafts,
+            draft_token_ids=None if drafts is None else drafts.tolist(),
         )
+
+    def _logprobs(
+        self, batch: InputBatch, logits: torch.Tensor | None, result: StepResult
+    ) -> list[list[LogprobsLists | None]] | None:
+        """Logprobs of every sampled token (per request), when any request asked for them."""
+        st = self.states
+        if logits is None:
+            return None
+        rslots = batch.idx_mapping_np[batch.logits_req_np]
+        if not (st.num_logprobs[rslots] >= -1).any():
+            return None
+        n = result.num_sampled
+        # A request's sampled tokens came from its first num_sampled logits rows.
+        req = np.repeat(np.arange(batch.num_reqs), n)
+        kept = (
+            batch.cu_num_logits_np[:-1][req] + np.arange(len(req)) - np.repeat(np.cumsum(n) - n, n)
+        )
+        mask = np.arange(result.sampled.shape[1]) < n[:, None]
+        sampled_flat = torch.from_numpy(result.sampled[mask]).to(logits.device)
+        lps = compute_logprobs(
+            logits[torch.from_numpy(kept).to(logits.device)],
+            sampled_flat,
+            st.num_logprobs[rslots[kept]],
+        )
+        out: list[list[LogprobsLists | None]] = [[] for _ in range(batch.num_reqs)]
+        for r, lp in zip(req.tolist(), lps):
+            out[r].append(lp)
+        return out
 
     def _apply_min_tokens(
         self, logits: torch.Tensor, rslots: np.ndarray, positions: np.ndarray
@@ -283,25 +297,6 @@ class ModelRunner:
             stop_ids = st.params[rslots[r]].all_stop_token_ids
             if stop_ids:
                 logits[r, list(stop_ids)] = float("-inf")
-
-    def _after_sample(self, batch, sampled_lists, num_sampled, num_rejected) -> None:
-        """Hook for pipeline parallelism: the last stage broadcasts what it sampled."""
-        if self.pp_handler is None:
-            return
-        width = max((len(t) for t in sampled_lists), default=0)
-        sampled = torch.full((batch.num_reqs, max(width, 1)), -1, dtype=torch.int64)
-        for i, toks in enumerate(sampled_lists):
-            sampled[i, : len(toks)] = torch.tensor(toks, dtype=torch.int64)
-        self.pp_handler.broadcast(sampled, num_sampled, num_rejected, batch)
-
-    def _broadcast_drafts(self, batch: InputBatch, drafts: list[list[int]] | None) -> None:
-        """Send the new drafts to the other stages: the first embeds them next step. Always
-        [R, K] (rows without drafts are zero-filled; the receivers drop them by mask)."""
-        out = torch.zeros(batch.num_reqs, self.num_spec, dtype=torch.int64)
-        for i, d in enumerate(drafts or []):
-            if d:
-                out[i, : len(d)] = torch.tensor(d[: self.num_spec], dtype=torch.int64)
-        self.pp_handler.broadcast_drafts(out, batch)
 
     def _prompt_logprobs(
         self, batch: InputBatch, hidden: torch.Tensor

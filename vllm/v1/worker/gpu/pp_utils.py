@@ -1,20 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""PPHandler: the last pipeline stage tells every other stage what it sampled (and drafted).
+"""PPHandler: the last pipeline stage tells every other stage what it decided for each batch.
 
 Non-last stages never sample, yet the first stage must embed each request's last sampled token
 and its draft tokens, and every stage must roll its computed-token count back by the drafts
-the last stage rejected. After sampling, the last stage broadcasts, per batch row,
+the last stage rejected. After sampling and proposing, the last stage broadcasts the batch's
+StepResult as one unit, per batch row:
   1. sampled tokens    [R, K+1] int64 (padded with PAD_TOKEN_ID: the width never depends on
                        how many drafts were accepted),
   2. counts            [2, R] int32 (num_sampled; num_rejected),
-and after proposing (K > 0 only)
-  3. draft tokens      [R, K] int64.
+  3. draft tokens      [R, K] int64 (K > 0 only).
 The other stages post the matching receives (asynchronously) right after running the same batch
-and apply them before that batch's requests run again. Both sides skip a batch with no row
-needing a sample (only non-final prefill chunks) from CPU state they share, so collectives
-always pair one-to-one, in the same order. A separate process group (broadcast_group) carries
-them so they never queue behind the stage-to-stage tensors.
+and apply them (apply_step_result, as the last stage does) before that batch's requests run
+again. Both sides skip a batch with no row needing a sample (only non-final prefill chunks)
+from CPU state they share, so collectives always pair one-to-one, in the same order. A
+separate process group (broadcast_group) carries them so they never queue behind the
+stage-to-stage tensors.
 """
 
 from __future__ import annotations
@@ -22,30 +23,20 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-PAD_TOKEN_ID = -1
+from vllm.v1.worker.gpu.states import RequestStates, StepResult, apply_step_result
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+
+SENDS_PER_BATCH = 3  # sampled tokens, counts, drafts
 
 
-def pad_sampled_token_ids(sampled: torch.Tensor, width: int) -> torch.Tensor:
-    """Widen [R, n <= width] int64 to [R, width], filling with PAD_TOKEN_ID."""
-    if sampled.dim() != 2 or sampled.shape[1] > width:
-        raise ValueError(
-            f"sampled token ids of shape {tuple(sampled.shape)} do not fit width {width}"
-        )
-    if sampled.shape[1] == width:
-        return sampled.contiguous()
-    out = torch.full(
-        (sampled.shape[0], width), PAD_TOKEN_ID, dtype=sampled.dtype, device=sampled.device
-    )
-    out[:, : sampled.shape[1]] = sampled
-    return out
-
-
-def compute_need_sampled_mask(input_batch: Any) -> np.ndarray | None:
+def compute_need_sampled_mask(input_batch: InputBatch) -> np.ndarray | None:
     """Rows that produce a sample this step; None when no row does (then nothing is sent)."""
     need = np.asarray(input_batch.need_sample_np, dtype=bool)
     return need if need.any() else None
@@ -105,8 +96,10 @@ class PPHandler:
         self.broadcast_group = pp_group.broadcast_group
         # Receives posted, in batch order (non-last ranks).
         self.queue: deque[PendingRecv] = deque()
-        # Sends posted and not yet known complete (last rank): keeps their tensors alive.
+        # Sends posted and not yet reaped (last rank): keeps their tensors alive. At most
+        # three per batch and world_size batches in flight (the engine's limit).
         self._sends: deque[tuple[Any, torch.Tensor]] = deque()
+        self.max_pending_sends = SENDS_PER_BATCH * pp_group.world_size
         # Bumped when a slot is freed: results addressed to its previous owner are dropped.
         self.req_idx_gen_np = np.zeros(max_num_reqs, dtype=np.int64)
         self.recv_wait_s = 0.0  # time spent blocked on broadcasts not yet arrived (benchmarks)
@@ -147,49 +140,43 @@ class PPHandler:
 
     # ---- last rank -------------------------------------------------------------------------
     def _post_send(self, tensor: torch.Tensor) -> None:
-        while self._sends and self._sends[0][0].is_completed():
-            self._sends.popleft()
-        self._sends.append((self._bcast(tensor), tensor))
+        # gloo's is_completed() stays False until wait() is called, so waiting on completion
+        # alone would keep every batch's tensors forever. A send older than the batches in
+        # flight has been received (its batch's output reached the engine before this batch
+        # was started), so waiting on it returns at once and frees it.
+        sends = self._sends
+        while sends and (len(sends) >= self.max_pending_sends or sends[0][0].is_completed()):
+            sends.popleft()[0].wait()
+        sends.append((self._bcast(tensor), tensor))
 
-    def broadcast(
-        self,
-        sampled_token_ids: torch.Tensor,
-        num_sampled: torch.Tensor | np.ndarray,
-        num_rejected: torch.Tensor | np.ndarray,
-        input_batch: Any,
-    ) -> bool:
-        """Send this batch's sampled tokens and counts; False when the batch sent nothing."""
+    @property
+    def num_pending_sends(self) -> int:
+        """Broadcasts posted and not reaped yet (bounded by max_pending_sends)."""
+        return len(self._sends)
+
+    def broadcast(self, result: StepResult, input_batch: InputBatch) -> bool:
+        """Send this batch's result (sampled tokens, counts, drafts); False when the batch
+        sent nothing."""
         assert self.is_last_rank, "only the last pipeline stage broadcasts"
         if compute_need_sampled_mask(input_batch) is None:
             return False
-        if sampled_token_ids.dtype != torch.int64:
-            raise TypeError(f"sampled token ids must be int64, got {sampled_token_ids.dtype}")
-        num_reqs = input_batch.num_reqs
-        if sampled_token_ids.shape[0] != num_reqs:
+        R, K = input_batch.num_reqs, self.num_speculative_steps
+        if result.sampled.shape != (R, self.max_sample_len):
             raise ValueError(
-                f"sampled token ids have {sampled_token_ids.shape[0]} rows, the batch {num_reqs}"
+                f"sampled token ids have shape {result.sampled.shape}, expected "
+                f"{(R, self.max_sample_len)}"
             )
-        tokens = pad_sampled_token_ids(sampled_token_ids.to(self.device), self.max_sample_len)
-        counts = torch.stack(
-            [
-                torch.as_tensor(num_sampled, dtype=torch.int32).reshape(num_reqs),
-                torch.as_tensor(num_rejected, dtype=torch.int32).reshape(num_reqs),
-            ]
-        ).to(self.device)
-        self._post_send(tokens)
-        self._post_send(counts)
-        return True
-
-    def broadcast_drafts(self, draft_tokens: torch.Tensor | list, input_batch: Any) -> bool:
-        """Send the drafts proposed for this batch ([R, K]); call right after propose."""
-        assert self.is_last_rank, "only the last pipeline stage broadcasts"
-        if self.num_speculative_steps == 0 or compute_need_sampled_mask(input_batch) is None:
-            return False
-        drafts = torch.as_tensor(draft_tokens, dtype=torch.int64, device=self.device)
-        expected = (input_batch.num_reqs, self.num_speculative_steps)
-        if tuple(drafts.shape) != expected:
-            raise ValueError(f"draft tokens have shape {tuple(drafts.shape)}, expected {expected}")
-        self._post_send(drafts.contiguous())
+        if result.sampled.dtype != np.int64:
+            raise TypeError(f"sampled token ids must be int64, got {result.sampled.dtype}")
+        counts = np.stack([result.num_sampled, result.num_rejected]).astype(np.int32)
+        self._post_send(torch.from_numpy(result.sampled).to(self.device))
+        self._post_send(torch.from_numpy(counts).to(self.device))
+        if K > 0:
+            if result.drafts is None or result.drafts.shape != (R, K):
+                shape = None if result.drafts is None else result.drafts.shape
+                raise ValueError(f"draft tokens have shape {shape}, expected {(R, K)}")
+            drafts = np.ascontiguousarray(result.drafts, dtype=np.int64)
+            self._post_send(torch.from_numpy(drafts).to(self.device))
         return True
 
     def wait_sends(self) -> None:
@@ -197,7 +184,7 @@ class PPHandler:
             self._sends.popleft()[0].wait()
 
     # ---- other ranks -----------------------------------------------------------------------
-    def receive(self, input_batch: Any) -> bool:
+    def receive(self, input_batch: InputBatch) -> bool:
         """Post the receives matching the last rank's broadcasts for this batch (non-blocking).
 
         Returns False when the batch expects nothing (no row needs a sample)."""
@@ -237,13 +224,12 @@ class PPHandler:
     def _holds_any(self, entry: PendingRecv, req_idxs: np.ndarray) -> bool:
         return bool(np.isin(entry.idx_mapping_np[self._live_rows(entry)], req_idxs).any())
 
-    def get_prev_sampled_outputs(self, states: Any) -> dict[str, np.ndarray] | None:
-        """Wait for the oldest pending batch and apply it to the request states.
+    def get_prev_sampled_outputs(self) -> tuple[np.ndarray, StepResult] | None:
+        """Wait for the oldest pending batch; returns (idx_mapping, its StepResult), or None
+        when nothing was pending or every row was dropped.
 
-        For each kept row: append its sampled tokens to the slot's history, roll num_computed
-        back by its rejected drafts, store its drafts. Rows whose slot was freed since the
-        receive, or that did not need a sample, are dropped (idx_mapping -1). Returns the
-        applied arrays, or None when nothing was pending or every row was dropped."""
+        idx_mapping [R] is each row's request-state slot, or -1 for a row whose slot was freed
+        since the receive or that did not need a sample."""
         if not self.queue:
             return None
         entry = self.queue.popleft()
@@ -254,27 +240,18 @@ class PPHandler:
         if not keep.any():
             return None
         idx_mapping = np.where(keep, entry.idx_mapping_np, -1)
-        tokens = entry.sampled_tokens.cpu().numpy()
-        counts = entry.counts.cpu().numpy()
-        num_sampled, num_rejected = counts[0].astype(np.int64), counts[1].astype(np.int64)
-        drafts = None if entry.draft_tokens is None else entry.draft_tokens.cpu().numpy()
-        for i in np.nonzero(keep)[0].tolist():
-            s = int(idx_mapping[i])
-            n = int(num_sampled[i])
-            if n > 0:
-                states.num_computed[s] -= num_rejected[i]
-                states.append_sampled(s, tokens[i, :n].tolist())
-            if drafts is not None:
-                states.draft_tokens[s, : drafts.shape[1]] = drafts[i]
-        return {
-            "idx_mapping": idx_mapping,
-            "sampled_tokens": tokens,
-            "num_sampled": num_sampled,
-            "num_rejected": num_rejected,
-            "draft_tokens": drafts,
-        }
+        counts = entry.counts.cpu().numpy().astype(np.int64)
+        result = StepResult(
+            sampled=entry.sampled_tokens.cpu().numpy(),
+            num_sampled=counts[0],
+            num_rejected=counts[1],
+            drafts=None if entry.draft_tokens is None else entry.draft_tokens.cpu().numpy(),
+        )
+        return idx_mapping, result
 
-    def apply_pending(self, states: Any, scheduled_req_idxs: np.ndarray | list[int]) -> int:
+    def apply_pending(
+        self, states: RequestStates, scheduled_req_idxs: np.ndarray | list[int]
+    ) -> int:
         """Bring the states of the requests scheduled this step up to date.
 
         Applies pending batches in FIFO order: first those already complete (free), then, if
@@ -284,7 +261,7 @@ class PPHandler:
         req_idxs = np.asarray(scheduled_req_idxs, dtype=np.int64)
         applied = 0
         while self.queue and self.queue[0].is_completed():
-            self.get_prev_sampled_outputs(states)
+            self._apply_next(states)
             applied += 1
         if len(req_idxs) == 0:
             return applied
@@ -293,6 +270,11 @@ class PPHandler:
             if self._holds_any(entry, req_idxs):
                 last_needed = j
         for _ in range(last_needed + 1):
-            self.get_prev_sampled_outputs(states)
+            self._apply_next(states)
             applied += 1
         return applied
+
+    def _apply_next(self, states: RequestStates) -> None:
+        out = self.get_prev_sampled_outputs()
+        if out is not None:
+            apply_step_result(states, out[1], out[0])

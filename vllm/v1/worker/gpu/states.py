@@ -4,11 +4,14 @@
 
 A request keeps its slot from the step it enters the batch until it finishes or is preempted, so
 token history, block table and sampling parameters are written once, not rebuilt every step.
+What the last pipeline stage decides for a batch (StepResult) is applied to these states by one
+function, apply_step_result, on every stage.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -44,8 +47,6 @@ class RequestStates:
         self.num_logprobs = np.full(max_num_reqs, -2, dtype=np.int64)  # -2: none requested
         self.num_prompt_logprobs = np.full(max_num_reqs, -2, dtype=np.int64)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
-        # Bumped whenever a slot is freed, so results addressed to its old owner can be dropped.
-        self.generation = np.zeros(max_num_reqs, dtype=np.int64)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
 
     def slot(self, req_id: str) -> int:
@@ -88,11 +89,46 @@ class RequestStates:
             return None
         self.slot_req_id[s] = None
         self.params[s] = None
-        self.generation[s] += 1
         self._free.append(s)
         return s
 
-    def append_sampled(self, s: int, tokens: list[int]) -> None:
-        n = int(self.num_tokens[s])
-        self.token_ids[s, n : n + len(tokens)] = tokens
-        self.num_tokens[s] = n + len(tokens)
+
+# Fills the unused tail of a StepResult row (its width never depends on how many drafts were
+# accepted).
+PAD_TOKEN_ID = -1
+
+
+@dataclass
+class StepResult:
+    """What the last pipeline stage decided for one batch, one row per batch row: the tokens
+    it sampled (accepted drafts, then the target's own token), how many drafts it rejected, and
+    the drafts it proposed for the next step. Every stage applies it with apply_step_result."""
+
+    sampled: np.ndarray  # [R, K + 1] int64; row i holds num_sampled[i] tokens, then PAD_TOKEN_ID
+    num_sampled: np.ndarray  # [R] int64; 0 for a non-final prefill chunk
+    num_rejected: np.ndarray  # [R] int64; 0 where nothing was sampled
+    drafts: np.ndarray | None  # [R, K] int64, or None without speculation
+
+    def sampled_token_lists(self) -> list[list[int]]:
+        """The sampled tokens of each row as lists (what the scheduler consumes)."""
+        return [row[:n] for row, n in zip(self.sampled.tolist(), self.num_sampled.tolist())]
+
+
+def apply_step_result(states: RequestStates, result: StepResult, idx_mapping: np.ndarray) -> None:
+    """Bring the request states up to date with one batch's result.
+
+    idx_mapping [R]: the request-state slot of each row, -1 for rows to skip (a slot freed
+    since, or a row that sampled nothing). For each kept row: roll num_computed back by the
+    rejected drafts (it was advanced optimistically over every scheduled token), append the
+    sampled tokens to the token history, store the new drafts."""
+    rows = np.flatnonzero(idx_mapping >= 0)
+    if len(rows) == 0:
+        return
+    slots = idx_mapping[rows]
+    n = result.num_sampled[rows]
+    states.num_computed[slots] -= result.num_rejected[rows]
+    r, c = np.nonzero(np.arange(result.sampled.shape[1]) < n[:, None])
+    states.token_ids[slots[r], states.num_tokens[slots[r]] + c] = result.sampled[rows[r], c]
+    states.num_tokens[slots] += n
+    if result.drafts is not None:
+        states.draft_tokens[slots, : result.drafts.shape[1]] = result.drafts[rows]

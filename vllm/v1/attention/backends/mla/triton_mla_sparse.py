@@ -3,7 +3,9 @@
 """Sparse MLA in Triton: one kernel for CUDA and ROCm GPUs (and Triton's CPU interpreter).
 
 One program per (query token, block of heads) streams that token's selected latent cache rows
-with an online softmax. Dots use IEEE precision (no TF32 rounding of fp32 inputs; the only
+with an online softmax. The selection itself (ties at the top-k boundary resolved toward the lower
+position) is the indexer's, shared with the torch backend, so both attend over the same set
+whatever the batch layout. Dots use IEEE precision (no TF32 rounding of fp32 inputs; the only
 precision every backend accepts; bf16 inputs are unaffected). Importing this module never
 needs triton; running it does.
 """
@@ -14,7 +16,7 @@ import os
 
 import torch
 
-from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLACommonImpl
+from vllm.v1.attention.backends.mla.sparse_common import SparseMLACommonImpl
 
 try:
     import triton

@@ -4,46 +4,39 @@
 
 Random sampling is Gumbel-max with noise drawn from a generator keyed by (request seed, position
 of the token being sampled). A request's tokens therefore depend only on its own seed and logits,
-not on what else is in the batch, how its prompt was chunked, or which stage samples it.
+not on what else is in the batch, how its prompt was chunked, or which stage samples it. A
+probabilistic draft token is drawn with the same keyed noise (see the rejection sampler).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 import torch
 
-from vllm.v1.core.sched.output import LogprobsLists
+from vllm.v1.outputs import LogprobsLists
 
 _MASK = 0x7FFF_FFFF_FFFF_FFFF
 
 
-def noise_seed(seed: int, position: int, stream: int = 0) -> int:
-    """A 63-bit generator seed for (request seed, token position, stream)."""
-    x = (int(seed) * 0x9E3779B97F4A7C15 + int(position) * 0xBF58476D1CE4E5B9 + stream) & _MASK
+def noise_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed for (request seed, token position)."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(position) * 0xBF58476D1CE4E5B9) & _MASK
     x ^= x >> 31
     return (x * 0x94D049BB133111EB) & _MASK
 
 
 def exponential_noise(
-    seeds: np.ndarray, positions: np.ndarray, vocab: int, device: torch.device, stream: int = 0
+    seeds: np.ndarray, positions: np.ndarray, vocab: int, device: torch.device
 ) -> torch.Tensor:
     """[N, vocab] Exp(1) noise, row i from a generator keyed by (seeds[i], positions[i])."""
     out = torch.empty(len(seeds), vocab, dtype=torch.float32, device=device)
     gen = torch.Generator(device=device)
     for i, (s, p) in enumerate(zip(seeds.tolist(), positions.tolist())):
-        gen.manual_seed(noise_seed(s, p, stream))
+        gen.manual_seed(noise_seed(s, p))
         out[i].exponential_(generator=gen)
-    return out
-
-
-def uniform_noise(
-    seeds: np.ndarray, positions: np.ndarray, device: torch.device, stream: int = 1
-) -> torch.Tensor:
-    out = torch.empty(len(seeds), dtype=torch.float32, device=device)
-    gen = torch.Generator(device=device)
-    for i, (s, p) in enumerate(zip(seeds.tolist(), positions.tolist())):
-        gen.manual_seed(noise_seed(s, p, stream))
-        out[i : i + 1].uniform_(generator=gen)
     return out
 
 
@@ -103,6 +96,44 @@ def sample_tokens(
     probs = scaled.softmax(-1)
     out[r] = (probs / noise).argmax(-1)
     return out
+
+
+@dataclass
+class SamplingArrays:
+    """Per-row sampling parameters of a set of requests (rows of a logits tensor)."""
+
+    temperature: np.ndarray  # [N] float32; < 1e-5 means greedy
+    top_k: np.ndarray  # [N] int64; <= 0 means off
+    top_p: np.ndarray  # [N] float32
+    min_p: np.ndarray  # [N] float32
+    seeds: np.ndarray  # [N] int64
+
+    @classmethod
+    def of(cls, states: Any, slots: np.ndarray) -> SamplingArrays:
+        """The parameters of the requests in request-state slots `slots`, one row each."""
+        return cls(
+            states.temperature[slots],
+            states.top_k[slots],
+            states.top_p[slots],
+            states.min_p[slots],
+            states.seed[slots],
+        )
+
+    @classmethod
+    def greedy(cls, n: int) -> SamplingArrays:
+        return cls(
+            np.zeros(n, np.float32),
+            np.zeros(n, np.int64),
+            np.ones(n, np.float32),
+            np.zeros(n, np.float32),
+            np.zeros(n, np.int64),
+        )
+
+    def sample(self, logits: torch.Tensor, positions: np.ndarray) -> torch.Tensor:
+        """sample_tokens with these parameters; positions [N] of the tokens being sampled."""
+        return sample_tokens(
+            logits, self.temperature, self.top_k, self.top_p, self.min_p, self.seeds, positions
+        )
 
 
 def compute_logprobs(

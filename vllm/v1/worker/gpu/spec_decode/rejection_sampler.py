@@ -3,195 +3,91 @@
 """Verifying draft tokens against the target (lossless speculative sampling).
 
 A request with d drafts has d + 1 logits rows: row j is the target's distribution p_j for the
-position of draft j, the last row the one after all drafts. Greedy requests keep the longest
-prefix of drafts equal to the target's argmax, then the target's token (correction or bonus).
-Sampling requests accept draft j with probability min(1, p_j(x) / q_j(x)) (q_j: the draft's
-distribution, one-hot for argmax drafts) and, at the first rejection, draw from the normalised
-max(p_j - q_j, 0); after d acceptances the bonus token is the target's own sample of the last
-row. Every draw is keyed by (request seed, position), like the sampler's, so a seeded request
-reproduces whatever else is in the batch.
+position of draft j, the last row the one after all drafts. The sampler has already drawn the
+target's own token y_j of every row, keyed by (request seed, position): exactly the token
+sampling without speculation would draw there (argmax for greedy requests). The verifier keeps
+the longest prefix of drafts equal to those tokens and emits y_0 .. y_a (the accepted drafts, then
+the target's token at the first mismatch, or the bonus token after d acceptances).
+
+This is lossless for any drafter: every emitted token is the target's keyed sample given the
+emitted prefix, so a seeded request's text depends on nothing but its seed and the target -
+not on the batch, chunking, preemption, P, or which drafts happened to be proposed (where the
+classic accept-with-min(1, p/q) test plus residual resample would make the text depend on the
+drafts, hence on how they were aligned). Acceptance: a greedy draft x is accepted with
+probability p(x), as in the classic test; a probabilistic draft is drawn with the same keyed
+noise as the target (Gumbel-max over q instead of p), so it matches y_j with probability
+sum_i 1 / sum_k max(p_k / p_i, q_k / q_i), equal to 1 when q = p.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from vllm.v1.worker.gpu.sample.sampler import (
-    apply_temperature_and_filters,
-    exponential_noise,
-    uniform_noise,
-)
+from vllm.v1.worker.gpu.states import PAD_TOKEN_ID
 
-ACCEPT_NOISE_STREAM = 1
-RESAMPLE_NOISE_STREAM = 2
+if TYPE_CHECKING:
+    from vllm.v1.worker.gpu.input_batch import InputBatch
 
 
 def rejection_sample_tokens(
-    target_probs: torch.Tensor | None,
     target_tokens: np.ndarray,
     cu_num_logits: np.ndarray,
     draft_token_ids: np.ndarray,
-    draft_probs: torch.Tensor | None,
-    greedy: np.ndarray,
-    seeds: np.ndarray,
-    positions: np.ndarray,
-) -> list[list[int]]:
-    """Output tokens per request (1 to d + 1 each).
+    width: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Output tokens per request: (sampled [R, width] int64, padded with PAD_TOKEN_ID;
+    num_sampled [R]: 1 to d + 1 each, 0 for a request without logits rows).
 
-    target_probs [N, V]: p of every row (rows of greedy requests are not read; may be None when
-    all requests are greedy). target_tokens [N]: the target's own sample (argmax when greedy)
-    of every row. cu_num_logits [R + 1]: request r owns rows cu[r] .. cu[r+1] - 1.
-    draft_token_ids [N]: the draft each row verifies (a request's last row: ignored).
-    draft_probs [N, V] or None (drafts were argmax: q one-hot). greedy / seeds [R].
-    positions [N]: position of the token each row predicts.
+    target_tokens [N]: the target's keyed sample of every logits row. cu_num_logits [R + 1]:
+    request r owns rows cu[r] .. cu[r+1] - 1. draft_token_ids [N]: the draft each row verifies
+    (a request's last row verifies none; its value is ignored). width: at least the most rows
+    of any request (default: exactly that).
     """
     tokens = np.asarray(target_tokens, dtype=np.int64)
     drafts = np.asarray(draft_token_ids, dtype=np.int64)
     cu = np.asarray(cu_num_logits, dtype=np.int64)
-    greedy = np.asarray(greedy, dtype=bool)
     R = len(cu) - 1
     n_rows = np.diff(cu)
     d = np.maximum(n_rows - 1, 0)
     row_req = np.repeat(np.arange(R), n_rows)
     j = np.arange(len(tokens)) - cu[:-1][row_req]  # index of each row within its request
-    is_draft = j < d[row_req]
-    ok = np.zeros(len(tokens), dtype=bool)
-    g = is_draft & greedy[row_req]
-    ok[g] = drafts[g] == tokens[g]
-    s_rows = np.nonzero(is_draft & ~greedy[row_req])[0]
-    if len(s_rows):
-        dev = target_probs.device
-        rt = torch.from_numpy(s_rows).to(dev)
-        ids = torch.from_numpy(drafts[s_rows]).to(dev)
-        p_x = target_probs[rt, ids]
-        q_x = draft_probs[rt, ids] if draft_probs is not None else torch.ones_like(p_x)
-        u = uniform_noise(seeds[row_req[s_rows]], positions[s_rows], dev, ACCEPT_NOISE_STREAM)
-        ok[s_rows] = (u * q_x < p_x).cpu().numpy()
-    # Accepted drafts = leading run of ok rows.
-    first_bad = np.where(is_draft & ~ok, j, np.iinfo(np.int64).max)
-    a = np.zeros(R, dtype=np.int64)
+    mismatch = (j < d[row_req]) & (drafts != tokens)
+    first_bad = np.where(mismatch, j, np.iinfo(np.int64).max)
+    accepted = np.zeros(R, dtype=np.int64)
     nonempty = n_rows > 0
     if nonempty.any():
-        a[nonempty] = np.minimum.reduceat(first_bad, cu[:-1][nonempty])
-    a = np.minimum(a, d)
-    final_row = cu[:-1] + a
-    final = np.zeros(R, dtype=np.int64)
-    final[nonempty] = tokens[final_row[nonempty]]
-    rej = np.nonzero(nonempty & ~greedy & (a < d))[0]
-    if len(rej):
-        rows = final_row[rej]
-        rt = torch.from_numpy(rows).to(target_probs.device)
-        p = target_probs[rt]
-        if draft_probs is not None:
-            residual = (p - draft_probs[rt]).clamp_min(0)
-        else:
-            residual = p.clone()
-            residual[torch.arange(len(rows)), torch.from_numpy(drafts[rows]).to(p.device)] = 0
-        # p == q up to rounding: then any draw from p is exact.
-        empty = residual.sum(-1) <= 0
-        residual[empty] = p[empty]
-        noise = exponential_noise(
-            seeds[rej], positions[rows], p.shape[-1], p.device, RESAMPLE_NOISE_STREAM
-        )
-        final[rej] = (residual / noise).argmax(-1).cpu().numpy()
-    drafts_l, final_l, a_l, cu_l = drafts.tolist(), final.tolist(), a.tolist(), cu.tolist()
-    return [
-        drafts_l[cu_l[r] : cu_l[r] + a_l[r]] + [final_l[r]] if n_rows[r] else [] for r in range(R)
-    ]
+        accepted[nonempty] = np.minimum.reduceat(first_bad, cu[:-1][nonempty])
+    num_sampled = np.where(nonempty, np.minimum(accepted, d) + 1, 0)
+    W = int(n_rows.max(initial=0)) if width is None else width
+    cols = np.arange(W)
+    keep = cols < num_sampled[:, None]
+    src = np.minimum(cu[:-1, None] + cols, max(len(tokens) - 1, 0))
+    picked = tokens[src] if len(tokens) else np.zeros(src.shape, dtype=np.int64)
+    sampled = np.where(keep, picked, PAD_TOKEN_ID)
+    return sampled, num_sampled
 
 
 class RejectionSampler:
-    """Verifies one step's drafts with the target's logits (see the module docstring)."""
+    """Verifies one step's drafts against the target's sampled tokens (module docstring).
+    Built once by the model runner of the last stage; without drafts it degenerates to one
+    token per request that has a logits row."""
 
-    def __init__(self, spec_config: Any = None, device: torch.device | str = "cpu") -> None:
-        self.spec_config = spec_config
-        self.device = torch.device(device)
+    def __init__(self, num_speculative_tokens: int) -> None:
+        self.max_sample_len = num_speculative_tokens + 1
 
     def __call__(
-        self,
-        states: Any,
-        input_batch: Any,
-        logits: torch.Tensor,
-        target_tokens: torch.Tensor,
-        positions: np.ndarray,
-        draft_probs: torch.Tensor | None = None,
-    ) -> tuple[list[list[int]], np.ndarray]:
-        """(output tokens per batch row, the logits rows they came from, for logprobs).
-
-        logits [N, V] are the raw target logits of the batch's logits rows; target_tokens [N]
-        the sampler's tokens for them; positions [N] the position each row predicts;
-        draft_probs [max_num_reqs, K, V] the drafter's q per request slot (None: argmax drafts).
-        """
+        self, input_batch: InputBatch, target_tokens: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(sampled [R, K + 1], num_sampled [R]) for the batch; target_tokens [N] are the
+        sampler's tokens for its logits rows (per request: its last known token, then each of
+        its drafts)."""
         b = input_batch
-        cu = b.cu_num_logits_np
-        R = b.num_reqs
-        slots = b.idx_mapping_np
-        row_req = np.repeat(np.arange(R), np.diff(cu))
-        row_slots = slots[row_req]
         # The draft verified by a row is the input token of the request's next logits row.
         inputs = b.input_ids_np[b.logits_indices_np]
         drafts = np.full(len(inputs), -1, dtype=np.int64)
         drafts[:-1] = inputs[1:]
-        drafts[cu[1:][cu[1:] > 0] - 1] = -1
-        temperature = states.temperature[slots]
-        greedy = temperature < 1e-5
-        probs = q = None
-        sampling_rows = np.nonzero(~greedy[row_req])[0]
-        if len(sampling_rows):
-            # p over the whole [N, V] layout (greedy rows left zero; they are never read).
-            probs = torch.zeros_like(logits)
-            rs = torch.from_numpy(sampling_rows).to(logits.device)
-            rsl = row_slots[sampling_rows]
-            probs[rs] = apply_temperature_and_filters(
-                logits[rs],
-                states.temperature[rsl],
-                states.top_k[rsl],
-                states.top_p[rsl],
-                states.min_p[rsl],
-            ).softmax(-1)
-            if draft_probs is not None:
-                # Row j of a request holds draft j's q (its last row has none).
-                j = np.arange(len(inputs)) - cu[row_req]
-                q = torch.zeros_like(logits)
-                has_draft = sampling_rows[drafts[sampling_rows] >= 0]
-                if len(has_draft):
-                    q[torch.from_numpy(has_draft).to(logits.device)] = draft_probs[
-                        torch.from_numpy(row_slots[has_draft]).to(draft_probs.device),
-                        torch.from_numpy(j[has_draft]).to(draft_probs.device),
-                    ].to(logits.device)
-        sampled = rejection_sample_tokens(
-            probs,
-            target_tokens.cpu().numpy(),
-            cu,
-            drafts,
-            q,
-            greedy,
-            states.seed[slots],
-            positions,
+        return rejection_sample_tokens(
+            target_tokens, b.cu_num_logits_np, drafts, self.max_sample_len
         )
-        keep = np.concatenate(
-            [np.arange(cu[r], cu[r] + len(t)) for r, t in enumerate(sampled)] or [np.zeros(0)]
-        ).astype(np.int64)
-        return sampled, keep
-
-
-def rejection_sample(
-    runner: Any,
-    input_batch: Any,
-    logits: torch.Tensor,
-    target_tokens: torch.Tensor,
-    rows: np.ndarray,
-    positions: np.ndarray,
-) -> tuple[list[list[int]], np.ndarray]:
-    """The model runner's entry point: verify this step's drafts (see RejectionSampler)."""
-    spec = runner.speculator
-    sampler = getattr(spec, "rejection_sampler", None)
-    if sampler is None:
-        sampler = RejectionSampler(runner.vllm_config.speculative_config, runner.device)
-        if spec is not None:
-            spec.rejection_sampler = sampler
-    draft_probs = getattr(spec, "draft_probs", None)
-    return sampler(runner.states, input_batch, logits, target_tokens, positions, draft_probs)

@@ -6,21 +6,20 @@ speculator that runs a draft model (its config, buffers, loading and draft-token
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
 from vllm.config import VllmConfig
+from vllm.distributed.parallel_state import get_pp_group
 from vllm.model_executor.layers.attention import AttentionLayerBase
-from vllm.v1.worker.gpu.sample.sampler import exponential_noise
+from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
+from vllm.v1.worker.gpu.spec_decode.eagle.utils import should_gather_mm_embeds_for_draft
 
 if TYPE_CHECKING:
     from vllm.v1.worker.gpu.input_batch import InputBatch
-
-# Noise stream of draft sampling (0: target sampling, 1: acceptance draws, 2: resampling).
-DRAFT_NOISE_STREAM = 3
 
 
 class BaseSpeculator(ABC):
@@ -32,31 +31,37 @@ class BaseSpeculator(ABC):
     def load_model(self, target_model: nn.Module) -> None:
         """Build the drafter next to the (already loaded) target model."""
 
-    def init_cudagraph_manager(self, cudagraph_mode: Any = None) -> None:  # noqa: B027
-        """CUDA graphs are not captured yet: capture() warms up eagerly on every device."""
-
     @abstractmethod
     def capture(self) -> None:
-        """Warm-up (and, where graphs are used, capture) at max_num_reqs before serving."""
+        """Warm-up (and, where graphs are used, capture) at max_num_reqs, once the KV caches
+        exist and before serving."""
 
-    def warmup(self, runner: Any) -> None:
-        """Called by the runner once the KV caches exist."""
-        self.runner = runner
-        self.capture()
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Known tokens after each request's last position that propose() reads (the width of
+        its next_prefill_token_ids)."""
+        return 1
 
     @abstractmethod
     def propose(
         self,
-        runner: Any,
         input_batch: InputBatch,
         last_hidden_states: torch.Tensor,
         aux_hidden_states: list[torch.Tensor] | None,
-        sampled_token_ids: list[list[int]],
+        sampled_token_ids: np.ndarray,
         num_sampled: np.ndarray,
         num_rejected: np.ndarray,
-    ) -> list[list[int]]:
-        """Draft tokens [num_reqs][K] for the rows of input_batch, also written to
-        runner.states.draft_tokens so the next step's inputs carry them."""
+        next_prefill_token_ids: np.ndarray,
+        sampling: SamplingArrays,
+        new_req_mask: np.ndarray,
+    ) -> np.ndarray:
+        """Draft tokens [num_reqs, K] int64 for the rows of input_batch.
+
+        last_hidden_states [num_tokens_after_padding, H] (and, EAGLE3, aux_hidden_states) are
+        the target's for this step; sampled_token_ids [R, K + 1] / num_sampled / num_rejected
+        what the verifier kept; next_prefill_token_ids [R, num_lookahead_tokens] the known
+        tokens after each row's chunk (read where nothing was sampled); sampling the rows'
+        sampling parameters; new_req_mask the rows whose request entered its slot this step."""
 
 
 class DraftModelSpeculator(BaseSpeculator):
@@ -82,19 +87,12 @@ class DraftModelSpeculator(BaseSpeculator):
         self.vocab_size = vllm_config.model_config.vocab_size
         self.dtype = vllm_config.model_config.torch_dtype(self.device.type)
         self.draft_sample_method = spec.draft_sample_method
-        self.model = None
-        self.runner = None
+        self.model: nn.Module | None = None
+        self.supports_mm_inputs = False
         self.target_hidden_size = 0
         K = self.num_speculative_steps
         # Draft tokens of the current batch, one row per batch row.
         self.draft_tokens = np.zeros((self.max_num_reqs, K), dtype=np.int64)
-        # The draft distribution q of every proposed token, per request-state slot, which the
-        # rejection sampler needs for probabilistic verification (greedy drafts are one-hot).
-        self.draft_probs: torch.Tensor | None = None
-        if self.draft_sample_method == "probabilistic":
-            self.draft_probs = torch.zeros(
-                self.max_num_reqs, K, self.vocab_size, dtype=torch.float32, device=self.device
-            )
         self.target_attn_layer_names: set[str] = set()
         self.draft_attn_layer_names: set[str] = set()
 
@@ -108,43 +106,49 @@ class DraftModelSpeculator(BaseSpeculator):
         target_ids = {id(m) for m in target_model.modules()}
         self.target_hidden_size = int(target_model.config.hidden_size)
         self.model = self.load_draft_model(target_model, self.target_attn_layer_names)
+        # The speculator lives on the last stage; encoder outputs exist only on the first.
+        self.supports_mm_inputs = should_gather_mm_embeds_for_draft(
+            target_model, has_encoder_outputs=get_pp_group().is_first_rank
+        )
         self.draft_attn_layer_names = {
             n
             for n, m in self.model.named_modules()
             if isinstance(m, AttentionLayerBase) and id(m) not in target_ids
         }
+        # The hidden states the draft's first pass reads, in a persistent buffer (the fixed
+        # input a captured graph or compiled forward needs), shaped by the draft itself: its
+        # SupportsPP make_empty_intermediate_tensors gives rows of the hidden size it consumes.
+        rows = max(self.max_num_tokens, self.max_num_reqs)
+        self.hidden_states = self.model.make_empty_intermediate_tensors(
+            rows, self.dtype, self.device
+        )["hidden_states"]
+
+    def stage_hidden_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Copy the first pass's hidden states [T, H] into the persistent buffer; returns the
+        [T, H] view the draft runs on."""
+        n = hidden.shape[0]
+        if n > self.hidden_states.shape[0] or hidden.shape[1:] != self.hidden_states.shape[1:]:
+            raise RuntimeError(
+                f"the draft's hidden-state buffer {tuple(self.hidden_states.shape)} (from its "
+                f"make_empty_intermediate_tensors) cannot take {tuple(hidden.shape)}"
+            )
+        out = self.hidden_states[:n]
+        out.copy_(hidden)
+        return out
 
     def sample_draft(
-        self,
-        logits: torch.Tensor,
-        positions: np.ndarray,
-        temperature: np.ndarray,
-        seeds: np.ndarray,
-        slots: np.ndarray,
-        draft_step: int,
+        self, logits: torch.Tensor, positions: np.ndarray, sampling: SamplingArrays
     ) -> torch.Tensor:
-        """One draft token per row of logits [R, V] (R >= len(slots) rows are real).
+        """One draft token per row of logits [R, V] (one row per request of `sampling`).
 
-        Greedy unless draft_sample_method is "probabilistic" and the request samples
-        (temperature > 0): then only the temperature is applied (top-k/top-p are deliberately
-        not), the token is drawn with noise keyed by (seed, position), and q is kept for the
-        rejection sampler. positions = position of the token being drafted."""
-        tokens = logits.argmax(-1)
-        if self.draft_probs is None:
-            return tokens
-        n = len(slots)
-        rows = np.nonzero(temperature[:n] >= 1e-5)[0]
-        if len(rows) == 0:
-            return tokens
-        r = torch.from_numpy(rows).to(logits.device)
-        t = torch.from_numpy(temperature[rows].astype(np.float32)).to(logits.device)
-        q = (logits[r].float() / t[:, None]).softmax(-1)
-        noise = exponential_noise(
-            seeds[rows], positions[rows], q.shape[-1], logits.device, DRAFT_NOISE_STREAM
-        )
-        tokens[r] = (q / noise).argmax(-1)
-        self.draft_probs[torch.from_numpy(slots[rows]).to(self.device), draft_step] = q
-        return tokens
+        Greedy unless draft_sample_method is "probabilistic": then each request's token is the
+        target sampler's own draw (its temperature and filters, noise keyed by (seed,
+        position)) over the draft's logits, which is what makes it match the target's token
+        whenever the two distributions agree (see the rejection sampler). positions = true
+        sequence position of the token being drafted."""
+        if self.draft_sample_method != "probabilistic":
+            return logits.argmax(-1)
+        return sampling.sample(logits, positions)
 
 
 def _attn_layer_names(model: nn.Module) -> set[str]:

@@ -6,16 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.logger import init_logger
-from vllm.model_executor.models.interfaces import (
-    AUX_HIDDEN_STATE_KEY,
-    EagleModelMixin,
-    supports_eagle3,
-)
+from vllm.model_executor.models.interfaces import EagleModelMixin, supports_eagle3
 from vllm.model_executor.models.llama_eagle3 import (
     get_eagle3_aux_layers_from_config,
     get_eagle3_use_aux_hidden_state_from_config,
@@ -59,7 +54,6 @@ def set_eagle3_aux_hidden_state_layers(
     if get_pp_group().world_size > 1:
         verify_supports_aux_hidden_states_over_pp(target_model, "eagle3")
     target_model.set_aux_hidden_state_layers(taps)
-    reserve_aux_intermediate_tensor_slots(target_model)
     return taps
 
 
@@ -90,38 +84,9 @@ def aux_hidden_state_relay_keys(model: nn.Module) -> tuple[str, ...]:
     if pp.world_size < 2 or pp.is_first_rank or pp.is_last_rank:
         return ()
     inner = _inner_decoder(model)
-    base = int(getattr(inner, "_aux_slot_base_cached", 0))
-    return tuple(f"{AUX_HIDDEN_STATE_KEY}{i}" for i in range(base))
-
-
-def reserve_aux_intermediate_tensor_slots(model: nn.Module) -> None:
-    """Make the receive buffer of a non-first stage hold exactly the upstream aux slots too
-    (zeros [batch, hidden] for aux_hidden_states_0 .. base-1). Idempotent."""
-    pp = get_pp_group()
-    if pp.world_size < 2 or pp.is_first_rank:
-        return
-    inner = _inner_decoder(model)
-    if not isinstance(inner, EagleModelMixin) or not inner.supports_aux_hidden_states_over_pp:
-        return
-    base = int(inner._aux_slot_base_cached)
-    orig = getattr(model, "_make_empty_intermediate_tensors_orig", None)
-    if orig is None:
-        orig = model.make_empty_intermediate_tensors
-        model._make_empty_intermediate_tensors_orig = orig
-    if base == 0:
-        model.make_empty_intermediate_tensors = orig
-        return
-    hidden_size = int(inner.config.hidden_size)
-
-    def make(batch_size: int, dtype, device):
-        out = orig(batch_size, dtype, device)
-        for i in range(base):
-            out[f"{AUX_HIDDEN_STATE_KEY}{i}"] = torch.zeros(
-                batch_size, hidden_size, dtype=dtype, device=device
-            )
-        return out
-
-    model.make_empty_intermediate_tensors = make
+    if not isinstance(inner, EagleModelMixin):
+        return ()
+    return inner.upstream_aux_hidden_state_keys()
 
 
 def configure_target_aux_taps(model: nn.Module, vllm_config: Any) -> tuple[int, ...]:

@@ -11,10 +11,7 @@ from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
     set_eagle3_aux_hidden_state_layers,
     uses_aux_hidden_states,
 )
-from vllm.v1.worker.gpu.spec_decode.eagle.utils import (
-    load_eagle_model,
-    should_gather_mm_embeds_for_draft,
-)
+from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 
 
 class EagleSpeculator(AutoRegressiveSpeculator):
@@ -24,8 +21,6 @@ class EagleSpeculator(AutoRegressiveSpeculator):
         self, target_model: nn.Module, target_attn_layer_names: set[str]
     ) -> nn.Module:
         draft = load_eagle_model(target_model, self.vllm_config, self.device)
-        # Text-only targets: False, the draft never gathers encoder embeddings (SPEC 6.6).
-        self.gather_mm_embeds = should_gather_mm_embeds_for_draft(target_model)
         cfg = self.draft_model_config.hf_text_config
         if uses_aux_hidden_states(self.method, cfg):
             self.aux_hidden_state_layers = set_eagle3_aux_hidden_state_layers(

@@ -12,6 +12,8 @@ from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader import get_model
+from vllm.model_executor.models.interfaces import check_supports_pp
+from vllm.model_executor.models.registry import resolve_model_cls
 from vllm.model_executor.models.utils import PPMissingLayer
 
 logger = init_logger(__name__)
@@ -118,7 +120,13 @@ def load_eagle_model(
     """Build and load the draft of speculative_config, then share the target's embedding and
     LM head where allowed, and its DSA top-k buffer where the draft has one."""
     spec = vllm_config.speculative_config
+    multi_stage = get_pp_group().world_size > 1
+    if multi_stage:
+        # The draft lives on the last stage next to its target: it must be buildable there.
+        check_supports_pp(resolve_model_cls(spec.draft_model_config.architecture))
     draft = get_model(vllm_config, model_config=spec.draft_model_config, device=device)
+    if multi_stage:
+        check_supports_pp(draft)
     target_lm = (
         target_model.get_language_model()
         if hasattr(target_model, "get_language_model")
@@ -143,23 +151,18 @@ def load_eagle_model(
     _share_mtp_layer_weights(draft_inner, target_embed, target_head)
     buf = getattr(target_inner, "topk_indices_buffer", None)
     if buf is not None:
-        for m in draft.modules():
-            if hasattr(m, "topk_indices_buffer"):
-                m.topk_indices_buffer = buf
+        from vllm.model_executor.layers.attention.sparse_mla_attention import (
+            share_topk_indices_buffer,
+        )
+
+        share_topk_indices_buffer(draft, buf)
     return draft
 
 
-def should_gather_mm_embeds_for_draft(target_model: nn.Module) -> bool:
-    """SPEC 6.6: a multimodal draft path may gather encoder embeddings only on a rank that
-    holds them (the encoder runs with the embedding, on the first stage), and only for a
-    target that takes multimodal input. Every model here is text-only, so this is False and
-    the draft never touches a gather; a multimodal target on a stage without its encoder
-    outputs is refused rather than drafting from missing embeddings."""
-    if not getattr(target_model, "supports_multimodal", False):
-        return False
-    if not get_pp_group().is_first_rank:
-        raise NotImplementedError(
-            f"{type(target_model).__name__}: multimodal drafting under pipeline parallelism "
-            "needs the encoder embeddings on the drafter's stage"
-        )
-    return True
+def should_gather_mm_embeds_for_draft(target_model: nn.Module, has_encoder_outputs: bool) -> bool:
+    """Whether the draft's first pass should read the target's encoder (multimodal) embeddings:
+    only where this rank holds the encoder outputs (the encoder runs with the embedding, on the
+    first stage) and the target takes multimodal input. Otherwise - a text-only target, or the
+    last of several stages, where no encoder output exists - the draft embeds its input ids
+    itself and never touches a gather."""
+    return has_encoder_outputs and bool(getattr(target_model, "supports_multimodal", False))

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm.config import num_mtp_layers
 from vllm.v1.worker.gpu.spec_decode.autoregressive.speculator import AutoRegressiveSpeculator
 from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 
@@ -25,6 +26,7 @@ class MTPSpeculator(AutoRegressiveSpeculator):
         draft = load_eagle_model(target_model, self.vllm_config, self.device)
         inner = getattr(draft, "model", draft)
         cfg = self.draft_model_config.hf_text_config
+        self.num_draft_layers = max(1, num_mtp_layers(cfg))
         self.share_mtp_topk_indices = (
             bool(getattr(cfg, "index_share_for_mtp_iteration", False))
             and hasattr(inner, "set_skip_topk")
@@ -48,8 +50,14 @@ class MTPSpeculator(AutoRegressiveSpeculator):
             self._inner.set_skip_topk(False)
 
     def on_prefill_end(self, num_reqs: int) -> None:
+        # Step 1's rows continue step 0's rows topk_src_rows (one layer: each request's last
+        # accepted row, last_token_indices).
         if self.share_mtp_topk_indices and self.num_speculative_steps > 1:
-            self._inner.compact_topk_indices(self.last_token_indices[:num_reqs])
+            self._inner.compact_topk_indices(self.topk_src_rows)
+
+    def on_draft_rows_changed(self, num_reqs: int) -> None:
+        if self.share_mtp_topk_indices:
+            self._inner.compact_topk_indices(self.topk_src_rows)
 
     def on_multi_step_decode_begin(self, num_reqs: int) -> None:
         if self.share_mtp_topk_indices:

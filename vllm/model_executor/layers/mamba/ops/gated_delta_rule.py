@@ -7,12 +7,18 @@ Per value head, with state S [dk, dv], decay g_t (log space), step size beta_t:
     S <- exp(g_t) * S
     S <- S + k_t (beta_t * (v_t - S^T k_t))^T
     o_t = S^T q_t
-q and k arrive already normalised and scaled. All arithmetic is float32.
+q and k arrive already normalised and scaled. All arithmetic is float32. The varlen form runs
+a flattened token batch over per-request state slots.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -101,3 +107,50 @@ def chunked_gated_delta_rule(
             + (kc * (g_last - gam).exp()[..., None]).transpose(-1, -2) @ d
         )
     return out.transpose(1, 2), s
+
+
+def gated_delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    recurrent_states: torch.Tensor,
+    meta: GDNAttentionMetadata,
+) -> torch.Tensor:
+    """Gated delta rule per request over flattened q, k [T, H, dk], v [T, H, dv], g, beta
+    [T, H], continuing and updating recurrent_states [S, P, H, dk, dv]; returns o [T, H, dv]
+    (float32)."""
+    T, H, dv = v.shape
+    out = torch.zeros(T, H, dv, dtype=torch.float32, device=v.device)
+    init = meta.initial_states(recurrent_states).float()
+    grp = meta.short
+    if grp is not None:
+        # Padding steps have g = 0 and beta = 0: they leave the state unchanged.
+        o, kept = recurrent_gated_delta_rule(
+            grp.padded(q),
+            grp.padded(k),
+            grp.padded(v),
+            grp.padded(g),
+            grp.padded(beta),
+            init[grp.rows],
+            keep_states=True,
+        )
+        out[grp.token_flat] = o.reshape(-1, H, dv)[grp.valid]
+        recurrent_states[grp.store_slots, grp.store_pos] = kept[grp.store_rows, grp.store_steps].to(
+            recurrent_states.dtype
+        )
+    qsl = meta.query_start_loc_np
+    for r in meta.long_rows:
+        a, b = int(qsl[r]), int(qsl[r + 1])
+        o, final = chunked_gated_delta_rule(
+            q[a:b][None],
+            k[a:b][None],
+            v[a:b][None],
+            g[a:b][None],
+            beta[a:b][None],
+            init[r : r + 1],
+        )
+        out[a:b] = o[0]
+        recurrent_states[int(meta.state_slots_np[r]), 0] = final[0].to(recurrent_states.dtype)
+    return out

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""Causal depthwise conv1d with a carried state (torch reference, CPU and CUDA).
+"""Causal depthwise conv1d with a carried state (torch reference, CPU and CUDA), for one padded
+batch and over the per-request state slots of a flattened token batch (varlen).
 
 The state of a sequence is the last (kernel - 1) inputs it has seen, so a sequence processed in
 pieces gives the same outputs as processed at once.
@@ -8,8 +9,13 @@ pieces gives the same outputs as processed at once.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
 # Queries up to this long use the multiply-add form instead of conv1d.
 _SHORT = 16
@@ -54,3 +60,34 @@ def conv_state_at(
     (from causal_conv1d) -> [N, C, k - 1]."""
     windows = padded.unfold(-1, kernel_size - 1, 1)  # [B, C, L + 1, k - 1]; window j ends at j-1
     return windows[rows, :, steps + 1]
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_states: torch.Tensor,
+    meta: GDNAttentionMetadata,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Causal depthwise conv of the flattened x [T, C] per request, continuing and updating
+    conv_states [S, P, C, k - 1]; returns [T, C]."""
+    k = conv_states.shape[-1] + 1
+    out = torch.zeros_like(x)
+    init = meta.initial_states(conv_states)
+    g = meta.short
+    if g is not None:
+        xg = g.padded(x).transpose(1, 2)  # [Rg, C, L]
+        y, padded = causal_conv1d(xg, weight, init[g.rows], bias, activation)
+        out[g.token_flat] = y.transpose(1, 2).reshape(-1, x.shape[1])[g.valid]
+        conv_states[g.store_slots, g.store_pos] = conv_state_at(
+            padded, g.store_rows, g.store_steps, k
+        ).to(conv_states.dtype)
+    qsl = meta.query_start_loc_np
+    for r in meta.long_rows:
+        a, b = int(qsl[r]), int(qsl[r + 1])
+        y, padded = causal_conv1d(x[a:b].t()[None], weight, init[r : r + 1], bias, activation)
+        out[a:b] = y[0].t()
+        slot = int(meta.state_slots_np[r])
+        conv_states[slot, 0] = padded[0, :, -(k - 1) :].to(conv_states.dtype)
+    return out

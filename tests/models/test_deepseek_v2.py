@@ -16,7 +16,6 @@ from vllm.config import ModelConfig, VllmConfig
 from vllm.distributed.parallel_state import PPGroup, get_pp_group, set_pp_group
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.attention import AttentionLayerBase
-from vllm.model_executor.layers.fused_moe import fused_moe
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.deepseek_v2 import get_spec_layer_idx_from_weight_name
 from vllm.model_executor.models.utils import WeightLoadError
@@ -227,19 +226,3 @@ def test_spec_layer_idx() -> None:
     assert get_spec_layer_idx_from_weight_name(cfg, "model.layers.2.mlp.gate.weight") is None
     assert get_spec_layer_idx_from_weight_name(cfg, "model.layers.5.enorm.weight") is None
     assert get_spec_layer_idx_from_weight_name(cfg, "model.embed_tokens.weight") is None
-
-
-def test_fused_moe_matches_per_token_loop() -> None:
-    g = torch.Generator().manual_seed(0)
-    t, h, inter, e, k = 7, 12, 5, 4, 2
-    x = torch.randn(t, h, generator=g)
-    w13 = torch.randn(e, 2 * inter, h, generator=g)
-    w2 = torch.randn(e, h, inter, generator=g)
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    weights = torch.rand(t, k, generator=g)
-    ref = torch.zeros(t, h)
-    for i in range(t):
-        for j in range(k):
-            gate, up = (w13[ids[i, j]] @ x[i]).split(inter)
-            ref[i] += weights[i, j] * (w2[ids[i, j]] @ (torch.nn.functional.silu(gate) * up))
-    torch.testing.assert_close(fused_moe(x, w13, w2, weights, ids), ref, atol=1e-4, rtol=1e-4)

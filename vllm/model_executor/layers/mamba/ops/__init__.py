@@ -1,0 +1,3 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Torch reference kernels of the state-space / linear-attention layers (CPU and CUDA)."""

@@ -1,0 +1,26 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""What the model runner hands back to the engine each step (pure data, picklable, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class LogprobsLists:
+    """Top logprobs of one sampled token: ids[0] is the sampled token, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    sampled_rank: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[LogprobsLists | None]] | None = None
+    prompt_logprobs: dict[str, list[LogprobsLists | None]] = field(default_factory=dict)
+    draft_token_ids: list[list[int]] | None = None
