@@ -11,7 +11,6 @@ from transformers import AutoTokenizer
 
 from vllm.outputs import Logprob
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.v1.core.sched.output import LogprobsLists
 from vllm.v1.core.sched.scheduler import EngineCoreOutput
 from vllm.v1.engine.output_processor import (
     ChildState,
@@ -19,6 +18,7 @@ from vllm.v1.engine.output_processor import (
     OutputProcessor,
     RequestState,
 )
+from vllm.v1.outputs import LogprobsLists
 
 TEXTS = [
     "Hello, world! 😀🎉 naïve café — “quotes” and ñandú.",
