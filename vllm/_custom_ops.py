@@ -118,6 +118,9 @@ def _register_fakes() -> None:
     torch.library.register_fake(lib + "rotary_embedding")(
         lambda pos, q, k, *args: (torch.empty_like(q), torch.empty_like(k))
     )
+    torch.library.register_fake(lib + "linear_small_m")(
+        lambda x, w, b: x.new_empty(x.shape[0], w.shape[0])
+    )
 
 
 _available: bool | None = None  # cpu_kernels_available(), once known (cheap for torch.compile)
@@ -164,6 +167,14 @@ def rotary_embedding(
     return torch.ops.vllm_cpu.rotary_embedding(
         positions, q, k, cos, sin, head_size, rotary_dim, is_neox
     )
+
+
+def linear_small_m(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T (+ bias) for a few rows (decode), fp32 or bf16, accumulated in
+    fp32: each weight row is streamed from memory once for all M rows."""
+    return torch.ops.vllm_cpu.linear_small_m(x, weight, bias)
 
 
 def paged_attention(

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
 #include <tuple>
 
@@ -26,3 +27,6 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
                                                     const at::Tensor& sin_cache,
                                                     int64_t head_size, int64_t rotary_dim,
                                                     bool is_neox);
+
+at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,
+                          const c10::optional<at::Tensor>& bias);

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include "layernorm.cpp"
+#include "linear.cpp"
 #include "ops.h"
 #include "paged_attention.cpp"
 #include "pos_encoding.cpp"
@@ -23,6 +24,7 @@ TORCH_LIBRARY(vllm_cpu, m) {
   m.def(
       "rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_cache, "
       "Tensor sin_cache, int head_size, int rotary_dim, bool is_neox) -> (Tensor, Tensor)");
+  m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_cpu, CPU, m) {
@@ -30,4 +32,5 @@ TORCH_LIBRARY_IMPL(vllm_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("linear_small_m", &linear_small_m);
 }

@@ -9,7 +9,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm._custom_ops import cpu_op_ok, linear_small_m
 from vllm.model_executor.layers.quantization import get_current_quant_config
+
+# Up to this many rows (a decode step's tokens) the CPU kernel streams each weight row once for
+# all rows; past it, the BLAS GEMM's blocking wins (prefill).
+SMALL_M_MAX_ROWS = 32
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through the CPU small-M kernel for the few rows of a decode step. fp32 at one
+    row stays on BLAS (its GEMV is as fast); bf16 gains at every small M (no AVX512-BF16 GEMM
+    on many CPUs: torch falls back to a generic loop)."""
+    m = x.shape[0] if x.dim() == 2 else 0
+    if (
+        0 < m <= SMALL_M_MAX_ROWS
+        and (m > 1 or x.dtype == torch.bfloat16)
+        and weight.dtype == x.dtype
+        and weight.stride(-1) == 1
+        and cpu_op_ok(x)
+    ):
+        return linear_small_m(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class LinearMethodBase:
@@ -52,7 +73,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return linear(x, layer.weight, bias)
 
 
 class ReplicatedLinear(nn.Module):
