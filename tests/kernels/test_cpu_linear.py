@@ -67,8 +67,8 @@ def test_linear_small_m_rejects_bad_input():
 
 
 def test_linear_dispatch(monkeypatch):
-    """Decode-sized products take the kernel, prefill-sized ones and fp32 GEMV take BLAS; both
-    give F.linear's result."""
+    """bf16 decode-sized products take the kernel; prefill-sized ones and fp32 take BLAS; all
+    give F.linear's result, and a bf16 row's result does not depend on the rows next to it."""
     calls = []
     real = linear_mod.linear_small_m
     monkeypatch.setattr(
@@ -77,9 +77,10 @@ def test_linear_dispatch(monkeypatch):
     w = torch.randn(24, 40)
     for m, dtype, kernel in [
         (1, torch.float32, False),
-        (4, torch.float32, True),
+        (4, torch.float32, False),
         (1, torch.bfloat16, True),
-        (linear_mod.SMALL_M_MAX_ROWS + 1, torch.float32, False),
+        (16, torch.bfloat16, True),
+        (linear_mod.SMALL_M_MAX_ROWS + 1, torch.bfloat16, False),
     ]:
         calls.clear()
         x = torch.randn(m, 40).to(dtype)
@@ -87,3 +88,12 @@ def test_linear_dispatch(monkeypatch):
         assert (calls == [m]) is kernel
         tol = {} if dtype == torch.float32 else {"atol": 0.1, "rtol": 1e-2}
         torch.testing.assert_close(y.float(), F.linear(x.float(), w.to(dtype).float()), **tol)
+
+
+def test_kernel_rows_are_batch_invariant():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 96, generator=g).to(torch.bfloat16)
+    x = torch.randn(linear_mod.SMALL_M_MAX_ROWS, 96, generator=g).to(torch.bfloat16)
+    alone = ops.linear_small_m(x[3:4], w, None)
+    for m in (4, 5, linear_mod.SMALL_M_MAX_ROWS):
+        assert torch.equal(ops.linear_small_m(x[:m], w, None)[3:4], alone)

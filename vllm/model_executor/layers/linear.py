@@ -18,13 +18,15 @@ SMALL_M_MAX_ROWS = 32
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the CPU small-M kernel for the few rows of a decode step. fp32 at one
-    row stays on BLAS (its GEMV is as fast); bf16 gains at every small M (no AVX512-BF16 GEMM
-    on many CPUs: torch falls back to a generic loop)."""
+    """F.linear; bf16 products of the few rows of a decode step go through the CPU small-M
+    kernel (without AVX512-BF16 torch falls back to a generic loop, ~4x slower from M = 2).
+    fp32 stays on BLAS everywhere: its small-M GEMM is close, and switching kernels at an M
+    threshold would make a request's fp32 rows depend on how many tokens share its step (the
+    batch-invariance the fp32 tests hold to 1e-5)."""
     m = x.shape[0] if x.dim() == 2 else 0
     if (
         0 < m <= SMALL_M_MAX_ROWS
-        and (m > 1 or x.dtype == torch.bfloat16)
+        and x.dtype == torch.bfloat16
         and weight.dtype == x.dtype
         and weight.stride(-1) == 1
         and cpu_op_ok(x)
@@ -124,3 +126,93 @@ def dequantize_linear_(layer: nn.Module) -> None:
     method = getattr(layer, "quant_method", None)
     if method is not None:
         method.dequantize_(layer)
+
+
+class MergedReplicatedLinear(nn.Module):
+    """Several projections of one input packed into one: y = x @ [W_0; W_1; ...]^T, shard i
+    being output columns [offset_i, offset_i + output_sizes[i]) (vLLM's qkv_proj /
+    gate_up_proj). One larger GEMM instead of several, and no concatenation of their outputs.
+
+    The checkpoint keeps the projections apart (shard_names, e.g. q_proj / k_proj / v_proj next
+    to this layer): the loader maps each to its rows (stacked_params_mapping). Unquantized, the
+    layer holds one `weight` [sum(output_sizes), input_size] (and `bias`). With a quantization
+    config, every shard is a ReplicatedLinear of its own under `shards` (each with its own
+    scale grid, whose edge blocks do not line up with a packed matrix's); when loading leaves
+    them all unquantized (FP8 dequantized at load on CPU), they are packed into one weight.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        shard_names: tuple[str, ...],
+        bias: bool = True,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if len(output_sizes) != len(shard_names) or not output_sizes:
+            raise ValueError(
+                f"need one shard name per output size, got {shard_names} for {output_sizes}"
+            )
+        self.in_features = int(input_size)
+        self.output_sizes = [int(n) for n in output_sizes]
+        self.out_features = sum(self.output_sizes)
+        self.shard_names = tuple(shard_names)
+        self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.shards: nn.ModuleList | None = None
+        if get_current_quant_config() is None:
+            self._make_packed(bias)
+        else:
+            self.shards = nn.ModuleList(
+                ReplicatedLinear(input_size, n, bias=bias, params_dtype=params_dtype)
+                for n in self.output_sizes
+            )
+
+    def _make_packed(self, bias: bool) -> None:
+        self.quant_method: LinearMethodBase = UnquantizedLinearMethod()
+        self.quant_method.create_weights(
+            self, self.in_features, self.out_features, self.params_dtype
+        )
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(self.out_features, dtype=self.params_dtype), requires_grad=False
+            )
+        else:
+            self.register_parameter("bias", None)
+
+    def shard_rows(self, shard: int) -> tuple[int, int]:
+        """(first output row, number of rows) of shard `shard` in the packed weight."""
+        return self.offsets[shard], self.output_sizes[shard]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shards is None:
+            return linear(x, self.weight, self.bias)
+        return torch.cat([s(x) for s in self.shards], dim=-1)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The packed output's per-shard parts (views)."""
+        return y.split(self.output_sizes, dim=-1)
+
+    def process_weights_after_loading(self) -> None:
+        # Runs after every layer's quant method converted its weights.
+        if self.shards is None or not all(
+            isinstance(s.quant_method, UnquantizedLinearMethod) for s in self.shards
+        ):
+            return
+        weight = torch.cat([s.weight for s in self.shards], dim=0)
+        has_bias = self.shards[0].bias is not None
+        bias = torch.cat([s.bias for s in self.shards]) if has_bias else None
+        self.params_dtype = weight.dtype
+        del self.shards
+        self.shards = None
+        self.quant_method = UnquantizedLinearMethod()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def extra_repr(self) -> str:
+        packed = "packed" if self.shards is None else "per-shard"
+        return (
+            f"in_features={self.in_features}, output_sizes={self.output_sizes}, "
+            f"shards={self.shard_names}, {packed}"
+        )
