@@ -156,7 +156,28 @@ def load_params_strict(
         with torch.no_grad():
             param.copy_(tensor.to(param.dtype))
         loaded.add(name)
+    _check_packed_shards(model, stacked, modules, shards_done)
     return loaded
+
+
+def _check_packed_shards(
+    model: nn.Module,
+    stacked: dict[str, tuple[str, int]],
+    modules: dict[str, nn.Module],
+    shards_done: dict[str, set[int]],
+) -> None:
+    """A packed layer that got some of its shards but not all names the missing checkpoint
+    weight (a layer that got none is reported by check_all_loaded)."""
+    for ckpt_module, (merged_name, shard) in stacked.items():
+        if modules[merged_name].shards is not None:
+            continue
+        for leaf in ("weight", "bias"):
+            done = shards_done.get(f"{merged_name}.{leaf}")
+            if done and shard not in done and not is_pp_missing_parameter(merged_name, model):
+                raise WeightLoadError(
+                    f"checkpoint is missing weight {ckpt_module}.{leaf!s} (a shard of "
+                    f"{merged_name}.{leaf}) for {type(model).__name__}"
+                )
 
 
 def stacked_params_mapping(modules: dict[str, nn.Module]) -> dict[str, tuple[str, int]]:
