@@ -107,6 +107,44 @@ inline void dot_block(const float* __restrict x, int64_t ldx, int64_t mrows,
     }
 }
 
+#ifdef VLLM_CPU_LINEAR_AVX2
+// One or two input rows against kRows bf16 weight rows read straight from memory, widened in
+// registers: no staging buffer, each weight byte touched once.
+inline __m256 load_bf16x8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline void dot_block_bf16(const float* __restrict x, int64_t ldx, int64_t mrows,
+                           const c10::BFloat16* __restrict w, int64_t ldw, int64_t k,
+                           float* out, int64_t ldo) {
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+  __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+  const float* x1 = x + (mrows > 1 ? ldx : 0);
+  int64_t i = 0;
+  for (; i + 8 <= k; i += 8) {
+    const __m256 w0 = load_bf16x8(w + i), w1 = load_bf16x8(w + ldw + i);
+    const __m256 w2 = load_bf16x8(w + 2 * ldw + i), w3 = load_bf16x8(w + 3 * ldw + i);
+    const __m256 x0 = _mm256_loadu_ps(x + i), xb = _mm256_loadu_ps(x1 + i);
+    a00 = _mm256_fmadd_ps(x0, w0, a00), a01 = _mm256_fmadd_ps(x0, w1, a01);
+    a02 = _mm256_fmadd_ps(x0, w2, a02), a03 = _mm256_fmadd_ps(x0, w3, a03);
+    a10 = _mm256_fmadd_ps(xb, w0, a10), a11 = _mm256_fmadd_ps(xb, w1, a11);
+    a12 = _mm256_fmadd_ps(xb, w2, a12), a13 = _mm256_fmadd_ps(xb, w3, a13);
+  }
+  float r0[4] = {hsum(a00), hsum(a01), hsum(a02), hsum(a03)};
+  float r1[4] = {hsum(a10), hsum(a11), hsum(a12), hsum(a13)};
+  for (; i < k; ++i)
+    for (int64_t j = 0; j < kRows; ++j) {
+      const float wv = static_cast<float>(w[j * ldw + i]);
+      r0[j] += x[i] * wv;
+      r1[j] += x1[i] * wv;
+    }
+  for (int64_t j = 0; j < kRows; ++j) out[j] = r0[j];
+  if (mrows > 1)
+    for (int64_t j = 0; j < kRows; ++j) out[ldo + j] = r1[j];
+}
+#endif
+
 template <typename T>
 void run_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias,
                 at::Tensor& y) {
@@ -128,6 +166,20 @@ void run_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias
     float acc[2 * kRows];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * kRows, nr = std::min(kRows, N - n0);
+#ifdef VLLM_CPU_LINEAR_AVX2
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        if (M <= 2 && nr == kRows) {  // widen in registers: the weights are read only once
+          dot_block_bf16(xf.data(), K, M, wp + n0 * ldw, ldw, K, acc, kRows);
+          for (int64_t mm = 0; mm < M; ++mm)
+            for (int64_t j = 0; j < nr; ++j) {
+              float v = acc[mm * kRows + j];
+              if (bp) v += static_cast<float>(bp[n0 + j]);
+              yp[mm * ldy + n0 + j] = static_cast<T>(v);
+            }
+          continue;
+        }
+      }
+#endif
       const float* wrow;
       if constexpr (std::is_same_v<T, float>) {
         if (ldw == K) {

@@ -78,7 +78,8 @@ def test_linear_dispatch(monkeypatch):
     for m, dtype, kernel in [
         (1, torch.float32, False),
         (4, torch.float32, False),
-        (1, torch.bfloat16, True),
+        (1, torch.bfloat16, False),
+        (2, torch.bfloat16, True),
         (16, torch.bfloat16, True),
         (linear_mod.SMALL_M_MAX_ROWS + 1, torch.bfloat16, False),
     ]:

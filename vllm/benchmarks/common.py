@@ -198,6 +198,7 @@ class StepRecord:
     num_reqs: int
     is_decode: bool  # no prompt token scheduled
     end_s: float  # perf_counter() when the step returned
+    cpu_s: float = 0.0  # process CPU time of the step (at one thread: time actually on a core)
 
 
 @dataclass
@@ -218,6 +219,9 @@ class ProbeResult:
 
     def decode_step_times(self) -> list[float]:
         return [s.wall_s for s in self.steps if s.is_decode]
+
+    def decode_step_cpu_times(self) -> list[float]:
+        return [s.cpu_s for s in self.steps if s.is_decode]
 
 
 class EngineProbe:
@@ -263,9 +267,10 @@ class EngineProbe:
         def step() -> Any:
             fwd["s"] = 0.0
             last.pop("so", None)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             out = orig_step()
             end = time.perf_counter()
+            cpu = time.process_time() - c0
             wall = end - t0
             so = last.get("so")
             if so is not None and so.total_num_scheduled_tokens:
@@ -277,6 +282,7 @@ class EngineProbe:
                         len(so.num_scheduled_tokens),
                         so.num_prompt_tokens == 0,
                         end,
+                        cpu,
                     )
                 )
             return out
@@ -363,29 +369,44 @@ def fmt(xs: Sequence[float], digits: int = 1, scale: float = 1.0) -> str:
 
 
 def roofline(
-    bytes_per_token: int | None, step_s: float | None, bandwidth: float
+    bytes_per_token: int | None,
+    step_s: float | None,
+    bandwidth: float,
+    step_cpu_s: float | None = None,
 ) -> dict[str, float] | None:
-    """Weights-read rate of a batch-1 decode step against the measured bandwidth."""
+    """Weights-read rate of a batch-1 decode step against the measured bandwidth; with
+    step_cpu_s also per CPU second of the step (on a shared machine a step's wall time includes
+    the time other processes held the core; at one thread its CPU time does not)."""
     if not bytes_per_token or not step_s:
         return None
     rate = bytes_per_token / step_s
-    return {
+    out = {
         "weight_bytes_per_token": bytes_per_token,
         "decode_step_s": step_s,
         "weights_read_GBps": rate / 1e9,
         "bandwidth_GBps": bandwidth / 1e9,
         "percent": 100.0 * rate / bandwidth,
     }
+    if step_cpu_s:
+        out["decode_step_cpu_s"] = step_cpu_s
+        out["percent_cpu_time"] = 100.0 * bytes_per_token / step_cpu_s / bandwidth
+    return out
 
 
 def roofline_line(r: dict[str, float] | None) -> str:
     if r is None:
         return "memory roofline: n/a (needs batch-1 decode steps and the model in this process)"
-    return (
+    line = (
         f"memory roofline (batch-1 decode): {r['weight_bytes_per_token'] / 1e6:.0f} MB of weights "
         f"per token / {r['decode_step_s'] * 1e3:.1f} ms step = {r['weights_read_GBps']:.1f} GB/s "
         f"= {r['percent']:.0f}% of the {r['bandwidth_GBps']:.1f} GB/s this machine reads now"
     )
+    if "percent_cpu_time" in r:
+        line += (
+            f"; per CPU second of the step ({r['decode_step_cpu_s'] * 1e3:.1f} ms): "
+            f"{r['percent_cpu_time']:.0f}%"
+        )
+    return line
 
 
 def write_json(path: str | None, data: dict[str, Any]) -> None:

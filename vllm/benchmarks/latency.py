@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             hf.generate(prompts, args.output_len, args.batch_size)
 
     lat, ttft, decode_steps, host, hf_lat, cpu, hf_cpu = [], [], [], [], [], [], []
+    decode_cpu: list[float] = []
     ours_ids = hf_ids = None
     for _ in range(args.num_iters):  # interleaved: ours, HF, ours, HF, ...
         with probe.record() as rec:
@@ -83,6 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if rec.steps:
             ttft.append(rec.steps[0].end_s - t0)
         decode_steps += rec.decode_step_times()
+        decode_cpu += rec.decode_step_cpu_times()
         share = rec.host_share(decode_only=True)
         if share is not None:
             host.append(share)
@@ -117,7 +119,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.batch_size * args.n == 1 and probe.model is not None and decode_steps:
         res["roofline"] = roofline(
-            weight_bytes_per_token(probe.model), statistics.median(decode_steps), bandwidth
+            weight_bytes_per_token(probe.model),
+            statistics.median(decode_steps),
+            bandwidth,
+            statistics.median(decode_cpu) if decode_cpu else None,
         )
     if hf is not None:
         res["hf"] = {

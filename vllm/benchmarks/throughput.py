@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             hf.generate(prompts[:batch], warm_len, batch)
 
     ours_s, hf_s, ours_cpu, hf_cpu, host, decode_steps = [], [], [], [], [], []
+    decode_cpu: list[float] = []
     ours_ids = hf_ids = None
     for _ in range(args.num_iters):  # interleaved: ours, HF, ours, HF, ...
         with probe.record() as rec:
@@ -81,6 +82,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if share is not None:
             host.append(share)
         decode_steps += rec.decode_step_times()
+        decode_cpu += rec.decode_step_cpu_times()
         if hf is not None:
             t0, c0 = time.perf_counter(), time.process_time()
             hf_ids = hf.generate(prompts, args.output_len, batch)
@@ -113,7 +115,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if batch == 1 and probe.model is not None and decode_steps:
         res["roofline"] = roofline(
-            weight_bytes_per_token(probe.model), statistics.median(decode_steps), bandwidth
+            weight_bytes_per_token(probe.model),
+            statistics.median(decode_steps),
+            bandwidth,
+            statistics.median(decode_cpu) if decode_cpu else None,
         )
     if hf is not None:
         hf_tps = [n_out / s for s in hf_s]
