@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     probe = EngineProbe(llm)
     env = describe_environment(probe.device_type)
     bandwidth = measure_memory_bandwidth(probe.device_type)
+    bandwidth_cpu = measure_memory_bandwidth(probe.device_type, clock=time.process_time)
     vocab = llm.llm_engine.model_config.vocab_size
     prompts = random_prompts(vocab, args.batch_size, args.input_len, args.seed)
     hf = HFBaseline(model, dtype, probe.device_type) if args.hf_baseline else None
@@ -123,6 +124,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             statistics.median(decode_steps),
             bandwidth,
             statistics.median(decode_cpu) if decode_cpu else None,
+            bandwidth_cpu,
         )
     if hf is not None:
         res["hf"] = {

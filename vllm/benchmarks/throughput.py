@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = probe.device_type
     env = describe_environment(device)
     bandwidth = measure_memory_bandwidth(device)
+    bandwidth_cpu = measure_memory_bandwidth(device, clock=time.process_time)
     vocab = llm.llm_engine.model_config.vocab_size
     prompts = random_prompts(vocab, args.num_prompts, args.input_len, args.seed)
     hf = HFBaseline(model, dtype, device) if args.hf_baseline else None
@@ -119,6 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             statistics.median(decode_steps),
             bandwidth,
             statistics.median(decode_cpu) if decode_cpu else None,
+            bandwidth_cpu,
         )
     if hf is not None:
         hf_tps = [n_out / s for s in hf_s]
