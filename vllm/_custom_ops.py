@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from vllm.config import env_flag
+from vllm import envs
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -40,7 +40,7 @@ def _cpu_id() -> str:
 
 
 def build_dir() -> Path:
-    root = os.environ.get("VLLM_CPU_KERNELS_BUILD_DIR")
+    root = envs.VLLM_CPU_KERNELS_BUILD_DIR
     if root:
         return Path(root)
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -50,7 +50,7 @@ def build_dir() -> Path:
 @functools.cache
 def cpu_kernels_available() -> bool:
     """Build (first time) or load the CPU kernels; False means: use the torch path."""
-    if not env_flag("VLLM_CPU_KERNELS", True):
+    if not envs.VLLM_CPU_KERNELS:
         logger.info("VLLM_CPU_KERNELS=0: CPU attention runs the torch reference path")
         return False
     paths = [CSRC / s for s in SOURCES]
