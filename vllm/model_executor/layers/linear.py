@@ -88,6 +88,19 @@ class UnquantizedLinearMethod(LinearMethodBase):
         return linear(x, layer.weight, bias)
 
 
+def _create_linear_weights(layer: nn.Module, method: LinearMethodBase, bias: bool) -> None:
+    """Give layer (with in_features, out_features, params_dtype) its quant_method, the
+    method's weights and an optional bias."""
+    layer.quant_method = method
+    method.create_weights(layer, layer.in_features, layer.out_features, layer.params_dtype)
+    if bias:
+        layer.bias = nn.Parameter(
+            torch.empty(layer.out_features, dtype=layer.params_dtype), requires_grad=False
+        )
+    else:
+        layer.register_parameter("bias", None)
+
+
 class ReplicatedLinear(nn.Module):
     """y = x @ W^T + b with W [output_size, input_size], stored and multiplied as the quant
     config of the model being built says (unquantized without one). Every rank holds all of W.
@@ -96,6 +109,8 @@ class ReplicatedLinear(nn.Module):
     (router gates, lm_head) stay nn.Linear, so a quantized checkpoint tensor reaching them is a
     load error instead of a silent cast.
     """
+
+    quant_method: LinearMethodBase
 
     def __init__(
         self,
@@ -109,18 +124,8 @@ class ReplicatedLinear(nn.Module):
         self.out_features = int(output_size)
         self.params_dtype = params_dtype or torch.get_default_dtype()
         config = get_current_quant_config()
-        self.quant_method: LinearMethodBase = (
-            config.get_linear_method() if config is not None else UnquantizedLinearMethod()
-        )
-        self.quant_method.create_weights(
-            self, self.in_features, self.out_features, self.params_dtype
-        )
-        if bias:
-            self.bias = nn.Parameter(
-                torch.empty(self.out_features, dtype=self.params_dtype), requires_grad=False
-            )
-        else:
-            self.register_parameter("bias", None)
+        method = config.get_linear_method() if config is not None else UnquantizedLinearMethod()
+        _create_linear_weights(self, method, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
@@ -172,24 +177,12 @@ class MergedReplicatedLinear(nn.Module):
         self.params_dtype = params_dtype or torch.get_default_dtype()
         self.shards: nn.ModuleList | None = None
         if get_current_quant_config() is None:
-            self._make_packed(bias)
+            _create_linear_weights(self, UnquantizedLinearMethod(), bias)
         else:
             self.shards = nn.ModuleList(
                 ReplicatedLinear(input_size, n, bias=bias, params_dtype=params_dtype)
                 for n in self.output_sizes
             )
-
-    def _make_packed(self, bias: bool) -> None:
-        self.quant_method: LinearMethodBase = UnquantizedLinearMethod()
-        self.quant_method.create_weights(
-            self, self.in_features, self.out_features, self.params_dtype
-        )
-        if bias:
-            self.bias = nn.Parameter(
-                torch.empty(self.out_features, dtype=self.params_dtype), requires_grad=False
-            )
-        else:
-            self.register_parameter("bias", None)
 
     def shard_rows(self, shard: int) -> tuple[int, int]:
         """(first output row, number of rows) of shard `shard` in the packed weight."""
