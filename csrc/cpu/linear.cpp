@@ -32,6 +32,15 @@ namespace {
 
 constexpr int64_t kRows = 4;  // weight rows per block (4 x 2 accumulators + loads fit 16 ymm)
 
+#ifdef VLLM_CPU_LINEAR_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const c10::BFloat16* p) {  // widened in registers: bf16 is fp32's top half
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
 template <typename T>
 inline void widen_rows(float* __restrict dst, const T* __restrict src, int64_t rows, int64_t k,
                        int64_t ld) {
@@ -43,11 +52,7 @@ inline void widen_rows(float* __restrict dst, const T* __restrict src, int64_t r
     } else {
       int64_t i = 0;
 #ifdef VLLM_CPU_LINEAR_AVX2
-      for (; i + 8 <= k; i += 8) {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
-        const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
-        _mm256_storeu_ps(d + i, _mm256_castsi256_ps(w));
-      }
+      for (; i + 8 <= k; i += 8) _mm256_storeu_ps(d + i, load8(s + i));
 #endif
       for (; i < k; ++i) d[i] = static_cast<float>(s[i]);
     }
@@ -63,68 +68,24 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// out[m * ldo + j] = dot(x[m], w[j]) for m < mrows (1 or 2), j < nrows (<= kRows), fp32.
-inline void dot_block(const float* __restrict x, int64_t ldx, int64_t mrows,
-                      const float* __restrict w, int64_t nrows, int64_t k, float* out,
-                      int64_t ldo, const float* prefetch) {
 #ifdef VLLM_CPU_LINEAR_AVX2
-  if (nrows == kRows) {
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-    __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-    const float* x1 = x + (mrows > 1 ? ldx : 0);
-    int64_t i = 0;
-    for (; i + 8 <= k; i += 8) {
-      if (prefetch != nullptr) {  // the next block's rows, at the pace this one is consumed
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch + 4 * i), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(prefetch + 4 * i + 16), _MM_HINT_T0);
-      }
-      const __m256 w0 = _mm256_loadu_ps(w + i), w1 = _mm256_loadu_ps(w + k + i);
-      const __m256 w2 = _mm256_loadu_ps(w + 2 * k + i), w3 = _mm256_loadu_ps(w + 3 * k + i);
-      const __m256 x0 = _mm256_loadu_ps(x + i), xb = _mm256_loadu_ps(x1 + i);
-      a00 = _mm256_fmadd_ps(x0, w0, a00), a01 = _mm256_fmadd_ps(x0, w1, a01);
-      a02 = _mm256_fmadd_ps(x0, w2, a02), a03 = _mm256_fmadd_ps(x0, w3, a03);
-      a10 = _mm256_fmadd_ps(xb, w0, a10), a11 = _mm256_fmadd_ps(xb, w1, a11);
-      a12 = _mm256_fmadd_ps(xb, w2, a12), a13 = _mm256_fmadd_ps(xb, w3, a13);
-    }
-    float r0[4] = {hsum(a00), hsum(a01), hsum(a02), hsum(a03)};
-    float r1[4] = {hsum(a10), hsum(a11), hsum(a12), hsum(a13)};
-    for (; i < k; ++i)
-      for (int64_t j = 0; j < kRows; ++j) {
-        r0[j] += x[i] * w[j * k + i];
-        r1[j] += x1[i] * w[j * k + i];
-      }
-    for (int64_t j = 0; j < kRows; ++j) out[j] = r0[j];
-    if (mrows > 1)
-      for (int64_t j = 0; j < kRows; ++j) out[ldo + j] = r1[j];
-    return;
-  }
-#endif
-  for (int64_t m = 0; m < mrows; ++m)
-    for (int64_t j = 0; j < nrows; ++j) {
-      float s = 0.f;
-      for (int64_t i = 0; i < k; ++i) s += x[m * ldx + i] * w[j * k + i];
-      out[m * ldo + j] = s;
-    }
-}
-
-#ifdef VLLM_CPU_LINEAR_AVX2
-// One or two input rows against kRows bf16 weight rows read straight from memory, widened in
-// registers: no staging buffer, each weight byte touched once.
-inline __m256 load_bf16x8(const c10::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-inline void dot_block_bf16(const float* __restrict x, int64_t ldx, int64_t mrows,
-                           const c10::BFloat16* __restrict w, int64_t ldw, int64_t k,
-                           float* out, int64_t ldo) {
+// out[m * ldo + j] = dot(x[m], w[j * ldw]) for m < mrows (1 or 2) and the kRows weight rows;
+// prefetch (may be null) is the next block of fp32 rows, pulled in at the pace this one is read.
+template <typename T>
+inline void dot_block_avx2(const float* __restrict x, int64_t ldx, int64_t mrows,
+                           const T* __restrict w, int64_t ldw, int64_t k, float* out,
+                           int64_t ldo, const float* prefetch) {
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
   __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
   const float* x1 = x + (mrows > 1 ? ldx : 0);
   int64_t i = 0;
   for (; i + 8 <= k; i += 8) {
-    const __m256 w0 = load_bf16x8(w + i), w1 = load_bf16x8(w + ldw + i);
-    const __m256 w2 = load_bf16x8(w + 2 * ldw + i), w3 = load_bf16x8(w + 3 * ldw + i);
+    if (prefetch != nullptr) {
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + 4 * i), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(prefetch + 4 * i + 16), _MM_HINT_T0);
+    }
+    const __m256 w0 = load8(w + i), w1 = load8(w + ldw + i);
+    const __m256 w2 = load8(w + 2 * ldw + i), w3 = load8(w + 3 * ldw + i);
     const __m256 x0 = _mm256_loadu_ps(x + i), xb = _mm256_loadu_ps(x1 + i);
     a00 = _mm256_fmadd_ps(x0, w0, a00), a01 = _mm256_fmadd_ps(x0, w1, a01);
     a02 = _mm256_fmadd_ps(x0, w2, a02), a03 = _mm256_fmadd_ps(x0, w3, a03);
@@ -144,6 +105,21 @@ inline void dot_block_bf16(const float* __restrict x, int64_t ldx, int64_t mrows
     for (int64_t j = 0; j < kRows; ++j) out[ldo + j] = r1[j];
 }
 #endif
+
+// out[m * ldo + j] = dot(x[m], w[j]) for m < mrows (1 or 2), j < nrows (<= kRows), fp32.
+inline void dot_block(const float* __restrict x, int64_t ldx, int64_t mrows,
+                      const float* __restrict w, int64_t nrows, int64_t k, float* out,
+                      int64_t ldo, const float* prefetch) {
+#ifdef VLLM_CPU_LINEAR_AVX2
+  if (nrows == kRows) return dot_block_avx2(x, ldx, mrows, w, k, k, out, ldo, prefetch);
+#endif
+  for (int64_t m = 0; m < mrows; ++m)
+    for (int64_t j = 0; j < nrows; ++j) {
+      float s = 0.f;
+      for (int64_t i = 0; i < k; ++i) s += x[m * ldx + i] * w[j * k + i];
+      out[m * ldo + j] = s;
+    }
+}
 
 template <typename T>
 void run_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias,
@@ -169,7 +145,7 @@ void run_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias
 #ifdef VLLM_CPU_LINEAR_AVX2
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         if (M <= 2 && nr == kRows) {  // widen in registers: the weights are read only once
-          dot_block_bf16(xf.data(), K, M, wp + n0 * ldw, ldw, K, acc, kRows);
+          dot_block_avx2(xf.data(), K, M, wp + n0 * ldw, ldw, K, acc, kRows, nullptr);
           for (int64_t mm = 0; mm < M; ++mm)
             for (int64_t j = 0; j < nr; ++j) {
               float v = acc[mm * kRows + j];
