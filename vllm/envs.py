@@ -38,7 +38,24 @@ _DEFAULT_PP_STEP_TIMEOUT_S = 120.0
 # A request-supplied chat template gets this long to render; real templates take milliseconds.
 _DEFAULT_CHAT_TEMPLATE_TIMEOUT_S = 5.0
 
+
+def _flag(name: str, default: bool) -> Callable[[], bool]:
+    def read() -> bool:
+        raw = os.environ.get(name)
+        return default if raw is None else raw.strip().lower() in ("1", "true", "yes", "on")
+
+    return read
+
+
+def _str(name: str) -> Callable[[], str | None]:
+    return lambda: os.environ.get(name) or None
+
+
 _READERS: dict[str, Callable[[], Any]] = {
+    # 0 forces the torch reference path instead of the C++ CPU kernels (csrc/cpu).
+    "VLLM_CPU_KERNELS": _flag("VLLM_CPU_KERNELS", True),
+    # Where the CPU kernels are built and cached (default ~/.cache/vllm/cpu_kernels).
+    "VLLM_CPU_KERNELS_BUILD_DIR": _str("VLLM_CPU_KERNELS_BUILD_DIR"),
     "VLLM_PP_STEP_TIMEOUT_S": _positive_float("VLLM_PP_STEP_TIMEOUT_S", _DEFAULT_PP_STEP_TIMEOUT_S),
     "VLLM_CHAT_TEMPLATE_TIMEOUT_S": _positive_float(
         "VLLM_CHAT_TEMPLATE_TIMEOUT_S", _DEFAULT_CHAT_TEMPLATE_TIMEOUT_S
@@ -46,6 +63,8 @@ _READERS: dict[str, Callable[[], Any]] = {
 }
 
 if TYPE_CHECKING:  # the names this module provides
+    VLLM_CPU_KERNELS: bool
+    VLLM_CPU_KERNELS_BUILD_DIR: str | None
     VLLM_PP_STEP_TIMEOUT_S: float
     VLLM_CHAT_TEMPLATE_TIMEOUT_S: float
 

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -180,6 +181,29 @@ def test_misshaped_weight_names_both_shapes(tmp_path: Path, name: str, shape) ->
         _load(path)
     msg = str(err.value)
     assert name in msg and str(shape) in msg and str(expected) in msg
+
+
+@pytest.mark.parametrize("shard", ["gate_proj", "up_proj"])
+def test_packed_projection_shards_are_strict(tmp_path: Path, shard: str) -> None:
+    """gate_proj / up_proj fill the packed gate_up_proj: a missing or misshaped one is named."""
+    path = _build(tmp_path, "DeepseekV3ForCausalLM", None, num_nextn_predict_layers=0)
+    name = f"model.layers.0.mlp.{shard}.weight"
+    _rewrite(path, lambda w: w.pop(name))
+    with pytest.raises(WeightLoadError, match=re.escape(name)):
+        _load(path)
+    path = _build(tmp_path / "b", "DeepseekV3ForCausalLM", None, num_nextn_predict_layers=0)
+    holder = {}
+
+    def shrink(w: dict) -> None:
+        holder["shape"] = tuple(w[name].shape)
+        w[name] = w[name][1:].clone()
+
+    _rewrite(path, shrink)
+    with pytest.raises(WeightLoadError) as err:
+        _load(path)
+    rows, cols = holder["shape"]
+    msg = str(err.value)
+    assert name in msg and str((rows - 1, cols)) in msg and str((rows, cols)) in msg
 
 
 def test_expert_weight_loaded_twice_is_an_error(tmp_path: Path) -> None:

@@ -23,6 +23,10 @@ def make_parser() -> argparse.ArgumentParser:
     from vllm.entrypoints.cli.zoo import add_zoo_parser
 
     add_zoo_parser(sub)
+
+    from vllm.entrypoints.cli.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

@@ -31,7 +31,8 @@ def fused_moe(
     topk_weights [T, k] (any float dtype); topk_ids [T, k]. Each expert is a SwiGLU MLP. Only the
     experts that received tokens run, each once over all of its tokens. Returns [T, H] in the
     dtype of hidden_states, accumulated in float32. expert_linear(x, e, "w13" | "w2") computes
-    x @ W[e]^T for weights stored otherwise than dense (quantized); by default F.linear.
+    x @ W[e]^T for weights stored otherwise than dense (quantized); by default linear()
+    (F.linear, or the CPU small-M kernel for an expert's few bf16 rows).
     """
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=hidden_states.device)
@@ -44,10 +45,13 @@ def fused_moe(
     counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
     inter = w2.shape[2]
     if expert_linear is None:
+        # Imported here: linear.py -> quantization -> fp8 imports this module.
+        from vllm.model_executor.layers.linear import linear
+
         stacks = {"w13": w13, "w2": w2}
 
         def expert_linear(x: torch.Tensor, e: int, proj: str) -> torch.Tensor:
-            return F.linear(x, stacks[proj][e])
+            return linear(x, stacks[proj][e])
 
     start = 0
     for expert, n in enumerate(counts):

@@ -5,11 +5,44 @@ quantization method such as block FP8), chosen from the model's quantization con
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm._custom_ops import cpu_op_ok, linear_small_m
 from vllm.model_executor.layers.quantization import get_current_quant_config
+
+# Up to this many rows (a decode step's tokens) the CPU kernel streams each weight row once for
+# all rows; past it, the BLAS GEMM's blocking wins (prefill).
+SMALL_M_MAX_ROWS = 32
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; bf16 products of the few rows of a batched decode step go through the CPU
+    small-M kernel (without AVX512-BF16 torch falls back to a generic loop, ~4x slower at
+    M = 16). At M = 1 torch's bf16 GEMV already streams the weights at the memory's pace.
+    fp32 stays on BLAS everywhere: its small-M GEMM is close, and switching kernels at an M
+    threshold would make a request's fp32 rows depend on how many tokens share its step (the
+    batch-invariance the fp32 tests hold to 1e-5)."""
+    m = x.shape[0] if x.dim() == 2 else 0
+    if m <= 1 or x.dtype != torch.bfloat16 or weight.dtype != x.dtype:
+        return F.linear(x, weight, bias)
+    if m <= SMALL_M_MAX_ROWS and weight.stride(-1) == 1 and cpu_op_ok(x):
+        return linear_small_m(x, weight, bias)
+    if x.device.type == "cpu" and not _cpu_has_bf16_gemm():
+        # Prefill-sized: fp32 BLAS on widened copies, rounded once (5-7x faster than torch's
+        # generic bf16 loop from 33 to 512 rows; the same fp32 accumulation).
+        b = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), b).to(torch.bfloat16)
+    return F.linear(x, weight, bias)
+
+
+@functools.cache
+def _cpu_has_bf16_gemm() -> bool:
+    """Whether oneDNN has a native bf16 GEMM on this CPU (AVX512-BF16 / AMX)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class LinearMethodBase:
@@ -52,7 +85,20 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return linear(x, layer.weight, bias)
+
+
+def _create_linear_weights(layer: nn.Module, method: LinearMethodBase, bias: bool) -> None:
+    """Give layer (with in_features, out_features, params_dtype) its quant_method, the
+    method's weights and an optional bias."""
+    layer.quant_method = method
+    method.create_weights(layer, layer.in_features, layer.out_features, layer.params_dtype)
+    if bias:
+        layer.bias = nn.Parameter(
+            torch.empty(layer.out_features, dtype=layer.params_dtype), requires_grad=False
+        )
+    else:
+        layer.register_parameter("bias", None)
 
 
 class ReplicatedLinear(nn.Module):
@@ -63,6 +109,8 @@ class ReplicatedLinear(nn.Module):
     (router gates, lm_head) stay nn.Linear, so a quantized checkpoint tensor reaching them is a
     load error instead of a silent cast.
     """
+
+    quant_method: LinearMethodBase
 
     def __init__(
         self,
@@ -76,18 +124,8 @@ class ReplicatedLinear(nn.Module):
         self.out_features = int(output_size)
         self.params_dtype = params_dtype or torch.get_default_dtype()
         config = get_current_quant_config()
-        self.quant_method: LinearMethodBase = (
-            config.get_linear_method() if config is not None else UnquantizedLinearMethod()
-        )
-        self.quant_method.create_weights(
-            self, self.in_features, self.out_features, self.params_dtype
-        )
-        if bias:
-            self.bias = nn.Parameter(
-                torch.empty(self.out_features, dtype=self.params_dtype), requires_grad=False
-            )
-        else:
-            self.register_parameter("bias", None)
+        method = config.get_linear_method() if config is not None else UnquantizedLinearMethod()
+        _create_linear_weights(self, method, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
@@ -103,3 +141,81 @@ def dequantize_linear_(layer: nn.Module) -> None:
     method = getattr(layer, "quant_method", None)
     if method is not None:
         method.dequantize_(layer)
+
+
+class MergedReplicatedLinear(nn.Module):
+    """Several projections of one input packed into one: y = x @ [W_0; W_1; ...]^T, shard i
+    being output columns [offset_i, offset_i + output_sizes[i]) (vLLM's qkv_proj /
+    gate_up_proj). One larger GEMM instead of several, and no concatenation of their outputs.
+
+    The checkpoint keeps the projections apart (shard_names, e.g. q_proj / k_proj / v_proj next
+    to this layer): the loader maps each to its rows (stacked_params_mapping). Unquantized, the
+    layer holds one `weight` [sum(output_sizes), input_size] (and `bias`). With a quantization
+    config, every shard is a ReplicatedLinear of its own under `shards` (each with its own
+    scale grid, whose edge blocks do not line up with a packed matrix's); when loading leaves
+    them all unquantized (FP8 dequantized at load on CPU), they are packed into one weight.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        shard_names: tuple[str, ...],
+        bias: bool = True,
+        params_dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if len(output_sizes) != len(shard_names) or not output_sizes:
+            raise ValueError(
+                f"need one shard name per output size, got {shard_names} for {output_sizes}"
+            )
+        self.in_features = int(input_size)
+        self.output_sizes = [int(n) for n in output_sizes]
+        self.out_features = sum(self.output_sizes)
+        self.shard_names = tuple(shard_names)
+        self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.shards: nn.ModuleList | None = None
+        if get_current_quant_config() is None:
+            _create_linear_weights(self, UnquantizedLinearMethod(), bias)
+        else:
+            self.shards = nn.ModuleList(
+                ReplicatedLinear(input_size, n, bias=bias, params_dtype=params_dtype)
+                for n in self.output_sizes
+            )
+
+    def shard_rows(self, shard: int) -> tuple[int, int]:
+        """(first output row, number of rows) of shard `shard` in the packed weight."""
+        return self.offsets[shard], self.output_sizes[shard]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shards is None:
+            return linear(x, self.weight, self.bias)
+        return torch.cat([s(x) for s in self.shards], dim=-1)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The packed output's per-shard parts (views)."""
+        return y.split(self.output_sizes, dim=-1)
+
+    def process_weights_after_loading(self) -> None:
+        # Runs after every layer's quant method converted its weights.
+        if self.shards is None or not all(
+            isinstance(s.quant_method, UnquantizedLinearMethod) for s in self.shards
+        ):
+            return
+        weight = torch.cat([s.weight for s in self.shards], dim=0)
+        has_bias = self.shards[0].bias is not None
+        bias = torch.cat([s.bias for s in self.shards]) if has_bias else None
+        self.params_dtype = weight.dtype
+        del self.shards
+        self.shards = None
+        self.quant_method = UnquantizedLinearMethod()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def extra_repr(self) -> str:
+        packed = "packed" if self.shards is None else "per-shard"
+        return (
+            f"in_features={self.in_features}, output_sizes={self.output_sizes}, "
+            f"shards={self.shard_names}, {packed}"
+        )

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm import _custom_ops as ops
+
 
 def rope_params(config: Any) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from a transformers 4 or 5 style config."""
@@ -130,6 +132,26 @@ class RotaryEmbedding(nn.Module):
         # The cache covers max_position_embeddings >= max_model_len (checked by ModelConfig).
         if self._cos.device != positions.device:
             self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
+        if (
+            q.dtype == k.dtype
+            and positions.dtype == torch.int64
+            and positions.is_contiguous()
+            and q.dim() in (2, 3)
+            and k.dim() in (2, 3)
+            and k.stride(-1) == 1
+            and ops.cpu_op_ok(q)
+        ):
+            # One C++ call for q and k instead of ~20 torch ops (the same arithmetic).
+            return ops.rotary_embedding(
+                positions,
+                q,
+                k,
+                self._cos,
+                self._sin,
+                self.head_size,
+                self.rotary_dim,
+                self.is_neox_style,
+            )
         cos = self._cos[positions].unsqueeze(1)
         sin = self._sin[positions].unsqueeze(1)
         q_shape, k_shape = q.shape, k.shape

@@ -15,6 +15,7 @@ from torch import nn
 from vllm.config import ModelConfig, VllmConfig
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import linear
 from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagleBase, SupportsPP
 from vllm.model_executor.models.utils import (
     PPMissingLayer,
@@ -43,10 +44,18 @@ def tie_word_embeddings(model_config: ModelConfig) -> bool:
     return bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
 
 
+class LMHead(nn.Linear):
+    """The vocabulary projection: an nn.Linear (never quantized) whose product runs through
+    the shared linear() (the CPU small-M kernel at decode)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 def build_lm_head(config: Any, tie_to: nn.Module | None = None) -> nn.Linear:
     """The vocabulary projection (an nn.Linear: never quantized), sharing tie_to's weight
     when given (tied word embeddings)."""
-    head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    head = LMHead(config.hidden_size, config.vocab_size, bias=False)
     if tie_to is not None:
         head.weight = tie_to.get_parameter("weight")
     return head

@@ -12,36 +12,49 @@ from torch import nn
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import MergedReplicatedLinear, ReplicatedLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params
 from vllm.model_executor.models.base import CausalLMBase, DecoderLayerBase, DecoderModelBase
 from vllm.model_executor.models.interfaces import SupportsEagle3
 
 
 class LlamaMLP(nn.Module):
+    """SwiGLU MLP with gate and up packed into one projection (gate_up_proj)."""
+
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.gate_proj = ReplicatedLinear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = ReplicatedLinear(hidden_size, intermediate_size, bias=bias)
+        self.gate_up_proj = MergedReplicatedLinear(
+            hidden_size, [intermediate_size] * 2, ("gate_proj", "up_proj"), bias=bias
+        )
         self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(torch.cat([self.gate_proj(x), self.up_proj(x)], -1)))
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, qkv_bias: bool, prefix: str) -> None:
+    """GQA attention with RoPE; q, k and v packed into one projection (qkv_proj).
+    input_size: width of what the projection reads (default hidden_size; EAGLE3's draft
+    layer reads twice that)."""
+
+    def __init__(
+        self, config: Any, qkv_bias: bool, prefix: str, input_size: int | None = None
+    ) -> None:
         super().__init__()
         h = config.hidden_size
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or h // self.num_heads
         o_bias = bool(getattr(config, "attention_bias", False)) and not qkv_bias
-        self.q_proj = ReplicatedLinear(h, self.num_heads * self.head_dim, bias=qkv_bias)
-        self.k_proj = ReplicatedLinear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.v_proj = ReplicatedLinear(h, self.num_kv_heads * self.head_dim, bias=qkv_bias)
-        self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, h, bias=o_bias)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedReplicatedLinear(
+            input_size or h,
+            [q_size, kv_size, kv_size],
+            ("q_proj", "k_proj", "v_proj"),
+            bias=qkv_bias,
+        )
+        self.o_proj = ReplicatedLinear(q_size, h, bias=o_bias)
         theta, scaling = rope_params(config)
         self.rotary_emb = get_rope(
             self.head_dim,
@@ -60,7 +73,7 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 

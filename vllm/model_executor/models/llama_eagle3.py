@@ -77,15 +77,11 @@ class Eagle3DecoderLayer(nn.Module):
         h = config.hidden_size
         eps = getattr(config, "rms_norm_eps", 1e-6)
         self.self_attn = LlamaAttention(
-            config, bool(getattr(config, "attention_bias", False)), prefix=f"{prefix}.self_attn"
+            config,
+            bool(getattr(config, "attention_bias", False)),
+            prefix=f"{prefix}.self_attn",
+            input_size=2 * h,
         )
-        for name in ("q_proj", "k_proj", "v_proj"):
-            old = getattr(self.self_attn, name)
-            setattr(
-                self.self_attn,
-                name,
-                nn.Linear(2 * h, old.out_features, bias=old.bias is not None),
-            )
         self.mlp = LlamaMLP(h, config.intermediate_size, bool(getattr(config, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(h, eps)
         self.hidden_norm = RMSNorm(h, eps)

@@ -18,7 +18,7 @@ from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import MergedReplicatedLinear, ReplicatedLinear
 from vllm.model_executor.layers.mamba import MambaBase
 from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_varlen
 from vllm.model_executor.layers.mamba.ops.gated_delta_rule import (
@@ -173,9 +173,13 @@ class Qwen3_5Attention(nn.Module):
         self.head_dim = int(getattr(config, "head_dim", None) or h // self.num_heads)
         bias = bool(getattr(config, "attention_bias", False))
         eps = getattr(config, "rms_norm_eps", 1e-6)
-        self.q_proj = ReplicatedLinear(h, self.num_heads * self.head_dim * 2, bias=bias)
-        self.k_proj = ReplicatedLinear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = ReplicatedLinear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedReplicatedLinear(
+            h,
+            [self.num_heads * self.head_dim * 2, kv_size, kv_size],
+            ("q_proj", "k_proj", "v_proj"),
+            bias=bias,
+        )
         self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, h, bias=bias)
         self.q_norm = Qwen3_5RMSNorm(self.head_dim, eps)
         self.k_norm = Qwen3_5RMSNorm(self.head_dim, eps)
@@ -201,13 +205,10 @@ class Qwen3_5Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         T = hidden_states.shape[0]
-        q, gate = (
-            self.q_proj(hidden_states).view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        )
+        q_gate, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        q, gate = q_gate.reshape(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q).reshape(T, -1)
-        k = self.k_norm(self.k_proj(hidden_states).view(T, self.num_kv_heads, self.head_dim))
-        k = k.reshape(T, -1)
-        v = self.v_proj(hidden_states)
+        k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim)).reshape(T, -1)
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v) * torch.sigmoid(gate.reshape(T, -1))
         return self.o_proj(out)

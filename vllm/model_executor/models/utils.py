@@ -14,6 +14,7 @@ from torch import nn
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.distributed.utils import get_pp_indices
 from vllm.model_executor.layers.fused_moe import ExpertWeightLoader, check_experts_loaded
+from vllm.model_executor.layers.linear import MergedReplicatedLinear
 from vllm.model_executor.model_loader.weight_utils import WeightLoadError, reject_quantized_tensor
 from vllm.sequence import IntermediateTensors
 
@@ -100,6 +101,8 @@ def load_params_strict(
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
+    stacked = stacked_params_mapping(modules)
+    shards_done: dict[str, set[int]] = {}
     note_loaded = getattr(weights, "note_loaded", None)
     experts = ExpertWeightLoader()
     loaded: set[str] = set()
@@ -117,6 +120,21 @@ def load_params_strict(
             loaded.add(name)
             continue
         owner_name, _, leaf = name.rpartition(".")
+        if owner_name in stacked:
+            merged_name, shard = stacked[owner_name]
+            merged = modules[merged_name]
+            if merged.shards is not None:  # quantized: the shard is a layer of its own
+                owner_name = f"{merged_name}.shards.{shard}"
+            else:
+                loaded.add(name)
+                packed = f"{merged_name}.{leaf}"
+                _load_packed_shard(merged, shard, leaf, tensor, ckpt_name, packed, params)
+                done = shards_done.setdefault(packed, set())
+                done.add(shard)
+                if len(done) == len(merged.shard_names):
+                    loaded.add(packed)
+                continue
+            name = f"{owner_name}.{leaf}"
         owner = modules.get(owner_name)
         load_weight = getattr(getattr(owner, "quant_method", None), "load_weight", None)
         with torch.no_grad():
@@ -138,7 +156,69 @@ def load_params_strict(
         with torch.no_grad():
             param.copy_(tensor.to(param.dtype))
         loaded.add(name)
+    _check_packed_shards(model, stacked, modules, shards_done)
     return loaded
+
+
+def _check_packed_shards(
+    model: nn.Module,
+    stacked: dict[str, tuple[str, int]],
+    modules: dict[str, nn.Module],
+    shards_done: dict[str, set[int]],
+) -> None:
+    """A packed layer that got some of its shards but not all names the missing checkpoint
+    weight (a layer that got none is reported by check_all_loaded)."""
+    for ckpt_module, (merged_name, shard) in stacked.items():
+        if modules[merged_name].shards is not None:
+            continue
+        for leaf in ("weight", "bias"):
+            done = shards_done.get(f"{merged_name}.{leaf}")
+            if done and shard not in done and not is_pp_missing_parameter(merged_name, model):
+                raise WeightLoadError(
+                    f"checkpoint is missing weight {ckpt_module}.{leaf!s} (a shard of "
+                    f"{merged_name}.{leaf}) for {type(model).__name__}"
+                )
+
+
+def stacked_params_mapping(modules: dict[str, nn.Module]) -> dict[str, tuple[str, int]]:
+    """Checkpoint module name -> (packed layer, shard index) for every MergedReplicatedLinear
+    of the model (e.g. `...self_attn.k_proj` -> (`...self_attn.qkv_proj`, 1)): the checkpoint
+    keeps the projections apart, the model packs them."""
+    out: dict[str, tuple[str, int]] = {}
+    for name, m in modules.items():
+        if isinstance(m, MergedReplicatedLinear):
+            parent = name.rpartition(".")[0]
+            for i, shard in enumerate(m.shard_names):
+                out[f"{parent}.{shard}" if parent else shard] = (name, i)
+    return out
+
+
+def _load_packed_shard(
+    merged: nn.Module,
+    shard: int,
+    leaf: str,
+    tensor: torch.Tensor,
+    ckpt_name: str,
+    packed_name: str,
+    params: dict[str, nn.Parameter],
+) -> None:
+    param = params.get(packed_name)
+    if param is None:
+        have = sorted(n for n, _ in merged.named_parameters())
+        raise WeightLoadError(
+            f"checkpoint weight {ckpt_name!r} has no matching parameter in the packed layer "
+            f"{packed_name.rpartition('.')[0]!r} (it has {have})"
+        )
+    start, rows = merged.shard_rows(shard)
+    expected = (rows, *param.shape[1:])
+    if tuple(tensor.shape) != expected:
+        raise WeightLoadError(
+            f"weight {ckpt_name!r} has shape {tuple(tensor.shape)} in the checkpoint but "
+            f"the model expects {expected} (rows {start}:{start + rows} of {packed_name!r})"
+        )
+    reject_quantized_tensor(ckpt_name, tensor, packed_name)
+    with torch.no_grad():
+        param.narrow(0, start, rows).copy_(tensor.to(param.dtype))
 
 
 def check_all_loaded(model: nn.Module, loaded: set[str], shared: Iterable[str] = ()) -> None:

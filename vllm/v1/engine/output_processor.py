@@ -8,10 +8,59 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import tokenizers
+
 from vllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.outputs import LogprobsLists
+
+
+class IncrementalDetokenizer:
+    """Output text of one sequence, decoded a few tokens at a time (vLLM's prefix/read offsets).
+
+    Each step decodes only the window ids[prefix_offset:] and emits what it adds beyond the
+    text of ids[prefix_offset:read_offset], so a step costs O(new tokens), not O(output). The
+    window keeps one already-emitted token of left context, which is what decoders that treat
+    the first token specially (a leading-space marker, a byte-level merge) need. Text ending in
+    U+FFFD - a multi-byte character whose remaining bytes are still to come - is held back until
+    it completes; finish() releases whatever is left, so the final text equals decoding all ids
+    at once.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool, spaces_between_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.kwargs = {"skip_special_tokens": skip_special_tokens}
+        if not spaces_between_special_tokens:
+            # Only slow (Python) tokenizers read it; the default must not reach fast ones.
+            self.kwargs["spaces_between_special_tokens"] = False
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self._prefix_text: str | None = ""  # decode(ids[prefix_offset:read_offset]), cached
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, **self.kwargs)
+
+    def _window(self, final: bool) -> str:
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
+        prefix = self._prefix_text
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self._prefix_text = None
+        return full[len(prefix) :]
+
+    def step(self, new_ids: list[int]) -> str:
+        """Add tokens; return the text they complete (may be empty)."""
+        self.ids.extend(new_ids)
+        return self._window(final=False) if new_ids else ""
+
+    def finish(self) -> str:
+        """The text still held back (an incomplete character at the very end)."""
+        return self._window(final=True) if self.read_offset < len(self.ids) else ""
 
 
 @dataclass
@@ -20,6 +69,7 @@ class ChildState:
     params: SamplingParams
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
@@ -56,6 +106,7 @@ class OutputProcessor:
         self.requests: dict[str, RequestState] = {}
         self.child_to_parent: dict[str, str] = {}
         self._itl: list[float] = []
+        self._token_text_cache: dict[int, str] = {}
 
     def take_inter_token_latencies(self) -> list[float]:
         """Inter-token latencies observed since the last call."""
@@ -73,20 +124,51 @@ class OutputProcessor:
             for cid in st.children:
                 self.child_to_parent.pop(cid, None)
 
-    def _decode(self, ids: list[int], params: SamplingParams) -> str:
+    def _detokenize(self, child: ChildState, new_ids: list[int], finished: bool) -> None:
+        """Append the text of this step's tokens to child.text, incrementally."""
+        params = child.params
         if not params.detokenize or self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+            return
+        if child.detokenizer is None:
+            child.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
+            )
+        child.text += child.detokenizer.step(new_ids)
+        if finished:
+            child.text += child.detokenizer.finish()
 
-    def _to_logprob_dict(self, lp: LogprobsLists) -> dict[int, Logprob]:
+    def _token_texts(self, entries: list[LogprobsLists | None]) -> dict[int, str] | None:
+        """The text of each token id in one step's logprob entries. A token's text never
+        changes, so it is cached; the ids not seen before are decoded in one call."""
+        if self.tokenizer is None:
+            return None
+        cache = self._token_text_cache
+        new = list(
+            dict.fromkeys(
+                t for e in entries if e is not None for t in e.token_ids if t not in cache
+            )
+        )
+        if new:
+            backend = getattr(self.tokenizer, "_tokenizer", None)
+            if isinstance(backend, tokenizers.Tokenizer) and not getattr(
+                self.tokenizer, "clean_up_tokenization_spaces", False
+            ):
+                # The Rust tokenizer decodes a batch in one call; the Python wrapper would loop.
+                texts = backend.decode_batch([[t] for t in new], skip_special_tokens=False)
+            else:
+                texts = self.tokenizer.batch_decode([[t] for t in new])
+            cache.update(zip(new, texts))
+        return cache
+
+    def _to_logprob_dict(
+        self, lp: LogprobsLists, texts: dict[int, str] | None
+    ) -> dict[int, Logprob]:
         out: dict[int, Logprob] = {}
-        ids = lp.token_ids
-        for rank, (tid, val) in enumerate(zip(ids, lp.logprobs)):
+        for rank, (tid, val) in enumerate(zip(lp.token_ids, lp.logprobs)):
             if tid in out:
                 continue
             r = lp.sampled_rank if rank == 0 else rank
-            text = self.tokenizer.decode([tid]) if self.tokenizer is not None else None
-            out[tid] = Logprob(val, r, text)
+            out[tid] = Logprob(val, r, texts[tid] if texts is not None else None)
         return out
 
     def process(
@@ -112,8 +194,10 @@ class OutputProcessor:
                 if st.prompt_logprobs is None:
                     st.prompt_logprobs = []
                 if len(st.prompt_logprobs) < len(st.prompt_token_ids):
+                    texts = self._token_texts(out.prompt_logprobs)
                     st.prompt_logprobs += [
-                        None if e is None else self._to_logprob_dict(e) for e in out.prompt_logprobs
+                        None if e is None else self._to_logprob_dict(e, texts)
+                        for e in out.prompt_logprobs
                     ]
             if out.new_token_ids:
                 if st.first_token_time is None:
@@ -128,13 +212,14 @@ class OutputProcessor:
             if out.new_logprobs is not None:
                 if child.logprobs is None:
                     child.logprobs, child.cumulative_logprob = [], 0.0
+                texts = self._token_texts(out.new_logprobs)
                 for lp in out.new_logprobs:
                     if lp is None:
                         continue
-                    child.logprobs.append(self._to_logprob_dict(lp))
+                    child.logprobs.append(self._to_logprob_dict(lp, texts))
                     child.cumulative_logprob += lp.logprobs[0]
-            if out.new_token_ids:
-                child.text = self._decode(child.token_ids, child.params)
+            if out.new_token_ids or out.finish_reason is not None:
+                self._detokenize(child, out.new_token_ids, out.finish_reason is not None)
             if out.finish_reason is not None:
                 child.finish_reason = out.finish_reason
                 child.stop_reason = out.stop_reason

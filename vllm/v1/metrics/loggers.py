@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client import Counter as PCounter
@@ -47,6 +48,7 @@ class PrometheusStatLogger:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.labels = {"model_name": model_name}
+        self._children: dict[tuple, Any] = {}
         r = self.registry
 
         def counter(name: str, doc: str, extra: list[str] | None = None) -> PCounter:
@@ -105,38 +107,46 @@ class PrometheusStatLogger:
             self.spec_per_pos.labels(**self.labels, position=str(i))
         self._last_preemptions = 0
 
+    def _child(self, metric: Any, **extra: str) -> Any:
+        """metric.labels(...) with this engine's labels, looked up once: the per-token
+        histograms are observed for every request every step."""
+        key = (id(metric), tuple(extra.items()))
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(**self.labels, **extra)
+        return child
+
     def record(self, stats: SchedulerStats, num_prompt: int, num_gen: int) -> None:
-        lab = self.labels
-        self.prompt_tokens.labels(**lab).inc(num_prompt)
-        self.generation_tokens.labels(**lab).inc(num_gen)
-        self.running.labels(**lab).set(stats.num_running_reqs)
-        self.waiting.labels(**lab).set(stats.num_waiting_reqs)
-        self.kv_usage.labels(**lab).set(stats.kv_cache_usage)
+        self._child(self.prompt_tokens).inc(num_prompt)
+        self._child(self.generation_tokens).inc(num_gen)
+        self._child(self.running).set(stats.num_running_reqs)
+        self._child(self.waiting).set(stats.num_waiting_reqs)
+        self._child(self.kv_usage).set(stats.kv_cache_usage)
         if stats.num_preemptions > self._last_preemptions:
-            self.num_preemptions.labels(**lab).inc(stats.num_preemptions - self._last_preemptions)
+            self._child(self.num_preemptions).inc(stats.num_preemptions - self._last_preemptions)
             self._last_preemptions = stats.num_preemptions
         pc = stats.prefix_cache_stats
         if pc is not None:
-            self.prefix_cache_queries.labels(**lab).inc(pc.queries)
-            self.prefix_cache_hits.labels(**lab).inc(pc.hits)
+            self._child(self.prefix_cache_queries).inc(pc.queries)
+            self._child(self.prefix_cache_hits).inc(pc.hits)
         sd = stats.spec_decoding_stats
         if sd is not None and sd.num_drafts:
-            self.spec_drafts.labels(**lab).inc(sd.num_drafts)
-            self.spec_draft_tokens.labels(**lab).inc(sd.num_draft_tokens)
-            self.spec_accepted.labels(**lab).inc(sd.num_accepted_tokens)
+            self._child(self.spec_drafts).inc(sd.num_drafts)
+            self._child(self.spec_draft_tokens).inc(sd.num_draft_tokens)
+            self._child(self.spec_accepted).inc(sd.num_accepted_tokens)
             for i, v in enumerate(sd.num_accepted_tokens_per_pos):
                 if v:
-                    self.spec_per_pos.labels(**lab, position=str(i)).inc(v)
+                    self._child(self.spec_per_pos, position=str(i)).inc(v)
 
     def record_finished(self, reason: str, e2e: float) -> None:
-        self.request_success.labels(**self.labels, finished_reason=reason).inc()
-        self.e2e.labels(**self.labels).observe(e2e)
+        self._child(self.request_success, finished_reason=reason).inc()
+        self._child(self.e2e).observe(e2e)
 
     def record_ttft(self, seconds: float) -> None:
-        self.ttft.labels(**self.labels).observe(seconds)
+        self._child(self.ttft).observe(seconds)
 
     def record_itl(self, seconds: float) -> None:
-        self.itl.labels(**self.labels).observe(seconds)
+        self._child(self.itl).observe(seconds)
 
 
 class PrefixCacheHitRate:

@@ -7,11 +7,15 @@ flattened query tokens of each request are gathered into a padded [R, Q] block, 
 values gathered from the paged cache into [R, S], and one SDPA call runs with a causal mask offset
 by the request's already-computed tokens. Requests with short queries (decode, verify) and long
 ones (prefill) are padded in separate groups so one long prompt does not pad every decode row.
+
+On CPU, paged_attention() runs the short-query requests through a C++ kernel that reads keys and
+values straight from the cache by block table (no gather); the padded groups are built only
+when something uses them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,8 +44,62 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64 cache slot each new token is written to
     query_start_loc_np: np.ndarray  # [R + 1]
     seq_lens_np: np.ndarray  # [R]
-    groups: list[PaddedGroup]
     block_size: int
+    block_table_np: np.ndarray  # [R, max_blocks]
+    short_query_len: int
+    device: torch.device
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def _rows(self, short: bool) -> np.ndarray:
+        q_lens = self.query_start_loc_np[1:] - self.query_start_loc_np[:-1]
+        if short:
+            return np.nonzero((q_lens <= self.short_query_len) & (q_lens > 0))[0]
+        return np.nonzero(q_lens > self.short_query_len)[0]
+
+    def group(self, short: bool) -> PaddedGroup | None:
+        """The padded group of the short-query (decode, verify) or long-query (prefill)
+        requests, built on first use; None when there are none."""
+        key = ("group", short)
+        if key not in self._cache:
+            rows = self._rows(short)
+            g = None
+            if len(rows):
+                qsl, sl = self.query_start_loc_np, self.seq_lens_np
+                q_lens = qsl[1:] - qsl[:-1]
+                g = _group_to(
+                    _build_group(
+                        rows,
+                        qsl,
+                        q_lens,
+                        sl,
+                        sl - q_lens,
+                        self.block_table_np,
+                        self.block_size,
+                        self.num_tokens,
+                    ),
+                    self.device,
+                )
+            self._cache[key] = g
+        return self._cache[key]
+
+    @property
+    def groups(self) -> list[PaddedGroup]:
+        """Padded sub-batches: short-query requests first, then long-query ones."""
+        return [g for g in (self.group(True), self.group(False)) if g is not None]
+
+    def kernel_inputs(self) -> tuple[torch.Tensor, ...]:
+        """(block_table, seq_lens, query_start_loc, short-query rows) as int64 tensors."""
+        if "kernel" not in self._cache:
+            self._cache["kernel"] = tuple(
+                torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(self.device)
+                for a in (
+                    self.block_table_np,
+                    self.seq_lens_np,
+                    self.query_start_loc_np,
+                    self._rows(True),
+                )
+            )
+        return self._cache["kernel"]
 
 
 def build_attn_metadata(
@@ -71,22 +129,15 @@ def build_attn_metadata(
     if slot_mapping is None:
         blk = block_table[np.repeat(np.arange(len(q_lens)), q_lens), positions // block_size]
         slot_mapping = torch.from_numpy(blk * block_size + positions % block_size).to(device)
-    short = q_lens <= short_query_len
-    groups = []
-    for rows in (np.nonzero(short & (q_lens > 0))[0], np.nonzero(~short)[0]):
-        if len(rows) == 0:
-            continue
-        groups.append(
-            _build_group(rows, qsl, q_lens, seq_lens, ctx, block_table, block_size, num_tokens)
-        )
-    groups = [_group_to(g, device) for g in groups]
     return AttentionMetadata(
         num_tokens=num_tokens,
         slot_mapping=slot_mapping,
         query_start_loc_np=qsl,
         seq_lens_np=seq_lens,
-        groups=groups,
         block_size=block_size,
+        block_table_np=np.asarray(block_table),
+        short_query_len=short_query_len,
+        device=torch.device(device),
     )
 
 
@@ -140,17 +191,20 @@ def padded_attention(
     meta: AttentionMetadata,
     scale: float,
     mask_fn=None,
+    groups: list[PaddedGroup] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of flattened queries q [T, H, Dq] over paged keys/values.
 
     k_src / v_src are [num_slots, Hkv, D*] views of the cache. mask_fn(group) may return an extra
-    [Rg, 1 or H, Qg, Sg] boolean mask (sparse attention) combined with the causal one.
+    [Rg, 1 or H, Qg, Sg] boolean mask (sparse attention) combined with the causal one. groups
+    (default: all of meta's) and out (default: zeros) let a caller run only some requests here.
     """
     T, H, _ = q.shape
     dv = v_src.shape[-1]
-    out = q.new_zeros(T, H, dv)
+    out = q.new_zeros(T, H, dv) if out is None else out
     q_pad = torch.cat([q, q.new_zeros(1, H, q.shape[-1])], dim=0)
-    for g in meta.groups:
+    for g in meta.groups if groups is None else groups:
         qg = q_pad[g.q_index].transpose(1, 2)  # [Rg, H, Qg, D]
         kg = k_src[g.kv_slots].transpose(1, 2)  # [Rg, Hkv, Sg, D]
         vg = v_src[g.kv_slots].transpose(1, 2)
@@ -165,6 +219,43 @@ def padded_attention(
         )
         og = og.transpose(1, 2).reshape(-1, H, dv)  # [Rg * Qg, H, Dv]
         out[g.token_index] = og[g.valid]
+    return out
+
+
+def use_cpu_kernel(q: torch.Tensor, k_src: torch.Tensor, v_src: torch.Tensor) -> bool:
+    """Whether the C++ paged kernel can run these tensors (CPU, one supported dtype)."""
+    if q.device.type != "cpu" or not (q.dtype == k_src.dtype == v_src.dtype):
+        return False
+    from vllm._custom_ops import cpu_op_ok
+
+    return cpu_op_ok(q)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_src: torch.Tensor,
+    v_src: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """padded_attention's result, with the short-query requests (decode, draft verification)
+    computed by the CPU kernel straight from the paged cache where it is available. Long-query
+    requests (prefill chunks) keep the padded SDPA path: their gather is amortised over many
+    query tokens and SDPA's blocked GEMMs beat the kernel's per-row loops there."""
+    if not use_cpu_kernel(q, k_src, v_src):
+        return padded_attention(q, k_src, v_src, meta, scale)
+    from vllm import _custom_ops as ops
+
+    T, H, _ = q.shape
+    out = q.new_empty(T, H, v_src.shape[-1])
+    block_table, seq_lens, qsl, short_rows = meta.kernel_inputs()
+    if short_rows.numel():
+        ops.paged_attention(
+            out, q, k_src, v_src, block_table, seq_lens, qsl, short_rows, meta.block_size, scale
+        )
+    long_group = meta.group(False)
+    if long_group is not None:
+        padded_attention(q, k_src, v_src, meta, scale, groups=[long_group], out=out)
     return out
 
 
@@ -195,5 +286,5 @@ class TorchPagedAttentionImpl:
         v = v[:T].view(T, self.num_kv_heads, self.head_size)
         kv_cache[0][meta.slot_mapping] = k.to(kv_cache.dtype)
         kv_cache[1][meta.slot_mapping] = v.to(kv_cache.dtype)
-        out = padded_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         return out.reshape(T, self.num_heads * self.head_size)

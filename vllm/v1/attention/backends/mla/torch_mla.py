@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from vllm.v1.attention.backends.torch_paged import AttentionMetadata, padded_attention
+from vllm.v1.attention.backends.torch_paged import (
+    AttentionMetadata,
+    padded_attention,
+    paged_attention,
+)
 
 
 class TorchMLAImpl:
@@ -74,6 +78,7 @@ class TorchMLAImpl:
     ) -> torch.Tensor:
         """Single-KV-head attention of absorbed queries [T, H, rank + rope] over the latent
         cache [slots, 1, rank + rope]; returns [T, H, rank]. Sparse backends override it."""
-        return padded_attention(
-            q, latent, latent[..., : self.kv_lora_rank], meta, self.scale, mask_fn
-        )
+        v = latent[..., : self.kv_lora_rank]
+        if mask_fn is None:
+            return paged_attention(q, latent, v, meta, self.scale)
+        return padded_attention(q, latent, v, meta, self.scale, mask_fn)

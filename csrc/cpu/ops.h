@@ -1,0 +1,32 @@
+// SPDX-License-Identifier: Apache-2.0
+// Copyright 2026 The vllm-pp-spec contributors
+//
+// CPU kernels registered as torch.ops.vllm_cpu.* (torch_bindings.cpp).
+
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <tuple>
+
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_table,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     const at::Tensor& rows, int64_t block_size, double scale,
+                     int64_t blocks_per_split);
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps);
+
+std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
+                                                    const at::Tensor& q, const at::Tensor& k,
+                                                    const at::Tensor& cos_cache,
+                                                    const at::Tensor& sin_cache,
+                                                    int64_t head_size, int64_t rotary_dim,
+                                                    bool is_neox);
+
+at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,
+                          const c10::optional<at::Tensor>& bias);

@@ -1,0 +1,141 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Incremental detokenisation equals decoding the whole output at once, on byte-level text that
+splits characters across tokens (emoji, CJK, combining marks) and around special tokens; every
+step decodes a bounded window, not the whole output."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from vllm.outputs import Logprob
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.core.sched.scheduler import EngineCoreOutput
+from vllm.v1.engine.output_processor import (
+    ChildState,
+    IncrementalDetokenizer,
+    OutputProcessor,
+    RequestState,
+)
+from vllm.v1.outputs import LogprobsLists
+
+TEXTS = [
+    "Hello, world! 😀🎉 naïve café — “quotes” and ñandú.",
+    "日本語のテキストと中文字符, 한국어 텍스트; emoji 👨‍👩‍👧‍👦 🇺🇳 and e\u0301 combining.",
+    "<|im_start|>user\nwrite 🐍 code<|im_end|>\n<|im_start|>assistant\ndef f():  # ✓\n\treturn 42",
+    "   leading spaces,\n\nnewlines\r\n and trailing  ",
+]
+
+
+@pytest.fixture(scope="module", params=["tiny_bpe", "smollm2"])
+def tokenizer(request):
+    name = "tokenizer_dir" if request.param == "tiny_bpe" else "smollm2_dir"
+    return AutoTokenizer.from_pretrained(request.getfixturevalue(name))
+
+
+def _chunks(ids: list[int], sizes: tuple[int, ...]) -> list[list[int]]:
+    out, i, k = [], 0, 0
+    while i < len(ids):
+        n = sizes[k % len(sizes)]
+        out.append(ids[i : i + n])
+        i, k = i + n, k + 1
+    return out
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+@pytest.mark.parametrize("sizes", [(1,), (3, 1, 2)])  # one token a step; accepted drafts
+def test_incremental_equals_full_decode(tokenizer, skip_special, sizes):
+    split_chars = 0
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        full = tokenizer.decode(ids, skip_special_tokens=skip_special)
+        det = IncrementalDetokenizer(tokenizer, skip_special, True)
+        got = ""
+        for chunk in _chunks(ids, sizes):
+            delta = det.step(chunk)
+            # An incomplete character is held back, never emitted as U+FFFD.
+            assert "\ufffd" not in delta
+            got += delta
+            assert full.startswith(got)
+        got += det.finish()
+        assert got == full
+        split_chars += sum("\ufffd" in tokenizer.decode([t]) for t in ids)
+    # The texts do exercise characters split across byte-level tokens.
+    assert split_chars > 0
+
+
+def test_incomplete_character_at_the_end(tokenizer):
+    """Generation stopping inside a multi-byte character: finish() releases the partial bytes,
+    exactly as decoding everything would (U+FFFD)."""
+    ids = tokenizer.encode("ok 😀", add_special_tokens=False)
+    cut = next(n for n in range(len(ids), 0, -1) if tokenizer.decode(ids[:n]).endswith("\ufffd"))
+    ids = ids[:cut]
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    det = IncrementalDetokenizer(tokenizer, True, True)
+    got = "".join(det.step([t]) for t in ids)
+    assert not got.endswith("\ufffd")
+    assert got + det.finish() == full
+
+
+class _CountingTokenizer:
+    """Delegates to a real tokenizer and counts how many ids it is asked to decode."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+        self.decoded_ids = 0
+
+    def decode(self, ids, **kwargs):
+        self.decoded_ids += len(ids)
+        return self.tok.decode(ids, **kwargs)
+
+    def batch_decode(self, seqs, **kwargs):
+        self.decoded_ids += sum(len(s) for s in seqs)
+        return self.tok.batch_decode(seqs, **kwargs)
+
+
+def _processor_run(tok, ids, kind, stop=None, logprobs=False):
+    proc = OutputProcessor(tok)
+    params = SamplingParams(max_tokens=len(ids), output_kind=kind, stop=stop)
+    proc.add(RequestState("r", None, [1, 2], params, {"r": ChildState(0, params)}, 0.0))
+    outs = []
+    for i, t in enumerate(ids):
+        last = i == len(ids) - 1
+        lp = [LogprobsLists([t, 5, 7], [-0.1, -2.0, -3.0], 1)] if logprobs else None
+        out = EngineCoreOutput("r", [t], lp, finish_reason="length" if last else None)
+        res, aborted = proc.process({"r": out})
+        outs += res
+        if aborted:
+            break
+    return proc, outs
+
+
+def test_output_processor_streams_deltas_that_add_up(tokenizer):
+    ids = tokenizer.encode(TEXTS[1] + TEXTS[0], add_special_tokens=False)
+    counting = _CountingTokenizer(tokenizer)
+    _, outs = _processor_run(counting, ids, RequestOutputKind.DELTA)
+    deltas = [o.outputs[0].text for o in outs]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+    # Each step decodes a window of a few tokens: linear in the output, where re-decoding the
+    # whole output every step would be ~len(ids)**2 / 2.
+    assert counting.decoded_ids < 6 * len(ids)
+
+
+def test_output_processor_cumulative_text_and_logprob_texts(tokenizer):
+    ids = tokenizer.encode(TEXTS[2], add_special_tokens=False)
+    _, outs = _processor_run(tokenizer, ids, RequestOutputKind.CUMULATIVE, logprobs=True)
+    final = outs[-1].outputs[0]
+    assert final.text == tokenizer.decode(ids, skip_special_tokens=True)
+    for t, lp in zip(ids, final.logprobs):
+        assert lp[t] == Logprob(-0.1, 1, tokenizer.decode([t]))
+        assert lp[7].decoded_token == tokenizer.decode([7])
+
+
+def test_stop_string_with_incremental_text(tokenizer):
+    text = "alpha beta 日本 gamma delta"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    _, outs = _processor_run(tokenizer, ids, RequestOutputKind.CUMULATIVE, stop=["gam"])
+    final = outs[-1].outputs[0]
+    assert final.finish_reason == "stop" and final.stop_reason == "gam"
+    assert final.text == "alpha beta 日本 "

