@@ -1,15 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
 """Speculative decoding vs none, same prompts, same target, one run: MTP (K = 1, 2, 3) on a tiny
-DeepSeek-V3 and EAGLE3 (K = 2, 4) on a tiny Llama. Prints tokens/s, mean acceptance length and
-per-position acceptance of every configuration, checks greedy outputs are identical, and prints
-the speedup ratios last.
+DeepSeek-V3, and EAGLE3, DFlash and DSpark (K = 2, 4) on a tiny Llama. Prints tokens/s, mean
+acceptance length and per-position acceptance of every configuration, checks greedy outputs are
+identical, and prints the speedup ratios last; at P = 1 also the drafter's time per step
+(propose: EAGLE3 runs K draft forwards, DFlash / DSpark one block forward) and its ratio to
+EAGLE3's at the same K.
 
     python benchmarks/spec_decode.py --num-prompts 8 --input-len 64 --output-len 64
     python benchmarks/spec_decode.py --mtp-heads self     # MTP heads that reproduce the target
     python benchmarks/spec_decode.py --pp 1 2             # P = 1 and P = 2, with and without
                                                           # speculation; acceptance ratio P2/P1 last
+    python benchmarks/spec_decode.py --mtp-k --dflash-k 2 4 8   # EAGLE3 vs DFlash / DSpark only
 
+--dflash-heads: random, or bigram (constructed heads that draft the near-bigram target's bigram
+map: partial acceptance; DFlash drafts only its first token well, DSpark chains it).
 --mtp-heads: random (the checkpoint's random MTP layer: acceptance near 0, shows the overhead),
 near (the target mostly a bigram model that the MTP head reproduces: partial acceptance),
 self (a bigram target: every draft accepted, the upper bound).
@@ -20,6 +25,36 @@ from __future__ import annotations
 import argparse
 
 from benchmarks.common import CACHE, timer
+
+
+def _near_bigram_llama(llama: str) -> str:
+    """The Llama target with attention / MLP outputs x0.2: mostly a bigram model."""
+    from tests.spec_checkpoints import make_llama_bigram_target
+
+    out = CACHE / "tiny-llama-near-bigram"
+    if not (out / "config.json").exists():
+        make_llama_bigram_target(str(out), llama, target_scale=0.2)
+    return str(out)
+
+
+def _dflash_heads(llama: str, max_k: int, kind: str) -> dict[str, str]:
+    """Speculators-format DFlash and DSpark heads for the Llama target with blocks large
+    enough for max_k drafts: random (DSpark: vanilla Markov head, confidence head), or the
+    constructed bigram heads of the tests (partial acceptance on the near-bigram target)."""
+    from tests.speculators_dflash_heads import make_bigram_head, make_speculators_dflash
+
+    out = {}
+    for method in ("dflash", "dspark"):
+        path = CACHE / f"tiny-llama-{method}-{kind}-b{max_k + 1}"
+        if not (path / "config.json").exists():
+            if kind == "bigram":
+                make_bigram_head(path, llama, method == "dspark", max_k)
+            else:
+                make_speculators_dflash(
+                    str(path), llama, dspark=method == "dspark", block_size=max_k + 1
+                )
+        out[method] = str(path)
+    return out
 
 
 def _models(mtp_heads: str) -> tuple[str, str, str]:
@@ -68,10 +103,13 @@ def run(model: str, prompts, output_len: int, pp: int, spec: dict | None, max_nu
         speculative_config=spec,
         disable_log_stats=False,
     )
+    draft_s: list[float] = []
     try:
         sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
         warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         llm.generate([{"prompt_token_ids": prompts[0]}], warm, use_tqdm=False)
+        if spec and pp == 1:
+            _time_propose(llm, draft_s)
         d0, a0, p0 = _spec_counts(llm)
         with timer() as t:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -87,7 +125,25 @@ def run(model: str, prompts, output_len: int, pp: int, spec: dict | None, max_nu
         "tokens": tokens,
         "mean_len": 1 + accepted / drafts if drafts else 1.0,
         "per_pos": [v / drafts if drafts else 0.0 for v in per_pos[:k]],
+        # Median drafter time per step (ms), P = 1 only (the drafter runs in this process).
+        "draft_ms": 1e3 * sorted(draft_s)[len(draft_s) // 2] if draft_s else None,
     }
+
+
+def _time_propose(llm, out: list[float]) -> None:
+    """Record the wall time of every speculator.propose call (P = 1: in this process)."""
+    import time
+
+    spec = llm.llm_engine.executor.worker.model_runner.speculator
+    orig = spec.propose
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        r = orig(*args, **kwargs)
+        out.append(time.perf_counter() - t0)
+        return r
+
+    spec.propose = timed
 
 
 def main() -> None:
@@ -97,8 +153,17 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--mtp-heads", choices=["random", "near", "self"], default="random")
-    ap.add_argument("--mtp-k", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument(
+        "--dflash-heads",
+        choices=["random", "bigram"],
+        default="random",
+        help="bigram: constructed heads on a near-bigram Llama target (all Llama rows use it)",
+    )
+    ap.add_argument("--mtp-k", type=int, nargs="*", default=[1, 2, 3])
     ap.add_argument("--eagle3-k", type=int, nargs="+", default=[2, 4])
+    ap.add_argument(
+        "--dflash-k", type=int, nargs="*", default=[2, 4], help="K of the DFlash / DSpark rows"
+    )
     ap.add_argument("--pp", type=int, nargs="+", default=[1], help="pipeline sizes to run")
     args = ap.parse_args()
 
@@ -111,21 +176,32 @@ def main() -> None:
     prompts = make_prompts(512, [args.input_len] * args.num_prompts, seed=0)
     cases = [("mtp", mtp, None, k) for k in args.mtp_k]
     cases += [("eagle3", llama, draft, k) for k in args.eagle3_k]
+    if args.dflash_heads == "bigram":
+        llama = _near_bigram_llama(llama)
+        cases = [c if c[0] != "eagle3" else (c[0], llama, c[2], c[3]) for c in cases]
+    if args.dflash_k:
+        heads = _dflash_heads(llama, max(args.dflash_k), args.dflash_heads)
+        cases += [(m, llama, heads[m], k) for k in args.dflash_k for m in ("dflash", "dspark")]
     print(
         f"{args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} tokens, "
         f"greedy, max_num_seqs={args.max_num_seqs}, MTP heads: {args.mtp_heads}"
     )
-    header = f"{'pp':>2} {'method':<7} {'K':>2} {'tok/s':>8} {'mean len':>8}  per-position"
+    header = (
+        f"{'pp':>2} {'method':<7} {'K':>2} {'tok/s':>8} {'mean len':>8} {'draft ms':>8}  "
+        "per-position"
+    )
     ratios = []
     accept_len: dict[tuple[int, str, int], float] = {}
+    draft_ms: dict[tuple[str, int], float] = {}
+    targets = {mtp: "mtp"} if args.mtp_k else {}
+    targets[llama] = "eagle3 / dflash / dspark"
     for pp in args.pp:
-        base = {
-            m: run(m, prompts, args.output_len, pp, None, args.max_num_seqs) for m in {mtp, llama}
-        }
+        base = {m: run(m, prompts, args.output_len, pp, None, args.max_num_seqs) for m in targets}
         print(header)
-        for m, name in ((mtp, "mtp"), (llama, "eagle3")):
+        for m, name in targets.items():
             print(
-                f"{pp:>2} {'none':<7} {0:>2} {base[m]['tok_s']:>8.1f} {1.0:>8.2f}  ({name} target)"
+                f"{pp:>2} {'none':<7} {0:>2} {base[m]['tok_s']:>8.1f} {1.0:>8.2f} {'':>8}  "
+                f"({name} target)"
             )
         for method, target, draft_dir, k in cases:
             spec = {"method": method, "num_speculative_tokens": k}
@@ -134,13 +210,23 @@ def main() -> None:
             r = run(target, prompts, args.output_len, pp, spec, args.max_num_seqs)
             same = r["tokens"] == base[target]["tokens"]
             rates = " ".join(f"{x:.2f}" for x in r["per_pos"])
+            ms = f"{r['draft_ms']:>8.2f}" if r["draft_ms"] is not None else f"{'':>8}"
+            if r["draft_ms"] is not None:
+                draft_ms[(method, k)] = r["draft_ms"]
             print(
-                f"{pp:>2} {method:<7} {k:>2} {r['tok_s']:>8.1f} {r['mean_len']:>8.2f}  [{rates}]"
-                + ("" if same else "  OUTPUT DIFFERS FROM NO-SPEC RUN")
+                f"{pp:>2} {method:<7} {k:>2} {r['tok_s']:>8.1f} {r['mean_len']:>8.2f} {ms}  "
+                f"[{rates}]" + ("" if same else "  OUTPUT DIFFERS FROM NO-SPEC RUN")
             )
             ratios.append(f"pp{pp} {method} K={k}: {r['tok_s'] / base[target]['tok_s']:.2f}x")
             accept_len[(pp, method, k)] = r["mean_len"]
     print("speedup vs no speculation (tok/s ratio): " + ", ".join(ratios))
+    cost = [
+        f"{m} K={k}: {draft_ms[(m, k)] / draft_ms[('eagle3', k)]:.2f}"
+        for m, k in draft_ms
+        if m in ("dflash", "dspark") and ("eagle3", k) in draft_ms
+    ]
+    if cost:
+        print("drafter time per step vs EAGLE3 at the same K (P = 1): " + ", ".join(cost))
     # Same drafts, same acceptance under PP: the ratio must be 1.00 for greedy sampling.
     p1 = args.pp[0]
     for pp in args.pp[1:]:

@@ -56,3 +56,20 @@ def resume_and_kill(procs: list) -> None:
             p.kill()
         except psutil.Error:
             pass
+
+
+SPEC_DECODE_METRICS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
+
+
+def spec_decode_counts(llm) -> tuple:
+    """(drafts, draft tokens, accepted, per-position accepted) of an LLM's metrics (zeros
+    when it never speculated)."""
+    m = {x.name: x for x in llm.get_metrics()}
+    if SPEC_DECODE_METRICS[0] not in m:
+        return (0, 0, 0, [])
+    per_pos = list(m["vllm:spec_decode_num_accepted_tokens_per_pos"].values)
+    return tuple(m[n].value for n in SPEC_DECODE_METRICS) + (per_pos,)

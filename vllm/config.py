@@ -280,7 +280,9 @@ class ParallelConfig:
         return self.pipeline_parallel_size
 
 
-SPEC_METHODS = ("mtp", "eagle", "eagle3")
+SPEC_METHODS = ("mtp", "eagle", "eagle3", "dflash", "dspark")
+# Block-parallel drafts: one forward proposes the whole block from the anchor token.
+DFLASH_FAMILY_METHODS = ("dflash", "dspark")
 # Target architecture -> the architecture of its in-checkpoint MTP draft.
 MTP_DRAFT_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "DeepSeekMTPModel",
@@ -364,7 +366,7 @@ class SpeculativeConfig:
     """Speculative decoding: which drafter and how many tokens it proposes per step."""
 
     method: str = "mtp"
-    """mtp | eagle | eagle3 (deepseek_mtp, qwen3_5_mtp ... map to mtp)."""
+    """mtp | eagle | eagle3 | dflash | dspark (deepseek_mtp, qwen3_5_mtp ... map to mtp)."""
     num_speculative_tokens: int = 1
     """K: draft tokens proposed per step."""
     model: str | None = None
@@ -415,7 +417,7 @@ class SpeculativeConfig:
                 "speculative_config.draft_sample_method must be 'greedy' or 'probabilistic', "
                 f"got {self.draft_sample_method!r}"
             )
-        if self.method in ("eagle", "eagle3") and not self.model:
+        if self.method in ("eagle", "eagle3", *DFLASH_FAMILY_METHODS) and not self.model:
             raise ValueError(f"speculative_config.model is required for method {self.method!r}")
 
     @property
@@ -467,6 +469,10 @@ class SpeculativeConfig:
                 self.method == "eagle3"
             ):
                 draft.hf_config.architectures = ["LlamaForCausalLMEagle3"]
+            if self.method in DFLASH_FAMILY_METHODS:
+                from vllm.model_executor.models.dflash import verify_dflash_draft
+
+                verify_dflash_draft(draft.hf_text_config, self.method, k, target, draft.model)
             _check_speculators_head(draft, target)
             if draft.vocab_size != target.vocab_size:
                 raise ValueError(

@@ -18,7 +18,7 @@ import json
 import pytest
 
 from tests import checkpoints
-from tests.engine_utils import make_prompts
+from tests.engine_utils import make_prompts, spec_decode_counts
 from tests.spec_checkpoints import (
     make_eagle3_draft,
     make_eagle_draft,
@@ -31,11 +31,6 @@ LENGTHS = [21, 6, 34]
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 COMMON = dict(dtype="float32", max_model_len=128, max_num_seqs=4, disable_log_stats=False)
-METRICS = (
-    "vllm:spec_decode_num_drafts",
-    "vllm:spec_decode_num_draft_tokens",
-    "vllm:spec_decode_num_accepted_tokens",
-)
 
 
 pytestmark = pytest.mark.usefixtures("pp_forkserver")
@@ -123,14 +118,6 @@ def _cases():
     return out
 
 
-def _counts(llm: LLM) -> tuple:
-    m = {x.name: x for x in llm.get_metrics()}
-    if METRICS[0] not in m:
-        return (0, 0, 0, [])
-    per_pos = list(m["vllm:spec_decode_num_accepted_tokens_per_pos"].values)
-    return tuple(m[n].value for n in METRICS) + (per_pos,)
-
-
 _TEXTS: dict = {}  # (model, P, spec) -> generated texts (for the server test)
 
 
@@ -141,7 +128,7 @@ def _run(model_dir: str, prompts, spec: dict | None = None, pp: int = 1, **kw):
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
         _TEXTS[(model_dir, pp, json.dumps(spec))] = [o.outputs[0].text for o in outs]
-        return [list(o.outputs[0].token_ids) for o in outs], _counts(llm)
+        return [list(o.outputs[0].token_ids) for o in outs], spec_decode_counts(llm)
     finally:
         llm.shutdown()
 

@@ -133,6 +133,40 @@ def _bool_field(raw: dict[str, Any], name: str, default: bool, where: str) -> bo
     return v
 
 
+def _check_layer_and_vocab(
+    raw: dict[str, Any], layer: dict[str, Any], where: str, what: str
+) -> int:
+    """Refuse decoder layer kinds and tying our heads do not build; returns draft_vocab_size
+    (default: the layer's vocab_size)."""
+    kinds = set(layer.get("layer_types") or []) - {"full_attention"}
+    if kinds:
+        raise ValueError(
+            f"{where}: transformer_layer_config.layer_types {sorted(kinds)} are not supported "
+            f"for {what} (only full_attention)"
+        )
+    if raw.get("tie_word_embeddings"):
+        raise ValueError(f"{where}: tie_word_embeddings=true is not supported for {what}")
+    vocab = layer.get("vocab_size")
+    if not isinstance(vocab, int) or vocab < 1:
+        raise ValueError(f"{where}: transformer_layer_config.vocab_size must be set, got {vocab!r}")
+    dv = raw.get("draft_vocab_size")
+    dv = vocab if dv is None else dv
+    if not isinstance(dv, int) or isinstance(dv, bool) or not 1 <= dv <= vocab:
+        raise ValueError(f"{where}: draft_vocab_size must be an integer in 1..{vocab}, got {dv!r}")
+    return dv
+
+
+def _check_layer_ids(ids: Any, name: str, where: str) -> None:
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)
+    ):
+        raise ValueError(
+            f"{where}: {name} must be a non-empty list of target layer indices, got {ids!r}"
+        )
+
+
 def flatten_speculators_config(raw: dict[str, Any], where: str = "") -> dict[str, Any]:
     """The flat config dict (decoder fields + algorithm switches) of a speculators config."""
     where = where or "speculators config"
@@ -183,30 +217,10 @@ def _flatten_eagle3(raw: dict[str, Any], where: str) -> dict[str, Any]:
             f"{where}: transformer_layer_config.model_type {model_type!r} is not supported for "
             f"eagle3 heads; supported: {list(_EAGLE3_LAYER_TYPES)}"
         )
-    kinds = set(layer.get("layer_types") or []) - {"full_attention"}
-    if kinds:
-        raise ValueError(
-            f"{where}: transformer_layer_config.layer_types {sorted(kinds)} are not supported "
-            "(only full_attention)"
-        )
-    if raw.get("tie_word_embeddings"):
-        raise ValueError(f"{where}: tie_word_embeddings=true is not supported for eagle3 heads")
-    vocab = layer.get("vocab_size")
-    dv = raw.get("draft_vocab_size", vocab)
-    if not isinstance(vocab, int) or vocab < 1:
-        raise ValueError(f"{where}: transformer_layer_config.vocab_size must be set, got {vocab!r}")
-    if not isinstance(dv, int) or isinstance(dv, bool) or not 1 <= dv <= vocab:
-        raise ValueError(f"{where}: draft_vocab_size must be an integer in 1..{vocab}, got {dv!r}")
+    dv = _check_layer_and_vocab(raw, layer, where, "eagle3 heads")
     ids = raw.get("eagle_aux_hidden_state_layer_ids")
-    if ids is not None and (
-        not isinstance(ids, list)
-        or not ids
-        or any(not isinstance(i, int) or isinstance(i, bool) or i < 0 for i in ids)
-    ):
-        raise ValueError(
-            f"{where}: eagle_aux_hidden_state_layer_ids must be a list of layer indices, "
-            f"got {ids!r}"
-        )
+    if ids is not None:
+        _check_layer_ids(ids, "eagle_aux_hidden_state_layer_ids", where)
     norm_before_fc = _bool_field(raw, "norm_before_fc", False, where)
     fc_norm = _bool_field(raw, "fc_norm", False, where)
     if norm_before_fc and fc_norm:
@@ -228,3 +242,98 @@ def _flatten_eagle3(raw: dict[str, Any], where: str) -> dict[str, Any]:
     if raw.get("target_hidden_size") is not None:
         flat["target_hidden_size"] = raw["target_hidden_size"]
     return flat
+
+
+# ---------------------------------------------------------------------------- DFlash / DSpark
+
+_DFLASH_FIELDS = _COMMON_FIELDS | {
+    "draft_vocab_size",
+    "block_size",
+    "target_hidden_size",
+    "aux_hidden_state_layer_ids",
+    "mask_token_id",
+    "sliding_window_non_causal",
+    "sample_from_anchor",
+    "tie_word_embeddings",  # always false: lm_head is over the draft vocabulary
+}
+_DSPARK_FIELDS = _DFLASH_FIELDS | {
+    "markov_rank",
+    "markov_head_type",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
+}
+DSPARK_MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+
+def _int_field(raw: dict[str, Any], name: str, where: str, lo: int, hi: int | None = None) -> int:
+    v = raw.get(name)
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+        rng = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+        raise ValueError(f"{where}: {name} must be an integer {rng}, got {v!r}")
+    return v
+
+
+def _flatten_dflash_family(raw: dict[str, Any], where: str, dspark: bool) -> dict[str, Any]:
+    """DFlash (and DSpark, which adds its Markov and confidence heads): a block of
+    block_size draft positions [anchor, mask, mask, ...] drafted in one forward, attending to
+    the context the target's aux hidden states give and bidirectionally within the block.
+
+    aux_hidden_state_layer_ids use the EAGLE3 tap convention (tap L = the stream entering
+    target layer L), which is how speculators extracts them for training."""
+    _check_fields(raw, _DSPARK_FIELDS if dspark else _DFLASH_FIELDS, where)
+    layer = _check_common(raw, where)
+    dv = _check_layer_and_vocab(raw, layer, where, "DFlash-family heads")
+    vocab = int(layer["vocab_size"])
+    raw = {k: v for k, v in raw.items() if v is not None}
+    block = _int_field(raw, "block_size", where, 1)
+    if raw.get("mask_token_id") is None:
+        raise ValueError(
+            f"{where}: mask_token_id is required (the token the block's draft positions hold)"
+        )
+    mask = _int_field(raw, "mask_token_id", where, 0, vocab - 1)
+    ids = raw.get("aux_hidden_state_layer_ids")
+    _check_layer_ids(ids, "aux_hidden_state_layer_ids", where)
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{where}: aux_hidden_state_layer_ids {ids} has duplicates")
+    flat = dict(layer)
+    flat.update(
+        architectures=["DSparkDraftModel" if dspark else "DFlashDraftModel"],
+        model_type=layer.get("model_type", "qwen3"),
+        draft_vocab_size=dv,
+        block_size=block,
+        mask_token_id=mask,
+        sample_from_anchor=_bool_field(raw, "sample_from_anchor", dspark, where),
+        tie_word_embeddings=False,
+        eagle_config={"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True},
+    )
+    if raw.get("target_hidden_size") is not None:
+        flat["target_hidden_size"] = _int_field(raw, "target_hidden_size", where, 1)
+    if dspark:
+        rank = _int_field({"markov_rank": 256, **raw}, "markov_rank", where, 0)
+        head = raw.get("markov_head_type", "vanilla")
+        if head not in DSPARK_MARKOV_HEAD_TYPES:
+            raise ValueError(
+                f"{where}: markov_head_type {head!r} is not supported; "
+                f"supported: {list(DSPARK_MARKOV_HEAD_TYPES)}"
+            )
+        conf = _bool_field(raw, "enable_confidence_head", True, where)
+        with_markov = _bool_field(raw, "confidence_head_with_markov", True, where)
+        if conf and with_markov and rank == 0:
+            raise ValueError(f"{where}: confidence_head_with_markov=true needs markov_rank > 0")
+        flat.update(
+            markov_rank=rank,
+            markov_head_type=head,
+            enable_confidence_head=conf,
+            confidence_head_with_markov=with_markov,
+        )
+    return flat
+
+
+@register_speculators_algo("dflash", method="dflash")
+def _flatten_dflash(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    return _flatten_dflash_family(raw, where, dspark=False)
+
+
+@register_speculators_algo("dspark", method="dspark")
+def _flatten_dspark(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    return _flatten_dflash_family(raw, where, dspark=True)

@@ -243,21 +243,27 @@ class LlamaForCausalLMEagle3(nn.Module, SupportsPP, SupportsEagleBase):
                 return name
             return "model." + name
 
-        loaded = load_params_strict(self, weights, rename)
+        return self.finish_draft_vocab_loading(load_params_strict(self, weights, rename))
+
+    def finish_draft_vocab_loading(self, loaded: set[str]) -> set[str]:
+        """After the weights named `loaded` were loaded: whether the draft ships its own
+        embedding / LM head (else the target's are shared), that nothing else is missing, and
+        the draft -> target id map of a reduced vocabulary (target id = i + d2t[i])."""
+        what = type(self).__name__
         if self.d2t is not None and "d2t" not in loaded:
             raise WeightLoadError(
-                f"EAGLE3 draft has draft_vocab_size={self.draft_vocab_size} < "
+                f"{what} has draft_vocab_size={self.draft_vocab_size} < "
                 f"vocab_size={self.vocab_size} but its checkpoint has no 'd2t' map"
             )
         self.has_own_embed_tokens = "model.embed_tokens.weight" in loaded
         self.has_own_lm_head = "lm_head.weight" in loaded
         if not self.has_own_lm_head and self.d2t is not None:
-            raise WeightLoadError("EAGLE3 draft with a reduced vocabulary must ship lm_head.weight")
+            raise WeightLoadError(f"{what} with a reduced vocabulary must ship lm_head.weight")
         # Missing embedding / head are shared from the target by load_eagle_model.
         check_all_loaded(self, loaded, shared={"model.embed_tokens.weight", "lm_head.weight"})
         if self.d2t is not None:
             ids = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
             if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-                raise WeightLoadError("EAGLE3 d2t maps draft ids outside the target vocabulary")
+                raise WeightLoadError(f"{what} d2t maps draft ids outside the target vocabulary")
             self.draft_to_target = ids
         return loaded

@@ -29,6 +29,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "EagleLlamaForCausalLM": ("vllm.model_executor.models.llama_eagle", "EagleLlamaForCausalLM"),
     "LlamaForCausalLMEagle3": ("vllm.model_executor.models.llama_eagle3", "LlamaForCausalLMEagle3"),
     "Eagle3LlamaForCausalLM": ("vllm.model_executor.models.llama_eagle3", "LlamaForCausalLMEagle3"),
+    "DFlashDraftModel": ("vllm.model_executor.models.dflash", "DFlashDraftModel"),
+    "DSparkDraftModel": ("vllm.model_executor.models.dflash", "DSparkDraftModel"),
 }
 
 

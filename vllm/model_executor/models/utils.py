@@ -242,7 +242,7 @@ def check_all_loaded(model: nn.Module, loaded: set[str], shared: Iterable[str] =
         )
 
 
-EAGLE_FAMILY_METHODS = ("eagle", "eagle3")
+EAGLE_FAMILY_METHODS = ("eagle", "eagle3", "dflash", "dspark")
 
 
 def spec_decode_needs_target_embed(vllm_config: Any) -> bool:
@@ -250,7 +250,8 @@ def spec_decode_needs_target_embed(vllm_config: Any) -> bool:
 
     An EAGLE-family draft that ships no embedding shares the target's; the draft lives on the
     last stage, where the target's table is otherwise a PPMissingLayer (unless tied). True only
-    for P > 1, on the last rank, with method eagle / eagle3 (MTP drafts load their own table).
+    for P > 1, on the last rank, with method eagle / eagle3 / dflash / dspark (MTP drafts
+    load their own table).
     """
     spec = getattr(vllm_config, "speculative_config", None) if vllm_config is not None else None
     if spec is None or getattr(spec, "method", None) not in EAGLE_FAMILY_METHODS:

@@ -18,6 +18,10 @@ def init_speculator(vllm_config: VllmConfig, device: torch.device | str) -> Base
         from vllm.v1.worker.gpu.spec_decode.mtp.speculator import MTPSpeculator
 
         return MTPSpeculator(vllm_config, device)
+    if spec.method in ("dflash", "dspark"):
+        from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+        return DFlashSpeculator(vllm_config, device)
     if spec.use_eagle:
         from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
 

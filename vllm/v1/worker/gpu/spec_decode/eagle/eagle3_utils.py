@@ -20,7 +20,10 @@ logger = init_logger(__name__)
 
 
 def set_eagle3_aux_hidden_state_layers(
-    target_model: nn.Module, draft_hf_config: Any, draft_model: nn.Module | None = None
+    target_model: nn.Module,
+    draft_hf_config: Any,
+    draft_model: nn.Module | None = None,
+    method: str = "eagle3",
 ) -> tuple[int, ...]:
     """Point the target's taps at the layers the draft was trained on; returns them sorted."""
     if not supports_eagle3(target_model):
@@ -52,12 +55,15 @@ def set_eagle3_aux_hidden_state_layers(
                 f"({need} features) but the draft's fc expects {fc.in_features}"
             )
     if get_pp_group().world_size > 1:
-        verify_supports_aux_hidden_states_over_pp(target_model, "eagle3")
+        verify_supports_aux_hidden_states_over_pp(target_model, method)
     target_model.set_aux_hidden_state_layers(taps)
     return taps
 
 
 def uses_aux_hidden_states(method: str, draft_hf_config: Any) -> bool:
+    # DFlash / DSpark always read taps (their context features are the fc of them).
+    if method in ("dflash", "dspark"):
+        return True
     return method == "eagle3" and get_eagle3_use_aux_hidden_state_from_config(draft_hf_config)
 
 
@@ -99,4 +105,4 @@ def configure_target_aux_taps(model: nn.Module, vllm_config: Any) -> tuple[int, 
     cfg = spec.draft_model_config.hf_text_config
     if not uses_aux_hidden_states(spec.method, cfg):
         return ()
-    return set_eagle3_aux_hidden_state_layers(model, cfg)
+    return set_eagle3_aux_hidden_state_layers(model, cfg, method=spec.method)

@@ -1,0 +1,216 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""DFlashSpeculator: one block-parallel draft forward proposes all K tokens (DFlash, DSpark).
+
+Each step, the target's aux hidden states of every scheduled position become the draft's
+context keys / values (written into the draft's paged KV cache at the target's slots; positions
+that end up rejected are rewritten by the next step before any block reads them). Then each
+request drafts one block at its anchor - the token just sampled, at position a = last accepted
+position + 1 - attending to its context 0 .. a-1 and to the block itself. DSpark's sequential
+Markov head then turns the block's logits into tokens slot by slot, each slot biased by the
+token drafted before it; its confidence head's estimates are accumulated and logged.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.model_executor.models.dflash import (
+    BlockAttentionMetadata,
+    block_query_len,
+    sample_from_anchor,
+)
+from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
+from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import set_eagle3_aux_hidden_state_layers
+from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
+from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.gpu.input_batch import InputBatch
+
+logger = init_logger(__name__)
+
+# Proposals between two log lines of the confidence head's per-position estimates.
+CONFIDENCE_LOG_INTERVAL = 500
+
+
+class DFlashSpeculator(DraftModelSpeculator):
+    def __init__(self, vllm_config: VllmConfig, device: torch.device | str) -> None:
+        super().__init__(vllm_config, device)
+        cfg = self.draft_model_config.hf_text_config
+        K = self.num_speculative_steps
+        self.query_len = block_query_len(cfg, K)
+        # Block slot of draft 0: the anchor's own slot drafts only with sample_from_anchor.
+        self.first_draft_slot = 0 if sample_from_anchor(cfg) else 1
+        self.aux_hidden_state_layers: tuple[int, ...] = ()
+        # DSpark confidence head: sum of its acceptance estimates per draft position, and
+        # the number of drafted blocks they cover.
+        self.confidence_sum = np.zeros(K, dtype=np.float64)
+        self.confidence_blocks = 0
+        self._blocks_since_log = 0
+        # The last block's anchor positions, and per draft position its logits over the
+        # draft vocabulary (DSpark: with the Markov bias) and confidence estimates.
+        self.last_anchor_pos = np.zeros(0, dtype=np.int64)
+        self.last_logits: list[torch.Tensor] = []
+        self.last_confidence: list[torch.Tensor] = []
+
+    def load_draft_model(
+        self, target_model: nn.Module, target_attn_layer_names: set[str]
+    ) -> nn.Module:
+        draft = load_eagle_model(target_model, self.vllm_config, self.device)
+        self.aux_hidden_state_layers = set_eagle3_aux_hidden_state_layers(
+            target_model, self.draft_model_config.hf_text_config, draft, method=self.method
+        )
+        return draft
+
+    @property
+    def sequential(self) -> bool:
+        """Whether drafting runs slot by slot (DSpark's heads read the previous token)."""
+        m = self.model
+        return m is not None and (m.markov_head is not None or m.confidence_head is not None)
+
+    def confidence_stats(self) -> np.ndarray | None:
+        """Mean acceptance estimate of the confidence head per draft position (None without
+        a confidence head or before any block)."""
+        if self.confidence_blocks == 0:
+            return None
+        return self.confidence_sum / self.confidence_blocks
+
+    # ---- drafting ---------------------------------------------------------------------------
+    def _sample(
+        self, draft_logits: torch.Tensor, positions: np.ndarray, sampling: SamplingArrays
+    ) -> torch.Tensor:
+        """Tokens (target ids) from draft-vocabulary logits [R, Vd]."""
+        m = self.model
+        if self.draft_sample_method != "probabilistic":
+            tok = draft_logits.argmax(-1)
+            return tok if m.draft_to_target is None else m.draft_to_target[tok]
+        return self.sample_draft(m.scatter_to_target(draft_logits), positions, sampling)
+
+    def _draft_block(
+        self,
+        anchor_tokens: np.ndarray,
+        anchor_pos: np.ndarray,
+        block_table: np.ndarray,
+        sampling: SamplingArrays,
+    ) -> np.ndarray:
+        """Drafts [R, K] of one block per request (anchor token at anchor_pos, the context
+        before it in the draft's cache)."""
+        m = self.model
+        assert m is not None
+        R, Q, K = len(anchor_tokens), self.query_len, self.num_speculative_steps
+        dev = self.device
+        ids = np.full((R, Q), m.mask_token_id, dtype=np.int64)
+        ids[:, 0] = anchor_tokens
+        # Slots past the model length only draft tokens the scheduler drops.
+        pos = np.minimum(anchor_pos[:, None] + np.arange(Q), self.max_model_len - 1)
+        meta = BlockAttentionMetadata.build(anchor_pos, block_table, self.block_size, Q, dev)
+        hidden = m(
+            torch.from_numpy(ids.reshape(-1)).to(dev),
+            torch.from_numpy(pos.reshape(-1)).to(dev),
+            meta,
+        ).view(R, Q, -1)
+        # Draft k is the token at anchor + 1 + k (the position the verifier keys it by).
+        draft_pos = anchor_pos + 1
+        first = self.first_draft_slot
+        drafts = self.draft_tokens[:R]
+        self.last_anchor_pos = anchor_pos
+        self.last_logits, self.last_confidence = [], []
+        # The backbone's logits of every drafted slot in one projection.
+        base = m.compute_draft_logits(hidden[:, first : first + K].reshape(R * K, -1))
+        base = base.view(R, K, -1)
+        if not self.sequential:
+            toks = []
+            for k in range(K):
+                self.last_logits.append(base[:, k])
+                toks.append(self._sample(base[:, k], draft_pos + k, sampling))
+            drafts[:] = torch.stack(toks, dim=1).cpu().numpy()
+            return drafts.copy()
+        prev = torch.from_numpy(np.asarray(anchor_tokens, dtype=np.int64)).to(dev)
+        state = None
+        toks, confs = [], []
+        for s in range(first + K):
+            k = s - first
+            if k < 0:
+                # The anchor's slot drafts nothing but feeds the rnn head's state.
+                if m.markov_head is not None and m.markov_head.head_type == "rnn":
+                    _, _, state = m.markov_step(prev, hidden[:, s], state)
+                continue
+            bias, conf, state = m.markov_step(prev, hidden[:, s], state)
+            logits = base[:, k] if bias is None else base[:, k] + bias.float()
+            prev = self._sample(logits, draft_pos + k, sampling)
+            toks.append(prev)
+            self.last_logits.append(logits)
+            if conf is not None:
+                confs.append(conf)
+        drafts[:] = torch.stack(toks, dim=1).cpu().numpy()
+        if confs:
+            self.last_confidence = confs
+            self._note_confidence(torch.stack(confs, dim=1).double().sum(0).cpu().numpy(), R)
+        return drafts.copy()
+
+    def _note_confidence(self, conf_sum: np.ndarray, num_blocks: int) -> None:
+        self.confidence_sum += conf_sum
+        self.confidence_blocks += num_blocks
+        self._blocks_since_log += 1
+        if self._blocks_since_log >= CONFIDENCE_LOG_INTERVAL:
+            self._blocks_since_log = 0
+            logger.info(
+                "DSpark confidence head: mean predicted acceptance per draft position %s",
+                np.round(self.confidence_stats(), 3).tolist(),
+            )
+
+    # ---- the runner's interface -------------------------------------------------------------
+    def capture(self) -> None:
+        """Warm-up at max_num_reqs: one block per request reading KV block 0 only."""
+        R = self.max_num_reqs
+        saved = (self.confidence_sum.copy(), self.confidence_blocks, self._blocks_since_log)
+        with torch.inference_mode():
+            self._draft_block(
+                np.zeros(R, dtype=np.int64),
+                np.ones(R, dtype=np.int64),
+                np.zeros((R, 1), dtype=np.int64),
+                SamplingArrays.greedy(R),
+            )
+        self.confidence_sum, self.confidence_blocks, self._blocks_since_log = saved
+
+    def propose(
+        self,
+        input_batch: InputBatch,
+        last_hidden_states: torch.Tensor,
+        aux_hidden_states: list[torch.Tensor] | None,
+        sampled_token_ids: np.ndarray,
+        num_sampled: np.ndarray,
+        num_rejected: np.ndarray,
+        next_prefill_token_ids: np.ndarray,
+        sampling: SamplingArrays,
+        new_req_mask: np.ndarray,
+    ) -> np.ndarray:
+        assert self.model is not None
+        if not aux_hidden_states:
+            raise RuntimeError(
+                f"{self.method} drafts from the target's aux hidden states, but the target "
+                "returned none (its taps were not configured)"
+            )
+        b = input_batch
+        R, T = b.num_reqs, b.num_tokens
+        num_sampled = np.asarray(num_sampled, dtype=np.int64)
+        num_rejected = np.asarray(num_rejected, dtype=np.int64)
+        ctx = self.model.combine_hidden_states(torch.cat(aux_hidden_states, dim=-1)[:T])
+        positions = torch.from_numpy(np.asarray(b.positions_np[:T], dtype=np.int64))
+        self.model.write_context(positions.to(self.device), ctx, b.attn_metadata.slot_mapping[:T])
+        # Each request's last valid row; the anchor is the token after it: the one just
+        # sampled, or (non-final prefill chunk) the next prompt token.
+        last_idx = b.query_start_loc_np[:-1] + b.num_scheduled_tokens - num_rejected - 1
+        anchor_pos = b.positions_np[last_idx].astype(np.int64) + 1
+        has_sample = num_sampled > 0
+        last_sampled = sampled_token_ids[np.arange(R), np.maximum(num_sampled - 1, 0)]
+        nxt = np.asarray(next_prefill_token_ids, dtype=np.int64).reshape(R, -1)[:, 0]
+        anchor = np.where(has_sample, last_sampled, nxt)
+        return self._draft_block(anchor, anchor_pos, b.block_table_np, sampling)
