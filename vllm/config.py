@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -624,8 +623,3 @@ class VllmConfig:
         if self.enforce_eager:
             return num_tokens
         return self.compilation_config.padded_num_tokens(num_tokens)
-
-
-def env_flag(name: str, default: bool = False) -> bool:
-    v = os.environ.get(name)
-    return default if v is None else v.strip().lower() in ("1", "true", "yes", "on")

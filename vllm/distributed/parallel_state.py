@@ -8,7 +8,6 @@ call init_distributed(...) before building the model.
 
 from __future__ import annotations
 
-import os
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,10 +16,7 @@ from typing import Any
 
 import torch
 
-# A finite collective timeout: a peer that died or hangs makes the op raise, never block forever.
-# The engine notices a dead stage much sooner (process sentinels / actor liveness); this is the
-# backstop for the stage processes themselves. It also bounds one stage's wait for a slow step.
-_DEFAULT_TIMEOUT_S = 300.0
+from vllm import envs
 
 
 @dataclass
@@ -73,7 +69,7 @@ def model_parallel_is_initialized() -> bool:
 
 
 def comm_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("VLLM_PP_COMM_TIMEOUT_S", _DEFAULT_TIMEOUT_S)))
+    return timedelta(seconds=envs.VLLM_PP_COMM_TIMEOUT_S)
 
 
 def init_distributed(

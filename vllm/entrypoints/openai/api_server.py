@@ -6,7 +6,6 @@ API-key check, signal handling and socket binding; the endpoints live in serving
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
 import signal
 import socket
@@ -18,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from vllm import envs
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -201,7 +201,7 @@ def run_server(args: argparse.Namespace) -> int:
     signals = _Signals()
     signals.install()
     engine_args = EngineArgs.from_cli_args(args)
-    api_key = getattr(args, "api_key", None) or os.environ.get("VLLM_API_KEY") or None
+    api_key = getattr(args, "api_key", None) or envs.VLLM_API_KEY
     server: uvicorn.Server | None = None
     vllm_config = engine_args.create_engine_config()  # bad flags fail before anything else
     sock = bind_socket(args.host, args.port)
