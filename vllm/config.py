@@ -4,10 +4,13 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from vllm.logger import init_logger
 
@@ -18,6 +21,24 @@ logger = init_logger(__name__)
 
 _DTYPES = {"auto", "float32", "float", "float16", "half", "bfloat16"}
 DEFAULT_MODEL_DIR = Path(__file__).parent / "model_zoo" / "tiny-deepseek-mtp"
+
+
+def get_attr_docs(cls: type) -> dict[str, str]:
+    """The attribute docstrings of a class: field name -> the string literal right below it."""
+    node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    assert isinstance(node, ast.ClassDef), cls
+    body = node.body
+    docs = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = inspect.cleandoc(nxt.value.value)
+    return docs
 
 
 def default_model_path() -> str:
@@ -237,6 +258,9 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
 
 
+DistributedExecutorBackend = Literal["mp", "ray", "uni"]
+
+
 @dataclass
 class ParallelConfig:
     """How the model is split across processes."""
@@ -245,8 +269,9 @@ class ParallelConfig:
     """Number of pipeline stages (one process / Ray actor each)."""
     tensor_parallel_size: int = 1
     """Tensor parallelism (not built: must be 1)."""
-    distributed_executor_backend: str | None = None
-    """mp | ray | uni; None picks uni for P = 1 and mp otherwise."""
+    distributed_executor_backend: DistributedExecutorBackend | None = None
+    """mp (one process per stage) | ray (one Ray actor per stage) | uni (in this process);
+    None picks uni for P = 1 and mp otherwise."""
 
     def __post_init__(self) -> None:
         p = self.pipeline_parallel_size
@@ -258,7 +283,7 @@ class ParallelConfig:
                 "(only 1; use pipeline_parallel_size to split a model)"
             )
         backend = self.distributed_executor_backend
-        if backend not in (None, "mp", "ray", "uni"):
+        if backend is not None and backend not in get_args(DistributedExecutorBackend):
             raise ValueError(
                 f"distributed_executor_backend must be 'mp', 'ray' or 'uni', got {backend!r}"
             )
@@ -549,10 +574,14 @@ class VllmConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding; None: off."""
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
     enforce_eager: bool = False
+    """Run every step at its own size: no padding to compilation_config's sizes."""
     disable_log_stats: bool = True
+    """No periodic stats log line (throughput, spec-decode acceptance); the Prometheus metrics
+    are kept either way. `vllm serve` logs them unless given --disable-log-stats."""
 
     def __post_init__(self) -> None:
         mc, sc = self.model_config, self.scheduler_config
