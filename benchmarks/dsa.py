@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
-from benchmarks.common import CACHE, timer  # noqa: E402
+from benchmarks.common import CACHE, timer
 
 K = 3
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from benchmarks.common import resolve_model  # noqa: E402
+from benchmarks.common import resolve_model
 
 
 def slope_per_minute(samples: list[tuple[float, float]]) -> float:

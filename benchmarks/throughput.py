@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import resolve_model, timer  # noqa: E402
+from benchmarks.common import resolve_model, timer
 
 
 def run_ours(model: str, prompts: list[list[int]], output_len: int, batch: int, dtype: str):

@@ -65,13 +65,13 @@ from typing import Any
 # set before torch loads its OpenMP runtime.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 # The engine's own converters between HF's fused in-memory experts and per-expert checkpoint
 # names (the layout the engine's loader reads).
-from vllm.model_executor.layers.fused_moe import fuse_experts, split_fused_experts  # noqa: E402
+from vllm.model_executor.layers.fused_moe import fuse_experts, split_fused_experts
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "vllm" / "model_zoo" / "tiny-deepseek-mtp"

@@ -172,7 +172,7 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
         try:
             async for out in s:
                 await queue.put((i, out))
-        except BaseException as e:  # handed to the consumer, which re-raises it
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
             await queue.put((i, e))
             return
         await queue.put((i, None))
@@ -262,7 +262,7 @@ async def stream_events(
                 yield sse(make_chunk(choices, usage))
         if include_usage:
             yield sse(make_chunk([], usage_info(sum(prompt_lens), num_tokens)))
-    except Exception as e:  # reported in-band: the headers are sent
+    except Exception as e:  # noqa: BLE001 - reported in-band: the headers are sent
         yield sse(stream_error(e))
     finally:
         _close_all(streams)

@@ -146,7 +146,7 @@ def _stop_processes(procs: list, conns: list, graceful: bool = True) -> None:
     for c in conns:
         try:
             c.close()
-        except Exception:  # noqa: BLE001
+        except OSError:  # the stage's end is gone already
             pass
 
 
