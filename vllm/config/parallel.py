@@ -10,6 +10,14 @@ from typing import Literal, get_args
 DistributedExecutorBackend = Literal["mp", "ray", "uni"]
 
 
+def _ray_installed() -> bool:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @dataclass
 class ParallelConfig:
     """How the model is split across processes."""
@@ -40,6 +48,11 @@ class ParallelConfig:
             self.distributed_executor_backend = "uni" if p == 1 else "mp"
         elif backend == "uni" and p > 1:
             raise ValueError("distributed_executor_backend='uni' needs pipeline_parallel_size=1")
+        elif backend == "ray" and not _ray_installed():
+            raise ValueError(
+                "distributed_executor_backend='ray' needs Ray, which is not installed: "
+                "pip install 'vllm[ray]' (or use distributed_executor_backend='mp')"
+            )
 
     @property
     def world_size(self) -> int:
