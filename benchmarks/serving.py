@@ -129,7 +129,7 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from tests.entrypoints.utils import RemoteServer
+    from vllm.testing.remote_server import RemoteServer
 
     model = resolve_model(args.model)
     vocab = AutoConfig.from_pretrained(model).vocab_size

@@ -82,7 +82,7 @@ async def _sample(server, stop_at: float, interval: float, t0: float, out: list)
 
 
 def soak(args: argparse.Namespace, code_dir: str | None, label: str) -> dict:
-    from tests.entrypoints.utils import RemoteServer
+    from vllm.testing.remote_server import RemoteServer
 
     model = resolve_model(args.model) if args.model else ""
     serve_args = ["--max-model-len", str(args.max_model_len), "--disable-uvicorn-access-log"]

@@ -23,8 +23,8 @@ from benchmarks.common import CACHE, timer
 
 
 def _models(mtp_heads: str) -> tuple[str, str, str]:
-    from tests.checkpoints import make_deepseek_v3, make_llama
-    from tests.spec_checkpoints import make_eagle3_draft, make_mtp_self_draft
+    from vllm.testing.checkpoints import make_deepseek_v3, make_llama
+    from vllm.testing.spec_checkpoints import make_eagle3_draft, make_mtp_self_draft
 
     ds = CACHE / "tiny-deepseek-v3-mtp1"
     if not (ds / "config.json").exists():
@@ -105,7 +105,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)  # tiny models: intra-op threads only add overhead
-    from tests.engine_utils import make_prompts
+    from vllm.testing.engine_utils import make_prompts
 
     mtp, llama, draft = _models(args.mtp_heads)
     prompts = make_prompts(512, [args.input_len] * args.num_prompts, seed=0)

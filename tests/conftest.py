@@ -17,7 +17,7 @@ import torch
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-from tests import checkpoints  # noqa: E402
+from vllm.testing import checkpoints  # noqa: E402
 
 LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",

@@ -22,10 +22,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.engine_utils import hf_model, make_prompts
-from tests.spec_checkpoints import make_eagle3_draft, make_eagle_draft, make_mtp_self_draft
 from vllm import LLM, SamplingParams
 from vllm.model_executor.layers.fused_moe import fuse_experts
+from vllm.testing.engine_utils import hf_model, make_prompts
+from vllm.testing.spec_checkpoints import make_eagle3_draft, make_eagle_draft, make_mtp_self_draft
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 COMMON = dict(dtype="float32", max_model_len=256, max_num_seqs=4)
@@ -339,8 +339,8 @@ _MTP_DRAFTS = {
 
 @pytest.fixture(scope="module")
 def mtp_targets(deepseek_v3_mtp1_dir, tmp_path_factory) -> dict[str, str]:
-    from tests import qwen3_5_checkpoints as q35
-    from tests.dsa_checkpoints import make_deepseek_v32
+    from vllm.testing import qwen3_5_checkpoints as q35
+    from vllm.testing.dsa_checkpoints import make_deepseek_v32
 
     return {
         "deepseek_v3": deepseek_v3_mtp1_dir,
