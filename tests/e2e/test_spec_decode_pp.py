@@ -209,7 +209,7 @@ def test_eagle3_taps_first_and_last_stage(llama_dir, tmp_path_factory, runs):
 
 def test_mtp_self_draft_keeps_full_acceptance_at_pp2(deepseek_v3_mtp1_dir, tmp_path_factory):
     """The MTP head reproduces the target only with the right embedding table; on the last
-    stage the target has none, so DeepSeekMTP must load its own (SPEC 6.3)."""
+    stage the target has none, so DeepSeekMTP must load its own."""
     draft = make_mtp_self_draft(tmp_path_factory.mktemp("mtp_self_pp"), deepseek_v3_mtp1_dir)
     prompts = make_prompts(512, LENGTHS, seed=12)
     spec = {"method": "mtp", "num_speculative_tokens": 2}

@@ -292,7 +292,7 @@ def test_mtp_needs_mtp_weights(qwen3_5_dir, tmp_path):
     from vllm.model_executor.models.interfaces import supports_pp
     from vllm.model_executor.models.qwen3_5_mtp import Qwen3_5MoeMTP, Qwen3_5MTP
 
-    # The drafts build on the last stage of a pipeline (SPEC 6.1).
+    # The drafts build on the last stage of a pipeline, where only the last stage drafts.
     assert supports_pp(Qwen3_5MTP) and supports_pp(Qwen3_5MoeMTP)
     spec = {"method": "qwen3_5_mtp", "num_speculative_tokens": 1}
     # No MTP layers declared.

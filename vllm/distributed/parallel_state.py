@@ -28,10 +28,6 @@ class PPGroup:
     cpu_group: Any = field(default=None, repr=False)  # gloo group for metadata (= device on CPU)
 
     @property
-    def rank_in_group(self) -> int:
-        return self.rank
-
-    @property
     def is_first_rank(self) -> bool:
         return self.rank == 0
 
@@ -62,10 +58,6 @@ def get_pp_group() -> PPGroup:
 def set_pp_group(group: PPGroup) -> None:
     global _PP
     _PP = group
-
-
-def model_parallel_is_initialized() -> bool:
-    return _PP.world_size > 1
 
 
 def comm_timeout() -> timedelta:

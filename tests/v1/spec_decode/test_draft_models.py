@@ -91,13 +91,13 @@ def _sample(records, n: int = 6):
 
 
 class _MTPReference:
-    """Draft chain of DeepSeek MTP layers (SPEC section 2), from HF's target and block: layer s
-    at target position t combines layer s-1's output at t (the target's for s = 0) with the
-    embedding of token t + s + 1 (zeroed at position 0), attending causally over its own rows,
-    as the layers are trained. Draft step s uses layer s mod n: steps s < n are layer s over
-    the whole sequence (the draft after the last position is its last row); a later step of
-    layer l appends n rows (the previous step's last n outputs and the next tokens) after l's
-    rows so far, at the positions after them."""
+    """Draft chain of DeepSeek MTP layers (the DeepSeek-V3 report's MTP forward), from HF's
+    target and block: layer s at target position t combines layer s-1's output at t (the
+    target's for s = 0) with the embedding of token t + s + 1 (zeroed at position 0), attending
+    causally over its own rows, as the layers are trained. Draft step s uses layer s mod n:
+    steps s < n are layer s over the whole sequence (the draft after the last position is its
+    last row); a later step of layer l appends n rows (the previous step's last n outputs and
+    the next tokens) after l's rows so far, at the positions after them."""
 
     def __init__(self, model_dir: str) -> None:
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
@@ -371,7 +371,8 @@ def test_last_stage_builds_the_mtp_draft_only_if_it_supports_pp(mtp_targets, fam
 
 
 class _Eagle3Reference:
-    """EAGLE3 draft (SPEC section 2) in plain torch over HF's target hidden states."""
+    """EAGLE3 draft (fc over the target taps, one decoder layer) in plain torch over HF's target
+    hidden states."""
 
     def __init__(self, target_dir: str, draft_dir: str) -> None:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
