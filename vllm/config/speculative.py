@@ -85,11 +85,8 @@ class SpeculativeConfig:
             )
         if "method" not in d:
             raise ValueError("speculative_config.method is required (e.g. 'mtp' or 'eagle3')")
-        keep = {
-            k: d.get(k)
-            for k in ("method", "num_speculative_tokens", "model", "draft_sample_method")
-        }
-        keep = {k: v for k, v in keep.items() if v is not None}
+        names = ("method", "num_speculative_tokens", "model", "draft_sample_method")
+        keep: dict[str, Any] = {k: d[k] for k in names if d.get(k) is not None}
         if d.get("draft_tensor_parallel_size") not in (None, 1):
             raise ValueError("speculative_config.draft_tensor_parallel_size must be 1")
         return cls(**keep)

@@ -42,7 +42,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="Start the OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API.",
     )
-    parser.error = _make_error(parser.prog)  # type: ignore[method-assign]
+    parser.error = _make_error(parser.prog)
     parser.add_argument(
         "model_tag",
         nargs="?",

@@ -49,7 +49,7 @@ def chat_logprobs(out: CompletionOutput, tokenizer: Any, top_n: int) -> ChatChoi
         text = token_text(lp, tid, tokenizer)
         top = sorted(
             ((k, v) for k, v in pos.items() if v.rank is not None and 1 <= v.rank <= top_n),
-            key=lambda kv: kv[1].rank,
+            key=lambda kv: kv[1].rank or 0,  # every rank here is set (filtered above)
         )
         content.append(
             ChatCompletionLogProb(

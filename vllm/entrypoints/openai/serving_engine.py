@@ -9,7 +9,7 @@ import asyncio
 import json
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -228,8 +228,8 @@ async def stream_events(
     n: int,
     stream_options: StreamOptions | None,
     make_choice: Callable[[int, CompletionOutput], BaseModel],
-    make_chunk: Callable[[list[BaseModel], UsageInfo | None], BaseModel],
-    first_choices: list[BaseModel] | None = None,
+    make_chunk: Callable[[Sequence[BaseModel], UsageInfo | None], BaseModel],
+    first_choices: Sequence[BaseModel] | None = None,
 ) -> AsyncIterator[str]:
     """The SSE body of a streamed answer, shared by both endpoints.
 
@@ -245,7 +245,7 @@ async def stream_events(
     done: set[int] = set()
     try:
         if first_choices:
-            yield sse(make_chunk(first_choices, None))
+            yield sse(make_chunk(list(first_choices), None))
         async for i, ro in merge_streams(streams):
             prompt_lens[i] = len(ro.prompt_token_ids)
             choices = []

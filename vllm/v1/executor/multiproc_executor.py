@@ -274,6 +274,7 @@ class MultiprocExecutor(Executor):
         while True:
             ready = mp_connection.wait([*self._conns, *sentinels], timeout=timeout)
             if not ready:
+                assert timeout is not None  # wait() comes back empty only after a timeout
                 self._hung(timeout, what)
             for r, c in enumerate(self._conns):
                 if c in ready and c is not target:
@@ -281,17 +282,17 @@ class MultiprocExecutor(Executor):
             if target in ready:
                 return self._take(rank)
             for s in ready:
-                r = sentinels.get(s)
-                if r is None:
+                dead = sentinels.get(s)
+                if dead is None:
                     continue
                 try:
-                    has_words = self._conns[r].poll()
+                    has_words = self._conns[dead].poll()
                 except (EOFError, OSError):
                     has_words = False
                 if has_words:  # its last words first (an error report)
-                    self._stash[r].append(self._take(r))
+                    self._stash[dead].append(self._take(dead))
                     continue
-                self._died(r)
+                self._died(dead)
 
     def _send_all(self, method: str, *args: Any) -> None:
         self._check_alive()
