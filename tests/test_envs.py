@@ -36,7 +36,13 @@ FREE_TEXT = {
 
 
 def _python_files() -> list[Path]:
-    return sorted(p for p in PACKAGE.rglob("*.py") if p.name != "envs.py" or p.parent != PACKAGE)
+    """The engine's modules: all of vllm/ but envs.py itself and vllm/testing (the tests' and
+    benchmarks' tooling, which sets up environments for the processes it starts)."""
+    return sorted(
+        p
+        for p in PACKAGE.rglob("*.py")
+        if p != PACKAGE / "envs.py" and PACKAGE / "testing" not in p.parents
+    )
 
 
 def test_every_variable_is_documented_and_checked() -> None:
