@@ -85,7 +85,7 @@ class LLM:
     ) -> list[RequestOutput]:
         # One conversation (a list of messages) or a list of them; the first item tells which.
         if messages and isinstance(messages[0], dict):
-            conversations = [cast(list[dict[str, str]], messages)]
+            conversations = [messages]
         else:
             conversations = cast(list[list[dict[str, str]]], list(messages))
         tok = self.get_tokenizer()
