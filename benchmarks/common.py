@@ -19,7 +19,7 @@ CACHE = Path(os.environ.get("VLLM_BENCH_CACHE", Path(tempfile.gettempdir()) / "v
 
 
 def tiny_llama() -> str:
-    from tests.checkpoints import make_llama
+    from vllm.testing.checkpoints import make_llama
 
     out = CACHE / "tiny-llama"
     if not (out / "config.json").exists():

@@ -23,15 +23,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script too
-from benchmarks.common import CACHE, timer  # noqa: E402
+from benchmarks.common import CACHE, timer
 
 K = 3
 
 
 def _models(mtp_heads: str, index_topk: int) -> tuple[str, str]:
     """(sharing on, sharing off) folders of one V3.2 checkpoint with one MTP layer."""
-    from tests.dsa_checkpoints import make_deepseek_v32
-    from tests.spec_checkpoints import make_mtp_self_draft
+    from vllm.testing.dsa_checkpoints import make_deepseek_v32
+    from vllm.testing.spec_checkpoints import make_mtp_self_draft
 
     base = CACHE / f"tiny-deepseek-v32-mtp1-topk{index_topk}"
     if not (base / "config.json").exists():
@@ -146,7 +146,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from tests.engine_utils import make_prompts
+    from vllm.testing.engine_utils import make_prompts
 
     on, off = _models(args.mtp_heads, args.index_topk)
     prompts = make_prompts(512, [args.input_len] * args.num_prompts, seed=0)

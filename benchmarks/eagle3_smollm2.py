@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import smollm2  # noqa: E402
+from benchmarks.common import smollm2
 
 PLOT = Path(__file__).parent / "eagle3_smollm2_acceptance.png"
 

@@ -36,8 +36,8 @@ def build(layers: int, hidden: int) -> dict[str, str]:
     import torch
 
     from benchmarks.common import CACHE
-    from tests.checkpoints import make_deepseek_v3
-    from tests.fp8_checkpoints import quantize_checkpoint
+    from vllm.testing.checkpoints import make_deepseek_v3
+    from vllm.testing.fp8_checkpoints import quantize_checkpoint
 
     root = CACHE / f"fp8-dsv3-{layers}l-{hidden}h"
     bf16, fp8 = root / "bf16", root / "fp8"
@@ -72,9 +72,9 @@ def child(path: str, device: str, prompts: int, input_len: int, output_len: int)
 
     import psutil
 
-    from tests.engine_utils import make_prompts
     from vllm import LLM, SamplingParams
     from vllm.model_executor.model_loader import parameter_bytes
+    from vllm.testing.engine_utils import make_prompts
 
     proc = psutil.Process()
     rss0 = proc.memory_info().rss

@@ -21,7 +21,7 @@ from benchmarks.common import CACHE, timer
 
 
 def bench_llama() -> str:
-    from tests.checkpoints import make_llama
+    from vllm.testing.checkpoints import make_llama
 
     out = CACHE / "pp-llama-8l-h512"
     if not (out / "config.json").exists():

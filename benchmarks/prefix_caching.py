@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import resolve_model  # noqa: E402
+from benchmarks.common import resolve_model
 
 
 def _counter(llm, name: str) -> int:

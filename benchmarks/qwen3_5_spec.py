@@ -26,7 +26,7 @@ LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
 
 
 def _model(mtp_heads: str, hidden: int) -> str:
-    from tests.qwen3_5_checkpoints import make_qwen3_5, make_qwen3_5_mtp_self_draft
+    from vllm.testing.qwen3_5_checkpoints import make_qwen3_5, make_qwen3_5_mtp_self_draft
 
     base = CACHE / f"qwen3_5-h{hidden}-mtp1"
     if not (base / "config.json").exists():
@@ -109,7 +109,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)  # tiny models: intra-op threads only add overhead
-    from tests.engine_utils import make_prompts
+    from vllm.testing.engine_utils import make_prompts
 
     model = _model(args.mtp_heads, args.hidden_size)
     print(

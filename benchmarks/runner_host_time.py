@@ -27,8 +27,8 @@ CASES = ["none", "mtp1_k2", "mtp2_k2", "mtp2_k3", "eagle3_k2"]
 
 def _models() -> dict[str, tuple[str, dict | None]]:
     from benchmarks.common import CACHE
-    from tests.checkpoints import make_deepseek_v3, make_llama
-    from tests.spec_checkpoints import make_eagle3_draft, make_mtp_self_draft
+    from vllm.testing.checkpoints import make_deepseek_v3, make_llama
+    from vllm.testing.spec_checkpoints import make_eagle3_draft, make_mtp_self_draft
 
     out: dict[str, tuple[str, dict | None]] = {}
     paths = {}
@@ -61,8 +61,8 @@ def _measure(case: str, num_prompts: int, input_len: int, output_len: int) -> di
     """One engine, one case: (host ms/step, forward ms/step, steps)."""
     import torch
 
-    from tests.engine_utils import make_prompts
     from vllm import LLM, SamplingParams
+    from vllm.testing.engine_utils import make_prompts
 
     model, spec = _models()[case]
     llm = LLM(

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from benchmarks.common import resolve_model, timer  # noqa: E402
+from benchmarks.common import resolve_model, timer
 
 
 @dataclass
@@ -129,7 +129,7 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from tests.entrypoints.utils import RemoteServer
+    from vllm.testing.remote_server import RemoteServer
 
     model = resolve_model(args.model)
     vocab = AutoConfig.from_pretrained(model).vocab_size

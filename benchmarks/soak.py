@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-from benchmarks.common import resolve_model  # noqa: E402
+from benchmarks.common import resolve_model
 
 
 def slope_per_minute(samples: list[tuple[float, float]]) -> float:
@@ -82,7 +82,7 @@ async def _sample(server, stop_at: float, interval: float, t0: float, out: list)
 
 
 def soak(args: argparse.Namespace, code_dir: str | None, label: str) -> dict:
-    from tests.entrypoints.utils import RemoteServer
+    from vllm.testing.remote_server import RemoteServer
 
     model = resolve_model(args.model) if args.model else ""
     serve_args = ["--max-model-len", str(args.max_model_len), "--disable-uvicorn-access-log"]

@@ -29,7 +29,7 @@ from benchmarks.common import CACHE, timer
 
 def _near_bigram_llama(llama: str) -> str:
     """The Llama target with attention / MLP outputs x0.2: mostly a bigram model."""
-    from tests.spec_checkpoints import make_llama_bigram_target
+    from vllm.testing.spec_checkpoints import make_llama_bigram_target
 
     out = CACHE / "tiny-llama-near-bigram"
     if not (out / "config.json").exists():
@@ -41,7 +41,7 @@ def _dflash_heads(llama: str, max_k: int, kind: str) -> dict[str, str]:
     """Speculators-format DFlash and DSpark heads for the Llama target with blocks large
     enough for max_k drafts: random (DSpark: vanilla Markov head, confidence head), or the
     constructed bigram heads of the tests (partial acceptance on the near-bigram target)."""
-    from tests.speculators_dflash_heads import make_bigram_head, make_speculators_dflash
+    from vllm.testing.speculators_dflash_heads import make_bigram_head, make_speculators_dflash
 
     out = {}
     for method in ("dflash", "dspark"):
@@ -58,8 +58,8 @@ def _dflash_heads(llama: str, max_k: int, kind: str) -> dict[str, str]:
 
 
 def _models(mtp_heads: str) -> tuple[str, str, str]:
-    from tests.checkpoints import make_deepseek_v3, make_llama
-    from tests.spec_checkpoints import make_eagle3_draft, make_mtp_self_draft
+    from vllm.testing.checkpoints import make_deepseek_v3, make_llama
+    from vllm.testing.spec_checkpoints import make_eagle3_draft, make_mtp_self_draft
 
     ds = CACHE / "tiny-deepseek-v3-mtp1"
     if not (ds / "config.json").exists():
@@ -170,7 +170,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)  # tiny models: intra-op threads only add overhead
-    from tests.engine_utils import make_prompts
+    from vllm.testing.engine_utils import make_prompts
 
     mtp, llama, draft = _models(args.mtp_heads)
     prompts = make_prompts(512, [args.input_len] * args.num_prompts, seed=0)

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import resolve_model  # noqa: E402
+from benchmarks.common import resolve_model
 
 
 def main() -> None:

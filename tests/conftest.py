@@ -12,12 +12,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # subprocesses on a 2-core machine: one thread each avoids OpenMP oversubscription stalls.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-from tests import checkpoints  # noqa: E402
+from vllm.testing import checkpoints  # noqa: E402
 
 LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""Sanity checks for the test checkpoint builders in ``tests/checkpoints.py``."""
+"""Sanity checks for the test checkpoint builders in ``vllm/testing/checkpoints.py``."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests import checkpoints
+from vllm.testing import checkpoints
 
 DENSE_FIXTURES = ["llama_dir", "llama_tied_dir", "llama3_rope_dir", "qwen2_dir"]
 DEEPSEEK_FIXTURES = [

@@ -65,13 +65,13 @@ from typing import Any
 # set before torch loads its OpenMP runtime.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 # The engine's own converters between HF's fused in-memory experts and per-expert checkpoint
 # names (the layout the engine's loader reads).
-from vllm.model_executor.layers.fused_moe import fuse_experts, split_fused_experts  # noqa: E402
+from vllm.model_executor.layers.fused_moe import fuse_experts, split_fused_experts
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "vllm" / "model_zoo" / "tiny-deepseek-mtp"
@@ -371,7 +371,7 @@ class TinyDeepseekMTP(nn.Module):
         bsz, seq = input_ids.shape
         positions = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(bsz, -1)
         base = self.lm.model
-        # last_hidden_state is AFTER the final norm: what SPEC 2 feeds to depth 1.
+        # last_hidden_state is AFTER the final norm: what the MTP forward feeds to depth 1.
         h_main = base(input_ids=input_ids, position_ids=positions, use_cache=False)
         h_main = h_main.last_hidden_state
         logits = self.lm.lm_head(h_main)
@@ -821,7 +821,7 @@ text; it is not useful as a language model.
 - weights bf16 (router biases fp32), experts stored per expert
   (`mlp.experts.{{e}}.{{gate,up,down}}_proj.weight`), one `model.safetensors`.
 
-MTP forward (DeepSeek-V3, SPEC 2): depth k at position t combines `h_prev` (depth 1: the main
+MTP forward (DeepSeek-V3 report): depth k at position t combines `h_prev` (depth 1: the main
 model's last hidden state after the final norm; later depths: the previous MTP layer's output)
 with the embedding of token t+k (zeroed at position 0):
 `h = block(eh_proj(cat[enorm(e), hnorm(h_prev)]))`, `logits = shared_head.head(shared_head.norm(h))`

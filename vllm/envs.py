@@ -1,80 +1,229 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""Environment variables of the engine and the server, read in one place.
+"""Every environment variable the engine and the server read, in one place.
 
 Each is read when accessed (`vllm.envs.VLLM_PP_STEP_TIMEOUT_S`), so a test or a launcher that
-sets one before starting an engine is honoured; a malformed value raises ValueError naming it.
+sets one before starting an engine is honoured. An empty value counts as unset; a malformed one
+raises ValueError naming the variable. `python -m vllm.envs` prints them all with their docs.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 
-def _positive_float(name: str, default: float) -> Callable[[], float]:
-    def read() -> float:
-        raw = os.environ.get(name)
+@dataclass(frozen=True)
+class EnvVar:
+    """One variable: its default (when unset or empty), how its text becomes a value, and what
+    it is for."""
+
+    name: str
+    default: Any
+    parse: Callable[[str, str], Any]
+    doc: str
+
+    def read(self) -> Any:
+        raw = os.environ.get(self.name)
         if raw is None or not raw.strip():
-            return default
+            return self.default
+        return self.parse(self.name, raw)
+
+
+def _positive_float(unit: str) -> Callable[[str, str], float]:
+    def parse(name: str, raw: str) -> float:
         try:
             value = float(raw)
         except ValueError:
             value = float("nan")
         if not value > 0 or value == float("inf"):
-            raise ValueError(f"{name} must be a positive number of seconds, got {raw!r}")
+            raise ValueError(f"{name} must be a positive number of {unit}, got {raw!r}")
         return value
 
-    return read
+    return parse
 
 
-# A step (or an idle liveness ping) that no pipeline stage answers within this many seconds
-# means a stage hangs (stopped, deadlocked, wedged device): the engine then fails every request
-# and stops all stages. 120 s is far above any legitimate step seen on CPU (a full 2048-token
-# prefill of SmolLM2-135M on one core takes a few seconds; the first CUDA step's kernel compiles
-# well under a minute) and below the 300 s collective timeout that would otherwise end the wait.
-_DEFAULT_PP_STEP_TIMEOUT_S = 120.0
-# A request-supplied chat template gets this long to render; real templates take milliseconds.
-_DEFAULT_CHAT_TEMPLATE_TIMEOUT_S = 5.0
+def _choice(*choices: str, upper: bool = False) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        value = raw.strip().upper() if upper else raw.strip().lower()
+        if value not in choices:
+            raise ValueError(f"{name} must be one of {list(choices)}, got {raw!r}")
+        return value
+
+    return parse
 
 
-def _flag(name: str, default: bool) -> Callable[[], bool]:
-    def read() -> bool:
-        raw = os.environ.get(name)
-        return default if raw is None else raw.strip().lower() in ("1", "true", "yes", "on")
-
-    return read
+def _text(name: str, raw: str) -> str:
+    return raw.strip()
 
 
-def _str(name: str) -> Callable[[], str | None]:
-    return lambda: os.environ.get(name) or None
+def _flag(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name} must be 1/0 (or true/false, yes/no, on/off), got {raw!r}")
 
 
-_READERS: dict[str, Callable[[], Any]] = {
-    # 0 forces the torch reference path instead of the C++ CPU kernels (csrc/cpu).
-    "VLLM_CPU_KERNELS": _flag("VLLM_CPU_KERNELS", True),
-    # Where the CPU kernels are built and cached (default ~/.cache/vllm/cpu_kernels).
-    "VLLM_CPU_KERNELS_BUILD_DIR": _str("VLLM_CPU_KERNELS_BUILD_DIR"),
-    "VLLM_PP_STEP_TIMEOUT_S": _positive_float("VLLM_PP_STEP_TIMEOUT_S", _DEFAULT_PP_STEP_TIMEOUT_S),
-    "VLLM_CHAT_TEMPLATE_TIMEOUT_S": _positive_float(
-        "VLLM_CHAT_TEMPLATE_TIMEOUT_S", _DEFAULT_CHAT_TEMPLATE_TIMEOUT_S
+_VARS = [
+    EnvVar(
+        "VLLM_PP_STEP_TIMEOUT_S",
+        # 120 s is far above any legitimate step seen on CPU (a full 2048-token prefill of
+        # SmolLM2-135M on one core takes a few seconds; the first CUDA step's kernel compiles
+        # well under a minute) and below VLLM_PP_COMM_TIMEOUT_S, which would otherwise end the
+        # wait.
+        120.0,
+        _positive_float("seconds"),
+        "A step (or an idle liveness ping) that no pipeline stage answers within this many "
+        "seconds means a stage hangs (stopped, deadlocked, wedged device): the engine then "
+        "fails every request and stops all stages.",
     ),
-}
+    EnvVar(
+        "VLLM_PP_COMM_TIMEOUT_S",
+        300.0,
+        _positive_float("seconds"),
+        "Timeout of the torch.distributed collectives between pipeline stages: a peer that "
+        "died or hangs makes the op raise, never block forever. The engine notices a dead "
+        "stage much sooner (process sentinels, actor liveness); this is the backstop for the "
+        "stage processes themselves, and it bounds one stage's wait for a slow step.",
+    ),
+    EnvVar(
+        "VLLM_PP_LAYER_PARTITION",
+        None,
+        _text,
+        "Decoder layers per pipeline stage as a comma list ('3,1'): pipeline_parallel_size "
+        "entries, each >= 1, summing to the model's layer count. Unset: an even split whose "
+        "remainder goes to stages -2, -3, ... (never the last).",
+    ),
+    EnvVar(
+        "VLLM_WORKER_MULTIPROC_METHOD",
+        "spawn",
+        _choice("spawn", "forkserver"),
+        "How the mp executor starts stage processes: spawn (a fresh interpreter each) or "
+        "forkserver (forked from one server process that imported torch and the worker once; "
+        "much faster when engines are created often).",
+    ),
+    EnvVar(
+        "VLLM_CPU_KVCACHE_SPACE",
+        2.0,
+        _positive_float("GiB"),
+        "KV cache budget on CPU, in GiB, when kv_cache_memory_bytes is not given.",
+    ),
+    EnvVar(
+        "VLLM_FP8_DEQUANT",
+        "auto",
+        _choice("auto", "load", "forward"),
+        "How FP8 checkpoint weights run: load (dequantize once at load), forward (keep FP8 in "
+        "memory, dequantize per layer: half the weight memory, slower decode) or auto (the FP8 "
+        "block GEMM on CUDA where available, else load on CPU and forward on GPUs).",
+    ),
+    EnvVar(
+        "VLLM_SPARSE_MLA_BACKEND",
+        None,
+        _text,
+        "Sparse MLA (DeepSeek-V3.2 DSA) attention implementation by registered name "
+        "(TORCH_MLA_SPARSE, TRITON_MLA_SPARSE). Unset: Triton on GPUs when importable, the "
+        "torch reference otherwise.",
+    ),
+    EnvVar(
+        "VLLM_CHAT_TEMPLATE_TIMEOUT_S",
+        # Real templates render in milliseconds.
+        5.0,
+        _positive_float("seconds"),
+        "How long a request-supplied chat template (--trust-request-chat-template) may take to "
+        "render in its sandbox process before it is killed and the request refused.",
+    ),
+    EnvVar(
+        "VLLM_CPU_KERNELS",
+        True,
+        _flag,
+        "0 runs the torch reference path instead of the C++ CPU kernels (csrc/cpu: paged "
+        "attention, fused RMSNorm + residual, rotary, the small-batch linear).",
+    ),
+    EnvVar(
+        "VLLM_CPU_KERNELS_BUILD_DIR",
+        None,
+        _text,
+        "Where the CPU kernels are built and cached (unset: ~/.cache/vllm/cpu_kernels).",
+    ),
+    EnvVar(
+        "VLLM_API_KEY",
+        None,
+        _text,
+        "API key the server requires as `Authorization: Bearer KEY` on /v1/* when --api-key "
+        "is not given.",
+    ),
+    EnvVar(
+        "VLLM_LOGGING_LEVEL",
+        "INFO",
+        _choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", upper=True),
+        "Level of the `vllm` logger (read once, at import).",
+    ),
+    # Read here too, though other packages own them, so that every variable the engine reacts
+    # to is listed in one place.
+    EnvVar(
+        "RAY_ADDRESS",
+        None,
+        _text,
+        "Ray's own: an existing cluster the ray executor joins; unset, the engine starts a "
+        "local Ray with one CPU per pipeline stage.",
+    ),
+    EnvVar(
+        "OMP_NUM_THREADS",
+        None,
+        _text,
+        "OpenMP's own: when unset, each CPU pipeline stage takes an equal share of the host's "
+        "cores instead of all of them.",
+    ),
+    EnvVar(
+        "TRITON_INTERPRET",
+        False,
+        _flag,
+        "Triton's own: run Triton kernels in its interpreter (on CPU), e.g. to test them.",
+    ),
+]
+ENV_VARS: dict[str, EnvVar] = {v.name: v for v in _VARS}
 
 if TYPE_CHECKING:  # the names this module provides
     VLLM_CPU_KERNELS: bool
     VLLM_CPU_KERNELS_BUILD_DIR: str | None
     VLLM_PP_STEP_TIMEOUT_S: float
+    VLLM_PP_COMM_TIMEOUT_S: float
+    VLLM_PP_LAYER_PARTITION: str | None
+    VLLM_WORKER_MULTIPROC_METHOD: str
+    VLLM_CPU_KVCACHE_SPACE: float
+    VLLM_FP8_DEQUANT: str
+    VLLM_SPARSE_MLA_BACKEND: str | None
     VLLM_CHAT_TEMPLATE_TIMEOUT_S: float
+    VLLM_API_KEY: str | None
+    VLLM_LOGGING_LEVEL: str
+    RAY_ADDRESS: str | None
+    OMP_NUM_THREADS: str | None
+    TRITON_INTERPRET: bool
 
 
 def __getattr__(name: str) -> Any:
-    reader = _READERS.get(name)
-    if reader is None:
+    var = ENV_VARS.get(name)
+    if var is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return reader()
+    return var.read()
 
 
 def __dir__() -> list[str]:
-    return sorted(_READERS)
+    return sorted(ENV_VARS)
+
+
+def vllm_env() -> dict[str, str]:
+    """The engine's VLLM_* settings, to apply in every stage process (and Ray node)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+
+
+def apply_vllm_env(env: dict[str, str]) -> None:
+    """Make this process's VLLM_* settings exactly `env`."""
+    # A fork server's children inherit the server's environment, not the engine's current one.
+    for k in [k for k in os.environ if k.startswith("VLLM_") and k not in env]:
+        del os.environ[k]
+    os.environ.update(env)

@@ -5,8 +5,9 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
+
+from vllm import envs
 
 _root = logging.getLogger("vllm")
 if not _root.handlers:
@@ -15,7 +16,7 @@ if not _root.handlers:
         logging.Formatter("%(levelname)s %(asctime)s [%(name)s] %(message)s", "%H:%M:%S")
     )
     _root.addHandler(_h)
-    _root.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
+    _root.setLevel(envs.VLLM_LOGGING_LEVEL)
     _root.propagate = False
 
 

@@ -125,9 +125,9 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 integer(name, -1, why="must be None, -1 (whole vocab) or a 64-bit integer >= 0")
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not all(isinstance(s, str) and s for s in self.stop or ()):
             raise bad("stop", self.stop, "must be non-empty strings")
-        if not all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+        if not all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids or ()):
             raise bad("stop_token_ids", self.stop_token_ids, "must be non-negative 64-bit integers")
         for name in (
             "ignore_eos",
@@ -159,7 +159,7 @@ class SamplingParams:
     def update_from_tokenizer(self, eos_token_id: int | None) -> None:
         """Record the tokenizer's EOS so the scheduler can stop on it."""
         self._eos_token_id = eos_token_id
-        self._all_stop_token_ids = set(self.stop_token_ids)
+        self._all_stop_token_ids = set(self.stop_token_ids or ())
         if eos_token_id is not None and not self.ignore_eos:
             self._all_stop_token_ids.add(eos_token_id)
 

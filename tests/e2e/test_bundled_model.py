@@ -2,8 +2,8 @@
 # Copyright 2026 The vllm-pp-spec contributors
 """The bundled default model (a trained tiny DeepSeek-V3 with 2 real MTP heads): speculation is
 lossless, acceptance is real (above a measured floor), and P = 2 drafts, accepts and emits
-exactly what P = 1 does. A drafter with a wrong embedding table under P = 2 (SPEC 6.3) would
-pass the losslessness checks but fail the acceptance ones here."""
+exactly what P = 1 does. A drafter with a wrong embedding table under P = 2 (the target's is
+absent on the last stage) would pass the losslessness checks but fail the acceptance ones here."""
 
 from __future__ import annotations
 

@@ -28,10 +28,10 @@ import re
 import pytest
 import torch
 
-from tests.engine_utils import make_prompts, spec_decode_counts
-from tests.spec_checkpoints import make_llama_bigram_target
-from tests.speculators_dflash_heads import MASK, bigram_map, make_bigram_head
 from vllm import LLM, SamplingParams
+from vllm.testing.engine_utils import make_prompts, spec_decode_counts
+from vllm.testing.spec_checkpoints import make_llama_bigram_target
+from vllm.testing.speculators_dflash_heads import MASK, bigram_map, make_bigram_head
 
 pytest.importorskip("speculators", reason="speculators is a test dependency (see README)")
 pytestmark = pytest.mark.usefixtures("pp_forkserver")
@@ -174,7 +174,7 @@ def test_serve_pp2_dspark(cache, tmp_path):
     import httpx
     import openai
 
-    from tests.entrypoints.utils import RemoteServer
+    from vllm.testing.remote_server import RemoteServer
 
     k = 3
     target = cache.targets["llama"]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.engine_utils import make_prompts
 from vllm import LLM, SamplingParams
+from vllm.testing.engine_utils import make_prompts
 
 LENGTHS = [3, 9, 17, 30, 41, 6]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

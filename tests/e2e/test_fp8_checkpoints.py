@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""FP8 block-quantized checkpoints end to end (tests/fp8_checkpoints.py quantizes the tiny models
-as DeepSeek / Qwen publish theirs, edge blocks partial): DeepSeek-V3 (MLA + MoE + an MTP layer),
-DeepSeek-V3.2 (DSA indexer + MTP) and Qwen3.5-MoE (hybrid + MTP), each served with MTP
+"""FP8 block-quantized checkpoints end to end (vllm/testing/fp8_checkpoints.py quantizes the tiny
+models as DeepSeek / Qwen publish theirs, edge blocks partial): DeepSeek-V3 (MLA + MoE + an MTP
+layer), DeepSeek-V3.2 (DSA indexer + MTP) and Qwen3.5-MoE (hybrid + MTP), each served with MTP
 speculation at P = 1 and P = 2. Full-vocab logprobs of prompt and decode equal HF transformers
 on the same weights dequantized by transformers' FP8 code, greedy tokens equal HF's greedy
 (speculation lossless), and MTP acceptance is the same at P = 1 and P = 2. Where every side is
@@ -17,13 +17,13 @@ import functools
 import pytest
 import torch
 
-from tests import checkpoints
-from tests.dsa_checkpoints import make_deepseek_v32
-from tests.engine_utils import hf_greedy, hf_logprobs, make_prompts
-from tests.fp8_checkpoints import hf_dequantized_copy, load_hf_fp8, quantize_checkpoint
-from tests.qwen3_5_checkpoints import make_qwen3_5, make_qwen3_5_mtp_self_draft
-from tests.spec_checkpoints import make_mtp_self_draft
 from vllm import LLM, SamplingParams
+from vllm.testing import checkpoints
+from vllm.testing.dsa_checkpoints import make_deepseek_v32
+from vllm.testing.engine_utils import hf_greedy, hf_logprobs, make_prompts
+from vllm.testing.fp8_checkpoints import hf_dequantized_copy, load_hf_fp8, quantize_checkpoint
+from vllm.testing.qwen3_5_checkpoints import make_qwen3_5, make_qwen3_5_mtp_self_draft
+from vllm.testing.spec_checkpoints import make_mtp_self_draft
 
 PROMPTS = make_prompts(512, [21, 6], seed=3)
 MAX_TOKENS = 6

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine_utils import hf_greedy, hf_logprobs, make_prompts
 from vllm import LLM, SamplingParams
+from vllm.testing.engine_utils import hf_greedy, hf_logprobs, make_prompts
 
 FAMILIES = [
     "llama_dir",

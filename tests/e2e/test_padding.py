@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests import qwen3_5_checkpoints as q35
-from tests.checkpoints import make_deepseek_v3
-from tests.dsa_checkpoints import make_deepseek_v32
-from tests.engine_utils import make_prompts
-from tests.spec_checkpoints import make_mtp_self_draft
 from vllm import LLM, SamplingParams
 from vllm.config import CompilationConfig
 from vllm.engine.arg_utils import EngineArgs
+from vllm.testing import qwen3_5_checkpoints as q35
+from vllm.testing.checkpoints import make_deepseek_v3
+from vllm.testing.dsa_checkpoints import make_deepseek_v32
+from vllm.testing.engine_utils import make_prompts
+from vllm.testing.spec_checkpoints import make_mtp_self_draft
 
 pytestmark = pytest.mark.usefixtures("pp_forkserver")
 

@@ -17,9 +17,9 @@ import threading
 import psutil
 import pytest
 
-from tests import checkpoints
-from tests.engine_utils import make_prompts
 from vllm import LLM, SamplingParams
+from vllm.testing import checkpoints
+from vllm.testing.engine_utils import make_prompts
 
 LENGTHS = [3, 9, 17, 30, 41, 6]
 MAX_TOKENS = 12
@@ -298,7 +298,7 @@ def test_killed_stage_raises_and_leaves_no_process(llama_dir, monkeypatch):
 def test_serve_pp2_equals_p1(llama_dir, reference, tmp_path):
     import openai
 
-    from tests.entrypoints.utils import RemoteServer
+    from vllm.testing.remote_server import RemoteServer
 
     server = RemoteServer(
         llama_dir,

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import pytest
 from prometheus_client import generate_latest
 
-from tests import qwen3_5_checkpoints as q35
-from tests.dsa_checkpoints import make_deepseek_v32
-from tests.engine_utils import make_prompts
-from tests.spec_checkpoints import make_eagle3_draft, make_mtp_self_draft
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
+from vllm.testing import qwen3_5_checkpoints as q35
+from vllm.testing.dsa_checkpoints import make_deepseek_v32
+from vllm.testing.engine_utils import make_prompts
+from vllm.testing.spec_checkpoints import make_eagle3_draft, make_mtp_self_draft
 
 BS = 4  # small blocks: many block boundaries in short prompts
 MAX_TOKENS = 8

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine_utils import make_prompts
-from tests.spec_checkpoints import make_mtp_self_draft
 from vllm import LLM, SamplingParams
+from vllm.testing.engine_utils import make_prompts
+from vllm.testing.spec_checkpoints import make_mtp_self_draft
 
 pytestmark = pytest.mark.usefixtures("pp_forkserver")
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine_utils import hf_greedy
 from vllm import LLM, SamplingParams
+from vllm.testing.engine_utils import hf_greedy
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -58,7 +58,7 @@ def _run(
     num_prompts: int = NUM_PROMPTS,
     max_tokens: int = MAX_TOKENS,
 ):
-    from tests.speculators_heads import record_drafts
+    from vllm.testing.speculators_heads import record_drafts
 
     spec = {"method": "eagle3", "model": head, "num_speculative_tokens": k} if k else None
     llm = LLM(
@@ -107,7 +107,7 @@ def reference(runs, smollm2_dir):
     """Per prompt: (the target's greedy text a few tokens past max_tokens, speculators' step-0
     draft logits [T, Vd] teacher-forced over it, and the reference itself)."""
     pytest.importorskip("speculators", reason="speculators is a test dependency (see README)")
-    from tests.speculators_heads import SpeculatorsReference
+    from vllm.testing.speculators_heads import SpeculatorsReference
 
     ref = SpeculatorsReference(HEAD, smollm2_dir)
     out = []

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine_utils import make_prompts
-from tests.spec_checkpoints import (
+from vllm import LLM, SamplingParams
+from vllm.testing.engine_utils import make_prompts
+from vllm.testing.spec_checkpoints import (
     make_eagle3_draft,
     make_eagle_draft,
     make_llama_bigram_target,
     make_mtp_self_draft,
 )
-from vllm import LLM, SamplingParams
 
 LENGTHS = [40, 23, 57, 9, 3, 30]
 MAX_TOKENS = 20

@@ -17,15 +17,15 @@ import json
 
 import pytest
 
-from tests import checkpoints
-from tests.engine_utils import make_prompts, spec_decode_counts
-from tests.spec_checkpoints import (
+from vllm import LLM, SamplingParams
+from vllm.testing import checkpoints
+from vllm.testing.engine_utils import make_prompts, spec_decode_counts
+from vllm.testing.spec_checkpoints import (
     make_eagle3_draft,
     make_eagle_draft,
     make_llama_bigram_target,
     make_mtp_self_draft,
 )
-from vllm import LLM, SamplingParams
 
 LENGTHS = [21, 6, 34]
 MAX_TOKENS = 8
@@ -196,7 +196,7 @@ def test_eagle3_taps_first_and_last_stage(llama_dir, tmp_path_factory, runs):
 
 def test_mtp_self_draft_keeps_full_acceptance_at_pp2(deepseek_v3_mtp1_dir, tmp_path_factory):
     """The MTP head reproduces the target only with the right embedding table; on the last
-    stage the target has none, so DeepSeekMTP must load its own (SPEC 6.3)."""
+    stage the target has none, so DeepSeekMTP must load its own."""
     draft = make_mtp_self_draft(tmp_path_factory.mktemp("mtp_self_pp"), deepseek_v3_mtp1_dir)
     prompts = make_prompts(512, LENGTHS, seed=12)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
@@ -210,7 +210,7 @@ def test_mtp_self_draft_keeps_full_acceptance_at_pp2(deepseek_v3_mtp1_dir, tmp_p
 def top_level_embed_self_drafts(tmp_path_factory) -> dict[str, str]:
     """DeepSeek-V3 and V3.2 self-drafts whose MTP layer ships no embed_tokens: the draft's
     table is the checkpoint's top-level model.embed_tokens.weight."""
-    from tests.dsa_checkpoints import make_deepseek_v32
+    from vllm.testing.dsa_checkpoints import make_deepseek_v32
 
     v3 = checkpoints.make_deepseek_v3(
         tmp_path_factory.mktemp("v3_top_embed"), num_nextn_predict_layers=1, mtp_own_embed=False
@@ -258,7 +258,7 @@ def test_ray_eagle3_pp2_equals_mp(runs):
 def test_serve_pp2_mtp_equals_p1(runs, tmp_path):
     import openai
 
-    from tests.entrypoints.utils import RemoteServer
+    from vllm.testing.remote_server import RemoteServer
 
     target = runs.dirs("mtp1")[0]
     ref_tokens, _ = runs.get("mtp1", 1, 0)

@@ -19,8 +19,8 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.entrypoints.utils import RemoteServer
 from vllm import LLM, SamplingParams
+from vllm.testing.remote_server import RemoteServer
 
 MAX_MODEL_LEN = 128
 SERVE_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN)]

@@ -27,9 +27,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.engine_utils import resume_and_kill
-from tests.entrypoints.utils import RemoteServer
 from vllm.config import DEFAULT_MODEL_DIR
+from vllm.testing.engine_utils import resume_and_kill
+from vllm.testing.remote_server import RemoteServer
 
 API_KEY = "sk-reliability"
 NAME = "tiny"

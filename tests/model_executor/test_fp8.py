@@ -17,13 +17,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests import checkpoints
-from tests.fp8_checkpoints import quantize_block, quantize_checkpoint
 from vllm.config import ModelConfig, VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.model_executor.layers.quantization.fp8 import dequantize_fp8_block
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.utils import WeightLoadError
+from vllm.testing import checkpoints
+from vllm.testing.fp8_checkpoints import quantize_block, quantize_checkpoint
 
 ATTN = "model.layers.0.self_attn"
 EXPERT = "model.layers.1.mlp.experts.3"

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests import qwen3_5_checkpoints as q35
+from vllm.testing import qwen3_5_checkpoints as q35
 
 
 @pytest.fixture(scope="session")

@@ -21,9 +21,8 @@ from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.deepseek_v2 import get_spec_layer_idx_from_weight_name
 from vllm.model_executor.models.utils import WeightLoadError
 from vllm.sequence import IntermediateTensors
+from vllm.testing.checkpoints import make_deepseek_v2, make_deepseek_v3
 from vllm.v1.attention.backends.torch_paged import build_attn_metadata
-
-from ..checkpoints import make_deepseek_v2, make_deepseek_v3
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,7 +43,7 @@ YARN = {
 
 
 def _build(tmp: Path, arch: str, q_lora_rank: int | None, yarn: bool = False, **kw) -> Path:
-    """A tiny random checkpoint from tests/checkpoints.py (V3 with one MTP layer by default,
+    """A tiny random checkpoint from vllm/testing/checkpoints.py (V3 with one MTP layer by default,
     whose tensors the target must skip)."""
     common = dict(q_lora_rank=q_lora_rank, qk_rope_head_dim=16, v_head_dim=24)
     common["rope_scaling"] = dict(YARN) if yarn else None

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dsa_checkpoints import make_deepseek_v32, make_glm_moe_dsa
-from tests.engine_utils import hf_greedy, hf_logprobs, make_prompts
 from vllm import LLM, SamplingParams
+from vllm.testing.dsa_checkpoints import make_deepseek_v32, make_glm_moe_dsa
+from vllm.testing.engine_utils import hf_greedy, hf_logprobs, make_prompts
 
 INDEX_TOPK = 8  # the builders' default: prompts of 21+ tokens select a strict subset
 YARN = {

@@ -19,8 +19,6 @@ import numpy as np
 import pytest
 import torch
 
-from tests import qwen3_5_checkpoints as q35
-from tests.engine_utils import hf_greedy, hf_logprobs, make_prompts
 from vllm import LLM, SamplingParams
 from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d
 from vllm.model_executor.layers.mamba.ops.gated_delta_rule import (
@@ -28,6 +26,8 @@ from vllm.model_executor.layers.mamba.ops.gated_delta_rule import (
     l2norm,
     recurrent_gated_delta_rule,
 )
+from vllm.testing import qwen3_5_checkpoints as q35
+from vllm.testing.engine_utils import hf_greedy, hf_logprobs, make_prompts
 from vllm.v1.worker.gpu.linear_attn_states import LinearAttnStates
 
 FAMILIES = ["qwen3_5_dir", "qwen3_5_moe_dir"]
@@ -292,7 +292,7 @@ def test_mtp_needs_mtp_weights(qwen3_5_dir, tmp_path):
     from vllm.model_executor.models.interfaces import supports_pp
     from vllm.model_executor.models.qwen3_5_mtp import Qwen3_5MoeMTP, Qwen3_5MTP
 
-    # The drafts build on the last stage of a pipeline (SPEC 6.1).
+    # The drafts build on the last stage of a pipeline, where only the last stage drafts.
     assert supports_pp(Qwen3_5MTP) and supports_pp(Qwen3_5MoeMTP)
     spec = {"method": "qwen3_5_mtp", "num_speculative_tokens": 1}
     # No MTP layers declared.

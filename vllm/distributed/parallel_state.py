@@ -8,7 +8,6 @@ call init_distributed(...) before building the model.
 
 from __future__ import annotations
 
-import os
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,10 +16,7 @@ from typing import Any
 
 import torch
 
-# A finite collective timeout: a peer that died or hangs makes the op raise, never block forever.
-# The engine notices a dead stage much sooner (process sentinels / actor liveness); this is the
-# backstop for the stage processes themselves. It also bounds one stage's wait for a slow step.
-_DEFAULT_TIMEOUT_S = 300.0
+from vllm import envs
 
 
 @dataclass
@@ -30,10 +26,6 @@ class PPGroup:
     device_group: Any = field(default=None, repr=False)  # torch.distributed group for p2p
     broadcast_group: Any = field(default=None, repr=False)  # separate group for last-stage results
     cpu_group: Any = field(default=None, repr=False)  # gloo group for metadata (= device on CPU)
-
-    @property
-    def rank_in_group(self) -> int:
-        return self.rank
 
     @property
     def is_first_rank(self) -> bool:
@@ -68,12 +60,8 @@ def set_pp_group(group: PPGroup) -> None:
     _PP = group
 
 
-def model_parallel_is_initialized() -> bool:
-    return _PP.world_size > 1
-
-
 def comm_timeout() -> timedelta:
-    return timedelta(seconds=float(os.environ.get("VLLM_PP_COMM_TIMEOUT_S", _DEFAULT_TIMEOUT_S)))
+    return timedelta(seconds=envs.VLLM_PP_COMM_TIMEOUT_S)
 
 
 def init_distributed(

@@ -4,8 +4,7 @@
 
 from __future__ import annotations
 
-import os
-
+from vllm import envs
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -19,7 +18,7 @@ def get_pp_partition(num_hidden_layers: int, pp_size: int) -> list[int]:
             f"pipeline_parallel_size={pp_size} is larger than the model's "
             f"{num_hidden_layers} layers"
         )
-    env = os.environ.get("VLLM_PP_LAYER_PARTITION")
+    env = envs.VLLM_PP_LAYER_PARTITION
     if env:
         try:
             parts = [int(x) for x in env.split(",")]

@@ -1,55 +1,89 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""EngineArgs: the one place where LLM(...) kwargs and `vllm serve` flags become a VllmConfig."""
+"""EngineArgs: the one place where LLM(...) kwargs and `vllm serve` flags become a VllmConfig.
+
+A field's default is its config dataclass's default, and its flag (with help text, type,
+choices, `--[no-]` for booleans) is generated from the field, so each default and each doc is
+written once, in vllm/config."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
+import types
+import typing
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 from vllm.config import (
     CacheConfig,
     CompilationConfig,
     DeviceConfig,
+    DistributedExecutorBackend,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
     VllmConfig,
+    get_attr_docs,
 )
+
+# Where a field's help text comes from when EngineArgs does not document the field itself.
+_DOC_SOURCES = (
+    ModelConfig,
+    CacheConfig,
+    SchedulerConfig,
+    ParallelConfig,
+    DeviceConfig,
+    VllmConfig,
+)
+# Short spellings vLLM also accepts.
+_ALIASES = {
+    "pipeline_parallel_size": ["-pp"],
+    "tensor_parallel_size": ["-tp"],
+    "quantization": ["-q"],
+}
 
 
 @dataclass
 class EngineArgs:
     """Engine arguments, spelled as vLLM spells them."""
 
-    model: str = ""
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    seed: int = 0
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
+    model: str = ModelConfig.model
+    tokenizer: str | None = ModelConfig.tokenizer
+    dtype: str = ModelConfig.dtype
+    seed: int = ModelConfig.seed
+    max_model_len: int | None = ModelConfig.max_model_len
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int | None = None
-    enable_chunked_prefill: bool = True
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool | None = None  # None: on unless the model is hybrid
-    pipeline_parallel_size: int = 1
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
+    """Token budget of one step; default: the scheduler's (2048), raised to max_model_len when
+    chunked prefill is off."""
+    enable_chunked_prefill: bool = SchedulerConfig.enable_chunked_prefill
+    block_size: int = CacheConfig.block_size
+    kv_cache_memory_bytes: int | None = CacheConfig.kv_cache_memory_bytes
+    gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
+    num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
+    enable_prefix_caching: bool | None = CacheConfig.enable_prefix_caching
+    pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size
+    tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
+    distributed_executor_backend: DistributedExecutorBackend | None = (
+        ParallelConfig.distributed_executor_backend
+    )
     speculative_config: dict[str, Any] | str | None = None
+    """Speculative decoding as a dict (JSON on the command line), e.g.
+    {"method": "mtp", "num_speculative_tokens": 2}; keys: method (mtp | eagle | eagle3),
+    num_speculative_tokens, model (the draft folder), draft_sample_method. None: off."""
     compilation_config: dict[str, Any] | str | None = None
-    enforce_eager: bool = False
-    disable_log_stats: bool = True
-    trust_remote_code: bool = False
-    device: str = "auto"
-    served_model_name: str | list[str] | None = None
-    quantization: str | None = None
+    """The fixed shapes of a step's forward as a dict (JSON on the command line), e.g.
+    {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}. None: no padding."""
+    enforce_eager: bool = VllmConfig.enforce_eager
+    disable_log_stats: bool = VllmConfig.disable_log_stats
+    trust_remote_code: bool = ModelConfig.trust_remote_code
+    device: str = DeviceConfig.device
+    served_model_name: str | list[str] | None = ModelConfig.served_model_name
+    quantization: str | None = ModelConfig.quantization
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -85,7 +119,9 @@ class EngineArgs:
             comp = parse_json_arg("compilation_config", comp)
         budget = self.max_num_batched_tokens
         if budget is None:
-            budget = 2048 if self.enable_chunked_prefill else max(2048, model_config.max_model_len)
+            budget = SchedulerConfig.max_num_batched_tokens
+            if not self.enable_chunked_prefill:
+                budget = max(budget, model_config.max_model_len)
         return VllmConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -114,53 +150,13 @@ class EngineArgs:
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """Add the engine flags (vLLM spellings) to a parser."""
-        d = EngineArgs()
-        parser.add_argument("--tokenizer", type=str, default=None)
-        parser.add_argument("--dtype", type=str, default=d.dtype)
-        parser.add_argument("--seed", type=int, default=d.seed)
-        parser.add_argument("--max-model-len", type=int, default=None)
-        parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-        parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-        parser.add_argument("--block-size", type=int, default=d.block_size)
-        parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-        parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
-        parser.add_argument(
-            "--enable-prefix-caching",
-            action=argparse.BooleanOptionalAction,
-            default=None,
-            help="Reuse the KV cache of shared prompt prefixes (default: on, except for hybrid "
-            "models).",
-        )
-        parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
-        parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
-        parser.add_argument(
-            "--distributed-executor-backend", type=str, choices=["mp", "ray", "uni"], default=None
-        )
-        parser.add_argument(
-            "--speculative-config",
-            type=lambda s: parse_json_arg("--speculative-config", s),
-            default=None,
-            help='JSON, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\'',
-        )
-        parser.add_argument(
-            "--compilation-config",
-            type=lambda s: parse_json_arg("--compilation-config", s),
-            default=None,
-            help="JSON, e.g. '{\"cudagraph_capture_sizes\": [1, 2, 4, 8, 16, 32]}'",
-        )
-        parser.add_argument("--enforce-eager", action="store_true")
-        parser.add_argument("--disable-log-stats", action="store_true")
-        parser.add_argument("--trust-remote-code", action="store_true")
-        parser.add_argument("--device", type=str, default="auto")
-        parser.add_argument(
-            "-q",
-            "--quantization",
-            type=str,
-            default=None,
-            help="Weight quantization; default: the checkpoint's quantization_config (fp8)",
-        )
+        """Add a flag for every engine argument (vLLM spellings) that the parser does not
+        define already (`vllm serve` spells --model and --served-model-name its own way)."""
+        for name, kwargs in engine_arg_kwargs().items():
+            flag = "--" + name.replace("_", "-")
+            if flag in parser._option_string_actions:
+                continue
+            parser.add_argument(*_ALIASES.get(name, []), flag, **kwargs)
         return parser
 
     @classmethod
@@ -171,6 +167,52 @@ class EngineArgs:
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
+
+
+@functools.cache
+def engine_arg_docs() -> dict[str, str]:
+    """Each EngineArgs field's doc: its own, else that of the config field of the same name."""
+    docs: dict[str, str] = {}
+    for cls in reversed(_DOC_SOURCES):  # the first class naming a field wins
+        docs.update(get_attr_docs(cls))
+    docs.update(get_attr_docs(EngineArgs))
+    return {f.name: docs[f.name] for f in fields(EngineArgs) if f.name in docs}
+
+
+def engine_arg_kwargs() -> dict[str, dict[str, Any]]:
+    """add_argument keyword arguments (type, default, help, ...) for every EngineArgs field."""
+    hints = typing.get_type_hints(EngineArgs)
+    docs = engine_arg_docs()
+    out = {}
+    for f in fields(EngineArgs):
+        kwargs = _argparse_kwargs("--" + f.name.replace("_", "-"), hints[f.name], f.default)
+        help_text = docs.get(f.name, "").replace("%", "%%")
+        if f.default is not None:
+            help_text += " (default: %(default)s)"  # formatted from the parser's own default
+        out[f.name] = kwargs | {"help": help_text}
+    return out
+
+
+def _argparse_kwargs(flag: str, hint: Any, default: Any) -> dict[str, Any]:
+    """What argparse needs to parse a value of type `hint` (its None allowed by the default)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+    else:
+        options = [hint]
+    kwargs: dict[str, Any] = {"default": default}
+    if options == [bool]:
+        return kwargs | {"action": argparse.BooleanOptionalAction}
+    if any(typing.get_origin(o) is dict for o in options):
+        return kwargs | {"type": functools.partial(parse_json_arg, flag), "metavar": "JSON"}
+    if any(typing.get_origin(o) is list for o in options):
+        return kwargs | {"type": str, "nargs": "+"}
+    (only,) = options
+    if typing.get_origin(only) is Literal:
+        choices = list(typing.get_args(only))
+        return kwargs | {"type": type(choices[0]), "choices": choices}
+    if only not in (int, float, str):
+        raise TypeError(f"no command-line form for {flag} of type {hint!r}")
+    return kwargs | {"type": only}
 
 
 class JSONArgError(argparse.ArgumentTypeError, ValueError):

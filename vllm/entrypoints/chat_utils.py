@@ -14,6 +14,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import threading
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from vllm.logger import init_logger
@@ -119,7 +121,8 @@ def _sandbox_main(conn, parent_pid: int, memory_bytes: int) -> None:
         except (EOFError, OSError):
             return
         try:
-            rendered, _ = render_jinja_template(
+            # transformers annotates `-> str` but returns (rendered, generation_indices).
+            rendered, _ = render_jinja_template(  # type: ignore[str-unpack]
                 conversations=[job["conversation"]],
                 chat_template=job["chat_template"],
                 add_generation_prompt=job["add_generation_prompt"],
@@ -152,8 +155,8 @@ class ChatTemplateSandbox:
         self.memory_bytes = memory_bytes
         self._lock = threading.Lock()
         self._ctx = mp.get_context("spawn")
-        self._proc = None
-        self._conn = None
+        self._proc: BaseProcess | None = None
+        self._conn: Connection | None = None
         self._ready = False
         self.num_killed = 0
 
@@ -175,21 +178,25 @@ class ChatTemplateSandbox:
         child.close()
         self._proc, self._conn, self._ready = proc, parent, False
 
-    def _ensure_ready(self) -> None:
+    def _ensure_ready(self) -> Connection:
+        """The connection to a sandbox that is up and has said it is ready."""
         if self._proc is None or not self._proc.is_alive():
             self._kill()
             self._spawn()
+        conn = self._conn
+        assert conn is not None  # _spawn() set it
         if self._ready:
-            return
-        if not self._conn.poll(_START_TIMEOUT_S):
+            return conn
+        if not conn.poll(_START_TIMEOUT_S):
             self._kill()
             raise RuntimeError("the chat template sandbox did not start")
         try:
-            self._conn.recv()
+            conn.recv()
         except (EOFError, OSError) as e:
             self._kill()
             raise RuntimeError("the chat template sandbox exited while starting") from e
         self._ready = True
+        return conn
 
     def _kill(self) -> None:
         proc, conn = self._proc, self._conn
@@ -222,11 +229,11 @@ class ChatTemplateSandbox:
             "max_bytes": max_bytes,
         }
         with self._lock:
-            self._ensure_ready()
+            conn = self._ensure_ready()
             try:
-                self._conn.send(job)
-                done = self._conn.poll(self.timeout_s)
-                reply = self._conn.recv() if done else None
+                conn.send(job)
+                done = conn.poll(self.timeout_s)
+                reply = conn.recv() if done else None
             except (EOFError, OSError, BrokenPipeError):
                 self._kill()
                 raise ChatTemplateError(

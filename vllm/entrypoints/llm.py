@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -83,10 +83,11 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
     ) -> list[RequestOutput]:
+        # One conversation (a list of messages) or a list of them; the first item tells which.
         if messages and isinstance(messages[0], dict):
             conversations = [messages]
         else:
-            conversations = list(messages)
+            conversations = cast(list[list[dict[str, str]]], list(messages))
         tok = self.get_tokenizer()
         prompts = []
         for conv in conversations:

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine_utils import make_prompts
-from tests.speculators_dflash_heads import DFlashReference, make_speculators_dflash
 from vllm import LLM, SamplingParams
+from vllm.testing.engine_utils import make_prompts
+from vllm.testing.speculators_dflash_heads import DFlashReference, make_speculators_dflash
 
 pytest.importorskip("speculators", reason="speculators is a test dependency (see README)")
 

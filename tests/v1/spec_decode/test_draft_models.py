@@ -22,10 +22,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.engine_utils import hf_model, make_prompts
-from tests.spec_checkpoints import make_eagle3_draft, make_eagle_draft, make_mtp_self_draft
 from vllm import LLM, SamplingParams
 from vllm.model_executor.layers.fused_moe import fuse_experts
+from vllm.testing.engine_utils import hf_model, make_prompts
+from vllm.testing.spec_checkpoints import make_eagle3_draft, make_eagle_draft, make_mtp_self_draft
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 COMMON = dict(dtype="float32", max_model_len=256, max_num_seqs=4)
@@ -91,13 +91,13 @@ def _sample(records, n: int = 6):
 
 
 class _MTPReference:
-    """Draft chain of DeepSeek MTP layers (SPEC section 2), from HF's target and block: layer s
-    at target position t combines layer s-1's output at t (the target's for s = 0) with the
-    embedding of token t + s + 1 (zeroed at position 0), attending causally over its own rows,
-    as the layers are trained. Draft step s uses layer s mod n: steps s < n are layer s over
-    the whole sequence (the draft after the last position is its last row); a later step of
-    layer l appends n rows (the previous step's last n outputs and the next tokens) after l's
-    rows so far, at the positions after them."""
+    """Draft chain of DeepSeek MTP layers (the DeepSeek-V3 report's MTP forward), from HF's
+    target and block: layer s at target position t combines layer s-1's output at t (the
+    target's for s = 0) with the embedding of token t + s + 1 (zeroed at position 0), attending
+    causally over its own rows, as the layers are trained. Draft step s uses layer s mod n:
+    steps s < n are layer s over the whole sequence (the draft after the last position is its
+    last row); a later step of layer l appends n rows (the previous step's last n outputs and
+    the next tokens) after l's rows so far, at the positions after them."""
 
     def __init__(self, model_dir: str) -> None:
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
@@ -339,8 +339,8 @@ _MTP_DRAFTS = {
 
 @pytest.fixture(scope="module")
 def mtp_targets(deepseek_v3_mtp1_dir, tmp_path_factory) -> dict[str, str]:
-    from tests import qwen3_5_checkpoints as q35
-    from tests.dsa_checkpoints import make_deepseek_v32
+    from vllm.testing import qwen3_5_checkpoints as q35
+    from vllm.testing.dsa_checkpoints import make_deepseek_v32
 
     return {
         "deepseek_v3": deepseek_v3_mtp1_dir,
@@ -371,7 +371,8 @@ def test_last_stage_builds_the_mtp_draft_only_if_it_supports_pp(mtp_targets, fam
 
 
 class _Eagle3Reference:
-    """EAGLE3 draft (SPEC section 2) in plain torch over HF's target hidden states."""
+    """EAGLE3 draft (fc over the target taps, one decoder layer) in plain torch over HF's target
+    hidden states."""
 
     def __init__(self, target_dir: str, draft_dir: str) -> None:
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb

@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.engine_utils import make_prompts
-from tests.speculators_heads import (
+from vllm import LLM, SamplingParams
+from vllm.testing.engine_utils import make_prompts
+from vllm.testing.speculators_heads import (
     SpeculatorsReference,
     make_speculators_eagle3,
     record_drafts,
     to_legacy_layout,
 )
-from vllm import LLM, SamplingParams
 
 pytest.importorskip("speculators", reason="speculators is a test dependency (see README)")
 

@@ -78,7 +78,7 @@ def _eagle_variant(src: str, dst, **cfg) -> str:
 
 
 def test_eagle1_config_maps_to_the_eagle_llama_draft(llama_dir, tmp_path):
-    from tests.spec_checkpoints import make_eagle_draft
+    from vllm.testing.spec_checkpoints import make_eagle_draft
 
     draft = make_eagle_draft(tmp_path / "d", llama_dir)
     cfg = _config(llama_dir, {"method": "eagle", "model": draft, "num_speculative_tokens": 2})
@@ -97,7 +97,7 @@ def test_eagle1_config_maps_to_the_eagle_llama_draft(llama_dir, tmp_path):
 def test_eagle1_bad_configs_raise_at_construction(
     llama_dir, deepseek_v3_dir, tmp_path, case, match
 ):
-    from tests.spec_checkpoints import make_eagle3_draft, make_eagle_draft
+    from vllm.testing.spec_checkpoints import make_eagle3_draft, make_eagle_draft
 
     target = llama_dir
     if case == "eagle3_layout":

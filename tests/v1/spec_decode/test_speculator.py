@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine_utils import make_prompts
 from vllm import LLM, SamplingParams
 from vllm.distributed.parallel_state import PPGroup, get_pp_group, set_pp_group
 from vllm.model_executor.models.interfaces import EagleModelMixin
 from vllm.sequence import IntermediateTensors
+from vllm.testing.engine_utils import make_prompts
 
 MAX_SEQS = 4
 SP = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)

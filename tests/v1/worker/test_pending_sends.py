@@ -13,8 +13,8 @@ import signal
 import psutil
 import pytest
 
-from tests.engine_utils import make_prompts, resume_and_kill
 from vllm import LLM, SamplingParams
+from vllm.testing.engine_utils import make_prompts, resume_and_kill
 from vllm.v1.worker.gpu.pp_utils import SENDS_PER_BATCH
 
 P = 2

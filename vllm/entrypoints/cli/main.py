@@ -14,16 +14,12 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm", description="vLLM-compatible inference engine")
     parser.add_argument("-v", "--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command")
-    try:
-        from vllm.entrypoints.cli.serve import add_serve_parser
-    except ImportError:
-        add_serve_parser = None
-    if add_serve_parser is not None:
-        add_serve_parser(sub)
+    from vllm.entrypoints.cli.serve import add_serve_parser
+
+    add_serve_parser(sub)
     from vllm.entrypoints.cli.zoo import add_zoo_parser
 
     add_zoo_parser(sub)
-
     from vllm.entrypoints.cli.bench import add_bench_parser
 
     add_bench_parser(sub)

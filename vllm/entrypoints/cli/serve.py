@@ -42,7 +42,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="Start the OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API.",
     )
-    parser.error = _make_error(parser.prog)  # type: ignore[method-assign]
+    parser.error = _make_error(parser.prog)
     parser.add_argument(
         "model_tag",
         nargs="?",
@@ -86,6 +86,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="Seconds in-flight requests get to finish after SIGINT/SIGTERM (default: no limit)",
     )
     EngineArgs.add_cli_args(parser)
+    # A server logs its periodic stats unless told not to, as vLLM's does; offline engines
+    # (LLM, EngineArgs) keep them off by default.
+    parser.set_defaults(disable_log_stats=False)
     parser.set_defaults(dispatch=cmd_serve)
     return parser
 

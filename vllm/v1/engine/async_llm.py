@@ -302,7 +302,7 @@ class AsyncLLM:
                     # refreshes the running/waiting gauges even when nothing else runs.
                     self._flush = False
                     self._deliver(engine.step())
-        except BaseException as e:  # noqa: BLE001 - any failure of the engine kills the loop
+        except BaseException as e:
             logger.exception("engine loop failed; failing all requests")
             self._errored = True
             self._stop(EngineDeadError(f"the engine failed: {type(e).__name__}: {e}"), e)
@@ -370,12 +370,12 @@ class AsyncLLM:
         self._post(by_loop)
         try:
             self.engine.shutdown()
-        except Exception:  # noqa: BLE001 - already failing; log and go on
+        except Exception:
             logger.exception("engine shutdown failed")
         if self.on_dead is not None and cause is not None:
             try:
                 self.on_dead(error)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 logger.exception("on_dead callback failed")
 
     def shutdown(self, timeout: float = 30.0) -> None:

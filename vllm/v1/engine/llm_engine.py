@@ -70,7 +70,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except Exception as e:  # noqa: BLE001 - any failure here means the same thing to the user
+    except Exception as e:
         raise ValueError(f"could not load a tokenizer from {path!r}: {e}") from e
 
 

@@ -217,7 +217,7 @@ class OutputProcessor:
                     if lp is None:
                         continue
                     child.logprobs.append(self._to_logprob_dict(lp, texts))
-                    child.cumulative_logprob += lp.logprobs[0]
+                    child.cumulative_logprob = (child.cumulative_logprob or 0.0) + lp.logprobs[0]
             if out.new_token_ids or out.finish_reason is not None:
                 self._detokenize(child, out.new_token_ids, out.finish_reason is not None)
             if out.finish_reason is not None:
@@ -237,10 +237,11 @@ class OutputProcessor:
     def _check_stop_strings(self, child: ChildState, num_new: int) -> bool:
         text = child.text
         # Only the tail can contain a new match.
-        longest = max(len(s) for s in child.params.stop)
+        stops = child.params.stop or ()  # a list once SamplingParams is built
+        longest = max(len(s) for s in stops)
         start = max(0, len(text) - num_new * 32 - longest)
         best = None
-        for s in child.params.stop:
+        for s in stops:
             idx = text.find(s, start)
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, s)
@@ -268,7 +269,7 @@ class OutputProcessor:
                 hold = (
                     0
                     if child.finish_reason
-                    else max((len(s) - 1 for s in child.params.stop), default=0)
+                    else max((len(s) - 1 for s in child.params.stop or ()), default=0)
                 )
                 end = len(text) - hold
                 while (

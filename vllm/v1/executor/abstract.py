@@ -50,7 +50,7 @@ class Executor(ABC):
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> None:
         """Start a step; its ModelRunnerOutput comes from get_output(), in submission order."""
-        self._sync_outputs = getattr(self, "_sync_outputs", deque())
+        self._sync_outputs: deque[ModelRunnerOutput] = getattr(self, "_sync_outputs", deque())
         self._sync_outputs.append(self.execute_model(scheduler_output))
 
     def get_output(self) -> ModelRunnerOutput:

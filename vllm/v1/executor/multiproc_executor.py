@@ -58,11 +58,7 @@ def _mp_context(vllm_config: VllmConfig):
     VLLM_WORKER_MULTIPROC_METHOD=forkserver forks stages from one fresh server process that
     imported torch and the worker once (much faster start-up when engines are created often;
     the server lives until this process exits)."""
-    method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    if method not in ("spawn", "forkserver"):
-        raise ValueError(
-            f"VLLM_WORKER_MULTIPROC_METHOD must be 'spawn' or 'forkserver', got {method!r}"
-        )
+    method = envs.VLLM_WORKER_MULTIPROC_METHOD
     ctx = mp.get_context(method)
     if method == "forkserver":
         # Unpickling the config imports transformers' config module: preload it too.
@@ -75,23 +71,11 @@ class WorkerFailure(RuntimeError):
     """A pipeline stage raised or died."""
 
 
-def vllm_env() -> dict[str, str]:
-    """The engine's VLLM_* settings (e.g. VLLM_PP_LAYER_PARTITION), to apply in every stage."""
-    return {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
-
-
-def apply_vllm_env(env: dict[str, str]) -> None:
-    # A fork server's children inherit the server's environment, not the engine's current one.
-    for k in [k for k in os.environ if k.startswith("VLLM_") and k not in env]:
-        del os.environ[k]
-    os.environ.update(env)
-
-
 def _stage_main(
     vllm_config: VllmConfig, rank: int, init_method: str, conn, env: dict[str, str]
 ) -> None:
     """Entry point of a stage process."""
-    apply_vllm_env(env)
+    envs.apply_vllm_env(env)
     from vllm.v1.worker.worker import Worker
 
     inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -162,7 +146,7 @@ def _stop_processes(procs: list, conns: list, graceful: bool = True) -> None:
     for c in conns:
         try:
             c.close()
-        except Exception:  # noqa: BLE001
+        except OSError:  # the stage's end is gone already
             pass
 
 
@@ -184,7 +168,7 @@ class MultiprocExecutor(Executor):
                 parent, child = ctx.Pipe(duplex=True)
                 proc = ctx.Process(
                     target=_stage_main,
-                    args=(vllm_config, rank, init_method, child, vllm_env()),
+                    args=(vllm_config, rank, init_method, child, envs.vllm_env()),
                     name=f"VllmWorker-PP{rank}",
                     daemon=True,
                 )
@@ -290,6 +274,7 @@ class MultiprocExecutor(Executor):
         while True:
             ready = mp_connection.wait([*self._conns, *sentinels], timeout=timeout)
             if not ready:
+                assert timeout is not None  # wait() comes back empty only after a timeout
                 self._hung(timeout, what)
             for r, c in enumerate(self._conns):
                 if c in ready and c is not target:
@@ -297,17 +282,17 @@ class MultiprocExecutor(Executor):
             if target in ready:
                 return self._take(rank)
             for s in ready:
-                r = sentinels.get(s)
-                if r is None:
+                dead = sentinels.get(s)
+                if dead is None:
                     continue
                 try:
-                    has_words = self._conns[r].poll()
+                    has_words = self._conns[dead].poll()
                 except (EOFError, OSError):
                     has_words = False
                 if has_words:  # its last words first (an error report)
-                    self._stash[r].append(self._take(r))
+                    self._stash[dead].append(self._take(dead))
                     continue
-                self._died(r)
+                self._died(dead)
 
     def _send_all(self, method: str, *args: Any) -> None:
         self._check_alive()

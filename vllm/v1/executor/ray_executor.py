@@ -22,12 +22,7 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.executor.abstract import Executor
-from vllm.v1.executor.multiproc_executor import (
-    WorkerFailure,
-    apply_vllm_env,
-    get_open_port,
-    vllm_env,
-)
+from vllm.v1.executor.multiproc_executor import WorkerFailure, get_open_port
 from vllm.v1.outputs import ModelRunnerOutput
 
 logger = init_logger(__name__)
@@ -40,7 +35,7 @@ class RayStage:
     """Actor body: one pipeline stage."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        apply_vllm_env(env)  # the engine's VLLM_* settings apply on every node
+        envs.apply_vllm_env(env)  # the engine's VLLM_* settings apply on every node
         self.worker = None
 
     def address(self) -> tuple[str, int]:
@@ -93,7 +88,7 @@ def _stop_actors(state: dict[str, Any]) -> None:
 
         try:
             remove_placement_group(state["pg"])
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - Ray may be shut down already; nothing left to free
             pass
         state["pg"] = None
     if state.get("started_ray"):
@@ -119,7 +114,7 @@ class RayExecutor(Executor):
         self._finalizer = weakref.finalize(self, _stop_actors, self._state)
         use_gpu = vllm_config.device_config.device.startswith("cuda")
         if not ray.is_initialized():
-            address = os.environ.get("RAY_ADDRESS")
+            address = envs.RAY_ADDRESS
             if address:
                 ray.init(address=address)
             else:
@@ -136,7 +131,7 @@ class RayExecutor(Executor):
                     f"Ray could not place {P} pipeline stages with {bundle} each "
                     f"(cluster resources: {ray.cluster_resources()})"
                 ) from e
-            env = vllm_env()
+            env = envs.vllm_env()
             actor_cls = ray.remote(RayStage)
             for rank in range(P):
                 actor = actor_cls.options(

@@ -54,9 +54,9 @@ def get_metrics_snapshot(registry: CollectorRegistry | None = None) -> list[Metr
                 base: dict[str, str] = {}
                 for s in family.samples:
                     if s.name.endswith("_total"):
-                        labels = dict(s.labels)
-                        pos[int(labels.pop("position"))] = int(s.value)
-                        base = labels
+                        sample_labels = dict(s.labels)
+                        pos[int(sample_labels.pop("position"))] = int(s.value)
+                        base = sample_labels
                 values = [pos.get(i, 0) for i in range(max(pos) + 1)] if pos else []
                 out.append(Vector(family.name, base, values))
                 continue

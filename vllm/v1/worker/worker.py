@@ -10,6 +10,7 @@ from collections import deque
 
 import torch
 
+from vllm import envs
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import (
     PendingSend,
@@ -25,8 +26,6 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.worker.gpu.model_runner import ModelRunner
 
 logger = init_logger(__name__)
-
-_CPU_KV_DEFAULT_GIB = 2.0
 
 
 class Worker:
@@ -62,7 +61,7 @@ class Worker:
         if self.world_size > 1:
             if self.distributed_init_method is None:
                 raise ValueError("pipeline_parallel_size > 1 needs a distributed_init_method")
-            if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            if self.device.type == "cpu" and envs.OMP_NUM_THREADS is None:
                 # Stages share the host's cores; oversubscribing them slows every stage.
                 torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
             init_distributed(
@@ -89,7 +88,7 @@ class Worker:
             used = total - free
             budget = int(total * cc.gpu_memory_utilization) - used
         else:
-            gib = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE", _CPU_KV_DEFAULT_GIB))
+            gib = envs.VLLM_CPU_KVCACHE_SPACE
             budget = int(gib * (1 << 30))
         # Hybrid models: the linear-attention states (one slot per running request) come first.
         states = self.model_runner.state_cache_bytes()

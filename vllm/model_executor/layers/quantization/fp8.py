@@ -15,7 +15,6 @@ VLLM_FP8_DEQUANT=load|forward overrides the choice.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm import envs
 from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod, fused_moe
 from vllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
@@ -38,8 +38,6 @@ _SCALE_DTYPES = frozenset(
     [torch.float32, torch.bfloat16, torch.float16]
     + ([torch.float8_e8m0fnu] if hasattr(torch, "float8_e8m0fnu") else [])
 )
-DEQUANT_ENV = "VLLM_FP8_DEQUANT"
-_DEQUANT_MODES = ("auto", "load", "forward")
 
 
 def block_grid(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
@@ -145,16 +143,9 @@ class Fp8Config(QuantizationConfig):
         return Fp8MoEMethod(self)
 
 
-def _dequant_mode() -> str:
-    mode = os.environ.get(DEQUANT_ENV, "auto").strip().lower() or "auto"
-    if mode not in _DEQUANT_MODES:
-        raise ValueError(f"{DEQUANT_ENV} must be one of {list(_DEQUANT_MODES)}, got {mode!r}")
-    return mode
-
-
 def _dense_mode(device: torch.device) -> str:
     """'load' or 'forward': how a layer without an FP8 GEMM gets its dense weight."""
-    mode = _dequant_mode()
+    mode = envs.VLLM_FP8_DEQUANT
     if mode != "auto":
         return mode
     # Measured on CPU (benchmarks/fp8.py): dequantizing per forward decodes several times
@@ -163,7 +154,7 @@ def _dense_mode(device: torch.device) -> str:
 
 
 def _use_fp8_gemm(device: torch.device) -> bool:
-    return device.type == "cuda" and _dequant_mode() == "auto"
+    return device.type == "cuda" and envs.VLLM_FP8_DEQUANT == "auto"
 
 
 def _check_fp8_tensor(name: str, tensor: torch.Tensor) -> None:

@@ -6,10 +6,11 @@ lazily, chosen by VLLM_SPARSE_MLA_BACKEND or by device."""
 from __future__ import annotations
 
 import importlib
-import os
 from typing import TYPE_CHECKING
 
 import torch
+
+from vllm import envs
 
 if TYPE_CHECKING:
     from vllm.v1.attention.backends.mla.sparse_common import SparseMLACommonImpl
@@ -21,7 +22,6 @@ _SPARSE_MLA_IMPLS: dict[str, tuple[str, str]] = {
         "TritonMLASparseImpl",
     ),
 }
-SPARSE_MLA_BACKEND_ENV = "VLLM_SPARSE_MLA_BACKEND"
 
 
 def register_sparse_mla_impl(name: str, module: str, cls_name: str) -> None:
@@ -46,7 +46,7 @@ def get_sparse_mla_impl_cls(name: str) -> type[SparseMLACommonImpl]:
 def select_sparse_mla_impl(device: torch.device | str) -> type[SparseMLACommonImpl]:
     """VLLM_SPARSE_MLA_BACKEND if set; else Triton on GPUs (CUDA and ROCm) when triton is
     importable, the torch reference otherwise."""
-    name = os.environ.get(SPARSE_MLA_BACKEND_ENV)
+    name = envs.VLLM_SPARSE_MLA_BACKEND
     if name:
         return get_sparse_mla_impl_cls(name)
     if torch.device(device).type == "cuda":

@@ -42,10 +42,6 @@ class InputBatch:
     block_table_np: np.ndarray  # [R, max_blocks] each row's KV block ids
     attn_metadata: AttentionMetadata
 
-    @property
-    def has_drafts(self) -> bool:
-        return bool(self.num_draft_tokens_np.any())
-
 
 def prepare_inputs(
     states: RequestStates,

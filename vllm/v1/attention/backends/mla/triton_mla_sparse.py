@@ -12,10 +12,9 @@ needs triton; running it does.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from vllm import envs
 from vllm.v1.attention.backends.mla.sparse_common import SparseMLACommonImpl
 
 try:
@@ -37,7 +36,7 @@ def _next_pow2(n: int, floor: int = 16) -> int:
 
 def _kernel():
     """The jitted kernel, built on first use: TRITON_INTERPRET is read when jit wraps it."""
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    interpret = envs.TRITON_INTERPRET
     if interpret in _KERNELS:
         return _KERNELS[interpret]
 

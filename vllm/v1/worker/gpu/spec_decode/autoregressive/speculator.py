@@ -152,7 +152,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         except BaseException:
             try:
                 end(num_reqs)
-            except Exception:  # noqa: BLE001 - the phase's own error is the one to report
+            except Exception:
                 logger.exception("speculator hook %s failed while unwinding", end.__name__)
             raise
         end(num_reqs)

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from tests.checkpoints import _read_safetensors, _write_shards
-from tests.spec_checkpoints import _shards
 from vllm.model_executor.layers.fused_moe import split_fused_experts
+from vllm.testing.checkpoints import _read_safetensors, _write_shards
+from vllm.testing.spec_checkpoints import _shards
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

@@ -3,7 +3,7 @@
 """Tiny Qwen3.5 checkpoints (dense and MoE) built with HF transformers, for the hybrid-model tests.
 
 - make_qwen3_5: `Qwen3_5ForCausalLM` / `Qwen3_5MoeForCausalLM` with a mix of layer types,
-  re-initialised "peaky" (see tests/checkpoints.py), optionally with `mtp.*` weights
+  re-initialised "peaky" (see vllm/testing/checkpoints.py), optionally with `mtp.*` weights
   (`mtp_num_hidden_layers` in config.json). HF ignores `mtp.*` on load.
 - make_multimodal_layout: the same weights under the multimodal names
   (`model.language_model.*`, plus fake `model.visual.*` tensors) with a nested config, as
@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from tests.checkpoints import (
+from vllm.testing.checkpoints import (
     _LOGIT_GAIN,
     _WEIGHT_GAIN,
     _token_ids,
@@ -45,7 +45,7 @@ LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "full_a
 
 @torch.no_grad()
 def _reinit_(module: nn.Module, seed: int, output_head: torch.Tensor | None = None) -> None:
-    """Peaky re-init (tests/checkpoints.py rules) plus Gated DeltaNet's A_log / dt_bias.
+    """Peaky re-init (vllm/testing/checkpoints.py rules) plus Gated DeltaNet's A_log / dt_bias.
 
     Zero-centred norms get weights U[-0.5, 0.5] (scale U[0.5, 1.5]); linear_attn.norm (a plain
     scale) U[0.5, 1.5]; A_log = log U[0.5, 4] (decays between e^-0.35 and e^-4 per token at
@@ -227,7 +227,7 @@ def make_qwen3_5_mtp_self_draft(
     out_dir: str | os.PathLike, src_dir: str | os.PathLike, *, target_scale: float = 0.0
 ) -> str:
     """Copy a make_qwen3_5 checkpoint with MTP weights so the MTP head reproduces the target's
-    next-token choice (analytically, as tests/spec_checkpoints.make_mtp_self_draft does):
+    next-token choice (analytically, as vllm.testing.spec_checkpoints.make_mtp_self_draft does):
     every target layer's output projections (o_proj, linear_attn.out_proj, MLP/expert and shared
     expert down_proj) are scaled by target_scale (0: logits = lm_head(norm(embed(token)))), and
     the MTP head gets pre_fc_norm_embedding = identity scale, pre_fc_norm_hidden = 0 (scale 0),

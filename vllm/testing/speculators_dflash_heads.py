@@ -25,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tests.speculators_heads import SpeculatorsReference
+from vllm.testing.speculators_heads import SpeculatorsReference
 
 MASK = 3  # the constructed heads' mask token
 BIAS = 100.0  # the constructed DSpark head's Markov logit bias

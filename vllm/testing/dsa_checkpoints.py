@@ -2,7 +2,7 @@
 # Copyright 2026 The vllm-pp-spec contributors
 """Tiny DeepSeek-V3.2 / GLM-MoE-DSA checkpoints built with HF transformers (peaky random init).
 
-Besides the DeepSeek-V3 tensors (see tests/checkpoints.py), every attention layer with an
+Besides the DeepSeek-V3 tensors (see vllm/testing/checkpoints.py), every attention layer with an
 indexer holds, under ``model.layers.{k}.self_attn.indexer.``::
 
     wq_b.weight          [index_n_heads * index_head_dim, q_lora_rank]
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from tests.checkpoints import (
+from vllm.testing.checkpoints import (
     _mtp_state,
     _peaky_reinit_,
     _read_safetensors,
@@ -43,7 +43,7 @@ _K_NORM_BIAS_STD = 0.2
 
 @torch.no_grad()
 def _reinit(module: torch.nn.Module, seed: int, output_head: torch.Tensor | None = None) -> None:
-    """tests/checkpoints.py's peaky init, with small centred LayerNorm biases on the indexer
+    """vllm/testing/checkpoints.py's peaky init, with small centred LayerNorm biases on the indexer
     keys (the generic rule would give them U[0.5, 1.5], shifting every key alike)."""
     _peaky_reinit_(module, seed, output_head=output_head)
     gen = torch.Generator().manual_seed(seed + 7)

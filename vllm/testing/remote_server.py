@@ -53,7 +53,7 @@ class RemoteServer:
             *args,
         ]
         full_env = {**os.environ, **(env or {})}
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd
         )

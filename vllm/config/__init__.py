@@ -1,0 +1,51 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Engine configuration: one dataclass per concern, each in its own module, validated on
+construction; every name is importable from `vllm.config`."""
+
+from vllm.config.cache import CacheConfig
+from vllm.config.compilation import CompilationConfig
+from vllm.config.device import DeviceConfig
+from vllm.config.model import (
+    DEFAULT_MODEL_DIR,
+    ModelConfig,
+    default_model_path,
+    get_text_config,
+    load_hf_config,
+)
+from vllm.config.parallel import DistributedExecutorBackend, ParallelConfig
+from vllm.config.scheduler import SchedulerConfig
+from vllm.config.speculative import (
+    DFLASH_FAMILY_METHODS,
+    EAGLE1_DRAFT_ARCHITECTURES,
+    EAGLE1_TARGET_ARCHITECTURES,
+    MTP_DRAFT_ARCHITECTURES,
+    SPEC_METHODS,
+    SpeculativeConfig,
+    num_mtp_layers,
+)
+from vllm.config.utils import get_attr_docs
+from vllm.config.vllm import VllmConfig
+
+__all__ = [
+    "DFLASH_FAMILY_METHODS",
+    "DEFAULT_MODEL_DIR",
+    "EAGLE1_DRAFT_ARCHITECTURES",
+    "EAGLE1_TARGET_ARCHITECTURES",
+    "MTP_DRAFT_ARCHITECTURES",
+    "SPEC_METHODS",
+    "CacheConfig",
+    "CompilationConfig",
+    "DeviceConfig",
+    "DistributedExecutorBackend",
+    "ModelConfig",
+    "ParallelConfig",
+    "SchedulerConfig",
+    "SpeculativeConfig",
+    "VllmConfig",
+    "default_model_path",
+    "get_attr_docs",
+    "get_text_config",
+    "load_hf_config",
+    "num_mtp_layers",
+]

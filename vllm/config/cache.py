@@ -1,0 +1,50 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""CacheConfig: the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache settings."""
+
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_cache_memory_bytes: int | None = None
+    """Bytes for the KV cache; overrides gpu_memory_utilization."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of device memory the engine may use on CUDA."""
+    enable_prefix_caching: bool | None = None
+    """Reuse the KV blocks of shared prompt prefixes across requests. None (the default): on,
+    except for hybrid models (linear-attention states are per request, not per block), where it
+    is off; True on a hybrid model is an error."""
+    num_gpu_blocks: int | None = None
+    """Number of KV blocks (derived from the memory budget by the worker)."""
+    num_gpu_blocks_override: int | None = None
+    """Use this many KV blocks instead of what the memory budget gives (testing, tuning)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(
+                f"kv_cache_memory_bytes must be positive, got {self.kv_cache_memory_bytes!r}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.num_gpu_blocks_override is not None and (
+            not isinstance(self.num_gpu_blocks_override, int) or self.num_gpu_blocks_override < 1
+        ):
+            raise ValueError(
+                "num_gpu_blocks_override must be a positive integer, got "
+                f"{self.num_gpu_blocks_override!r}"
+            )
+        if not (self.enable_prefix_caching is None or isinstance(self.enable_prefix_caching, bool)):
+            raise ValueError(
+                f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}"
+            )

@@ -1,0 +1,182 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""ModelConfig: which checkpoint to run, in which dtype, and reading its config.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.quantization import QuantizationConfig
+
+logger = init_logger(__name__)
+
+
+_DTYPES = {"auto", "float32", "float", "float16", "half", "bfloat16"}
+DEFAULT_MODEL_DIR = Path(__file__).parents[1] / "model_zoo" / "tiny-deepseek-mtp"
+
+
+def default_model_path() -> str:
+    """The bundled default model (used when no model is given)."""
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        raise ValueError(
+            f"no model given and the bundled default model is missing at {DEFAULT_MODEL_DIR}"
+        )
+    return str(DEFAULT_MODEL_DIR)
+
+
+def load_hf_config(model: str, trust_remote_code: bool = False) -> Any:
+    """Read config.json of a local HF folder into a transformers config object."""
+    path = Path(model)
+    if not path.exists():
+        raise ValueError(f"model path {model!r} does not exist (models load from local folders)")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"model path {model!r} has no config.json")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"config.json of {model!r} is unreadable: {e}") from e
+    from transformers import AutoConfig, PretrainedConfig
+
+    from vllm.transformers_utils.speculators import (
+        is_speculators_config,
+        load_speculators_hf_config,
+    )
+
+    if is_speculators_config(raw):
+        return load_speculators_hf_config(model, raw)
+    try:
+        return AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError) as e:
+        # A model_type transformers does not know: keep the raw fields, the registry decides.
+        logger.debug("AutoConfig failed for %s (%s); using the raw config", model, e)
+        return PretrainedConfig(**raw)
+
+
+def get_text_config(hf_config: Any) -> Any:
+    """The language-model part of a (possibly multimodal) config."""
+    getter = getattr(hf_config, "get_text_config", None)
+    return getter() if getter is not None else hf_config
+
+
+def _config_dtype(hf_config: Any) -> str | None:
+    for name in ("dtype", "torch_dtype"):
+        v = getattr(hf_config, name, None)
+        if v is not None:
+            return str(v).replace("torch.", "")
+    return None
+
+
+@dataclass
+class ModelConfig:
+    """What model to run and in which dtype."""
+
+    model: str = ""
+    """Local folder of an HF-format checkpoint."""
+    tokenizer: str | None = None
+    """Tokenizer folder; defaults to the model folder."""
+    dtype: str = "auto"
+    """auto | float32 | float16 | bfloat16; auto takes the checkpoint's (fp16 -> bf16 on CPU)."""
+    seed: int = 0
+    """Seed for requests without their own seed."""
+    max_model_len: int | None = None
+    """Longest prompt + output; defaults to the model's max_position_embeddings."""
+    trust_remote_code: bool = False
+    """Passed to transformers when reading the config/tokenizer."""
+    served_model_name: str | list[str] | None = None
+    """Name(s) the server answers to and labels metrics with; defaults to the model path."""
+    quantization: str | None = None
+    """Weight quantization (vLLM's --quantization): None takes the checkpoint's
+    quantization_config; 'fp8' = block-quantized e4m3 weights as DeepSeek / Qwen publish them."""
+    hf_config: Any = field(default=None, repr=False)
+    """The checkpoint's config (filled in __post_init__)."""
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            self.model = default_model_path()
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.hf_config is None:
+            self.hf_config = load_hf_config(self.model, self.trust_remote_code)
+        # Parsed here so a checkpoint we cannot run fails at construction, naming the field.
+        self.quantization = self._resolve_quantization()[0]
+        text = self.hf_text_config
+        max_pos = getattr(text, "max_position_embeddings", None) or 2048
+        if self.max_model_len is None:
+            self.max_model_len = int(max_pos)
+        elif not isinstance(self.max_model_len, int) or self.max_model_len < 1:
+            raise ValueError(
+                f"max_model_len must be a positive integer, got {self.max_model_len!r}"
+            )
+        elif self.max_model_len > max_pos:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} exceeds the model's "
+                f"max_position_embeddings={max_pos}"
+            )
+
+    @property
+    def served_model_names(self) -> list[str]:
+        """served_model_name as a list (the first is the reported one), else [model]."""
+        names = self.served_model_name
+        if isinstance(names, str):
+            names = [names]
+        return list(names) if names else [self.model]
+
+    @property
+    def hf_text_config(self) -> Any:
+        return get_text_config(self.hf_config)
+
+    def _resolve_quantization(self) -> tuple[str | None, QuantizationConfig | None]:
+        from vllm.model_executor.layers.quantization import resolve_quantization
+
+        return resolve_quantization(self.quantization, self.hf_config, self.model)
+
+    def get_quant_config(self) -> QuantizationConfig | None:
+        """The parsed QuantizationConfig the model is built with, or None (unquantized)."""
+        return self._resolve_quantization()[1]
+
+    @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None) or []
+        if not archs:
+            raise ValueError(f"config.json of {self.model!r} names no architectures")
+        return archs[0]
+
+    def torch_dtype(self, device_type: str):
+        import torch
+
+        name = self.dtype
+        if name == "auto":
+            name = _config_dtype(self.hf_config) or "float32"
+            if name in ("float16", "half") and device_type == "cpu":
+                name = "bfloat16"  # fp16 matmuls are slow on CPUs
+        return {
+            "float32": torch.float32,
+            "float": torch.float32,
+            "float16": torch.float16,
+            "half": torch.float16,
+            "bfloat16": torch.bfloat16,
+        }[name]
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.hf_text_config.vocab_size)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether the model mixes attention with linear-attention (per-request state) layers."""
+        from vllm.model_executor.models.registry import resolve_model_cls
+
+        return bool(getattr(resolve_model_cls(self.architecture), "is_hybrid", False))
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return int(self.hf_text_config.num_hidden_layers)

@@ -1,0 +1,280 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""SpeculativeConfig: the drafter (MTP, EAGLE, EAGLE3, DFlash, DSpark) and its checks against
+the target."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.config.model import ModelConfig
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+SPEC_METHODS = ("mtp", "eagle", "eagle3", "dflash", "dspark")
+# Block-parallel drafts: one forward proposes the whole block from the anchor token.
+DFLASH_FAMILY_METHODS = ("dflash", "dspark")
+# Target architecture -> the architecture of its in-checkpoint MTP draft.
+MTP_DRAFT_ARCHITECTURES = {
+    "DeepseekV2ForCausalLM": "DeepSeekMTPModel",
+    "DeepseekV3ForCausalLM": "DeepSeekMTPModel",
+    # model_type deepseek_v32 / glm_moe_dsa: MTP layers with their own DSA indexer.
+    "DeepseekV32ForCausalLM": "DeepseekV32MTP",
+    "GlmMoeDsaForCausalLM": "DeepseekV32MTP",
+    "Qwen3_5ForCausalLM": "Qwen3_5MTP",
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5MTP",
+    "Qwen3_5MoeForCausalLM": "Qwen3_5MoeMTP",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeMTP",
+}
+
+
+def num_mtp_layers(hf_text_config: Any) -> int:
+    """MTP layers a checkpoint ships (DeepSeek num_nextn_predict_layers, Qwen3.5
+    mtp_num_hidden_layers)."""
+    for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
+        v = getattr(hf_text_config, key, None)
+        if v:
+            return int(v)
+    return 0
+
+
+_METHOD_ALIASES = {
+    "deepseek_mtp": "mtp",
+    "qwen3_5_mtp": "mtp",
+    "qwen3_next_mtp": "mtp",
+    "mimo_mtp": "mtp",
+    "ernie_mtp": "mtp",
+    "glm4_moe_mtp": "mtp",
+}
+_SPEC_KEYS = {
+    "method",
+    "num_speculative_tokens",
+    "model",
+    "draft_sample_method",
+    "max_model_len",
+    "draft_tensor_parallel_size",
+    "quantization",
+    "revision",
+}
+
+
+def _with_speculators_defaults(d: dict[str, Any]) -> dict[str, Any]:
+    """A speculators-format draft (`model` with speculators_model_type) names its method and
+    the K it was trained for: fill in whichever of the two the user left out, and refuse a
+    method that contradicts the checkpoint."""
+    model = d.get("model")
+    if not isinstance(model, str | os.PathLike):
+        return d
+    from vllm.transformers_utils.speculators import (
+        read_speculators_config,
+        speculators_method,
+        speculators_num_speculative_tokens,
+    )
+
+    raw = read_speculators_config(model)
+    if raw is None:
+        return d
+    where = f"speculative_config.model {str(model)!r}"
+    method = speculators_method(raw, where)
+    d = dict(d)
+    given = d.get("method")
+    if given is None:
+        d["method"] = method
+    elif _METHOD_ALIASES.get(given, given) != method:
+        raise ValueError(
+            f"speculative_config.method {given!r} does not match {where}, a speculators "
+            f"{raw.get('speculators_model_type')!r} checkpoint (method {method!r})"
+        )
+    if d.get("num_speculative_tokens") is None:
+        k = speculators_num_speculative_tokens(raw)
+        if k is not None:
+            d["num_speculative_tokens"] = k
+    return d
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding: which drafter and how many tokens it proposes per step."""
+
+    method: str = "mtp"
+    """mtp | eagle | eagle3 | dflash | dspark (deepseek_mtp, qwen3_5_mtp ... map to mtp)."""
+    num_speculative_tokens: int = 1
+    """K: draft tokens proposed per step."""
+    model: str | None = None
+    """Draft checkpoint folder; for mtp defaults to the target checkpoint."""
+    draft_sample_method: str = "greedy"
+    """greedy | probabilistic: how the draft picks its tokens."""
+    draft_model_config: Any = field(default=None, repr=False)
+    """The draft's ModelConfig (filled by VllmConfig)."""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(d).__name__}")
+        unknown = set(d) - _SPEC_KEYS
+        if unknown:
+            raise ValueError(
+                f"speculative_config has unknown key(s) {sorted(unknown)}; "
+                f"known: {sorted(_SPEC_KEYS)}"
+            )
+        d = _with_speculators_defaults(d)
+        if "method" not in d:
+            raise ValueError("speculative_config.method is required (e.g. 'mtp' or 'eagle3')")
+        names = ("method", "num_speculative_tokens", "model", "draft_sample_method")
+        keep: dict[str, Any] = {k: d[k] for k in names if d.get(k) is not None}
+        if d.get("draft_tensor_parallel_size") not in (None, 1):
+            raise ValueError("speculative_config.draft_tensor_parallel_size must be 1")
+        return cls(**keep)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.method, str):
+            raise ValueError(f"speculative_config.method must be a string, got {self.method!r}")
+        self.method = _METHOD_ALIASES.get(self.method, self.method)
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"speculative_config.method {self.method!r} is not supported; "
+                f"choose one of {list(SPEC_METHODS)}"
+            )
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(
+                f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}"
+            )
+        if self.draft_sample_method not in ("greedy", "probabilistic"):
+            raise ValueError(
+                "speculative_config.draft_sample_method must be 'greedy' or 'probabilistic', "
+                f"got {self.draft_sample_method!r}"
+            )
+        if self.method in ("eagle", "eagle3", *DFLASH_FAMILY_METHODS) and not self.model:
+            raise ValueError(f"speculative_config.model is required for method {self.method!r}")
+
+    @property
+    def use_eagle(self) -> bool:
+        return self.method in ("eagle", "eagle3")
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """How many tokens after a position the draft's KV at that position depends on: 1 for
+        a draft that reads the next token there (EAGLE, one MTP layer); with n chained MTP
+        layers, layer s at position t reads token t + s + 1, so min(K, n)."""
+        if self.method == "mtp" and self.draft_model_config is not None:
+            n = num_mtp_layers(self.draft_model_config.hf_text_config)
+            return max(1, min(self.num_speculative_tokens, n))
+        return 1
+
+    def verify_with_target(self, target: ModelConfig) -> None:
+        """Check the draft against the target and point the draft config at the draft
+        architecture (the MTP head of the target checkpoint, or the EAGLE head class)."""
+        draft = self.draft_model_config
+        k = self.num_speculative_tokens
+        if self.method == "mtp":
+            n = num_mtp_layers(target.hf_text_config)
+            if n <= 0:
+                raise ValueError(
+                    f"speculative_config.method='mtp' needs a target with MTP layers, but "
+                    f"{target.model!r} has none (num_nextn_predict_layers is 0 or missing)"
+                )
+            arch = MTP_DRAFT_ARCHITECTURES.get(target.architecture)
+            if arch is None:
+                raise ValueError(
+                    f"speculative_config.method='mtp' is not supported for {target.architecture}"
+                    f"; supported: {sorted(MTP_DRAFT_ARCHITECTURES)}"
+                )
+            draft.hf_config.architectures = [arch]
+            if k > n:
+                logger.warning(
+                    "num_speculative_tokens=%d exceeds the %d MTP layer(s) of %s: draft step s "
+                    "reuses layer s mod %d, so acceptance decays at later positions",
+                    k,
+                    n,
+                    target.model,
+                    n,
+                )
+        else:
+            if self.method == "eagle":
+                _verify_eagle1_draft(draft, target)
+            if draft.architecture in ("LlamaForCausalLM", "Qwen2ForCausalLM") and (
+                self.method == "eagle3"
+            ):
+                draft.hf_config.architectures = ["LlamaForCausalLMEagle3"]
+            if self.method in DFLASH_FAMILY_METHODS:
+                from vllm.model_executor.models.dflash import verify_dflash_draft
+
+                verify_dflash_draft(draft.hf_text_config, self.method, k, target, draft.model)
+            _check_speculators_head(draft, target)
+            if draft.vocab_size != target.vocab_size:
+                raise ValueError(
+                    f"speculative_config.model {self.model!r} embeds a vocabulary of "
+                    f"{draft.vocab_size} tokens but the target's has {target.vocab_size}"
+                )
+        if draft.max_model_len < target.max_model_len:
+            raise ValueError(
+                f"speculative_config.model {draft.model!r} supports {draft.max_model_len} "
+                f"positions, fewer than max_model_len={target.max_model_len}; lower max_model_len"
+            )
+
+
+def _check_speculators_head(draft: ModelConfig, target: ModelConfig) -> None:
+    """A speculators head names the hidden size and architecture of the verifier it was
+    trained against: a different hidden size cannot work, a different architecture may."""
+    cfg = draft.hf_text_config
+    if getattr(cfg, "speculators_model_type", None) is None:
+        return
+    want = getattr(cfg, "target_hidden_size", None) or cfg.hidden_size
+    have = int(target.hf_text_config.hidden_size)
+    if int(want) != have:
+        raise ValueError(
+            f"speculative_config.model {draft.model!r} was trained on a verifier with hidden "
+            f"size {want}, but the target's is {have}"
+        )
+    archs = (getattr(cfg, "speculators_verifier", None) or {}).get("architectures") or []
+    if archs and target.architecture not in archs:
+        logger.warning(
+            "speculative_config.model %s was trained against %s, the target is %s",
+            draft.model,
+            archs,
+            target.architecture,
+        )
+
+
+# EAGLE-1 (method "eagle"): draft folder architecture -> the draft class, and the targets whose
+# last hidden state (after the final norm) the public EAGLE-1 heads are trained on.
+EAGLE1_DRAFT_ARCHITECTURES = {
+    "LlamaForCausalLM": "EagleLlamaForCausalLM",
+    "EagleLlamaForCausalLM": "EagleLlamaForCausalLM",
+}
+EAGLE1_TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+def _verify_eagle1_draft(draft: ModelConfig, target: ModelConfig) -> None:
+    """Refuse what the EAGLE-1 layout cannot run; point the draft config at its class."""
+    arch = EAGLE1_DRAFT_ARCHITECTURES.get(draft.architecture)
+    if arch is None:
+        raise ValueError(
+            f"speculative_config.method='eagle' (EAGLE-1) needs a draft whose config.json names "
+            f"architectures {sorted(EAGLE1_DRAFT_ARCHITECTURES)}; {draft.model!r} names "
+            f"{draft.architecture!r}"
+        )
+    if target.architecture not in EAGLE1_TARGET_ARCHITECTURES:
+        raise ValueError(
+            f"speculative_config.method='eagle' (EAGLE-1) supports targets "
+            f"{list(EAGLE1_TARGET_ARCHITECTURES)}, not {target.architecture}"
+        )
+    dc, tc = draft.hf_text_config, target.hf_text_config
+    n = getattr(dc, "num_hidden_layers", None)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(
+            f"speculative_config.model {draft.model!r}: num_hidden_layers must be an integer "
+            f">= 1, got {n!r}"
+        )
+    if int(dc.hidden_size) != int(tc.hidden_size):
+        raise ValueError(
+            f"speculative_config.model {draft.model!r} has hidden_size={dc.hidden_size} but the "
+            f"target's is {tc.hidden_size}: an EAGLE-1 fc reads [embedding; target hidden state] "
+            "of one size"
+        )
+    draft.hf_config.architectures = [arch]

@@ -1,0 +1,107 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""VllmConfig: every config of one engine, checked against each other."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.config.cache import CacheConfig
+from vllm.config.compilation import CompilationConfig
+from vllm.config.device import DeviceConfig
+from vllm.config.model import ModelConfig, _config_dtype
+from vllm.config.parallel import ParallelConfig
+from vllm.config.scheduler import SchedulerConfig
+from vllm.config.speculative import SpeculativeConfig
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class VllmConfig:
+    """Everything the engine and workers need, picklable."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig | None = None
+    """Speculative decoding; None: off."""
+    device_config: DeviceConfig = field(default_factory=DeviceConfig)
+    compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    enforce_eager: bool = False
+    """Run every step at its own size: no padding to compilation_config's sizes."""
+    disable_log_stats: bool = True
+    """No periodic stats log line (throughput, spec-decode acceptance); the Prometheus metrics
+    are kept either way. `vllm serve` logs them unless given --disable-log-stats."""
+
+    def __post_init__(self) -> None:
+        mc, sc = self.model_config, self.scheduler_config
+        sc.max_model_len = mc.max_model_len
+        cc = self.compilation_config
+        if cc.cudagraph_capture_sizes:
+            kept = [n for n in cc.cudagraph_capture_sizes if n <= sc.max_num_batched_tokens]
+            if len(kept) < len(cc.cudagraph_capture_sizes):
+                logger.warning(
+                    "cudagraph_capture_sizes above max_num_batched_tokens=%d dropped: %s",
+                    sc.max_num_batched_tokens,
+                    [n for n in cc.cudagraph_capture_sizes if n > sc.max_num_batched_tokens],
+                )
+            cc.cudagraph_capture_sizes = kept
+        self._resolve_prefix_caching()
+        if not sc.enable_chunked_prefill and sc.max_num_batched_tokens < mc.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={sc.max_num_batched_tokens} is smaller than "
+                f"max_model_len={mc.max_model_len} with chunked prefill disabled"
+            )
+        if self.parallel_config.pipeline_parallel_size > 1:
+            from vllm.distributed.utils import get_pp_partition
+
+            # Fail here, in the engine, on P > layers or a bad VLLM_PP_LAYER_PARTITION.
+            get_pp_partition(mc.num_hidden_layers, self.parallel_config.pipeline_parallel_size)
+        spec = self.speculative_config
+        if spec is not None and spec.draft_model_config is None:
+            draft_path = spec.model or mc.model
+            spec.draft_model_config = ModelConfig(
+                model=draft_path,
+                tokenizer=mc.tokenizer,
+                # The draft shares the runner's KV dtype: resolve "auto" from the target.
+                dtype=mc.dtype if mc.dtype != "auto" else (_config_dtype(mc.hf_config) or "auto"),
+                seed=mc.seed,
+                max_model_len=None,
+                trust_remote_code=mc.trust_remote_code,
+            )
+            spec.verify_with_target(mc)
+
+    def _resolve_prefix_caching(self) -> None:
+        cc = self.cache_config
+        if cc.enable_prefix_caching is False:
+            return
+        arch = self.model_config.architecture
+        if not self.model_config.is_hybrid:
+            cc.enable_prefix_caching = True
+        elif cc.enable_prefix_caching is None:
+            logger.info(
+                "Prefix caching is disabled for the hybrid model %s: its linear-attention "
+                "states are kept per request, not per KV block",
+                arch,
+            )
+            cc.enable_prefix_caching = False
+        else:
+            raise ValueError(
+                f"enable_prefix_caching=True is not supported for the hybrid model {arch} "
+                "(its linear-attention states are kept per request, not per KV block, so a "
+                "cached prefix cannot be resumed); leave it unset or pass "
+                "enable_prefix_caching=False (--no-enable-prefix-caching)"
+            )
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
+
+    def padded_num_tokens(self, num_tokens: int) -> int:
+        """Rows a step of num_tokens tokens runs at (every stage computes the same)."""
+        if self.enforce_eager:
+            return num_tokens
+        return self.compilation_config.padded_num_tokens(num_tokens)

@@ -1,0 +1,351 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""What every OpenAI endpoint shares: the error bodies, the serving base class (model check,
+adding engine requests, answering in full or as Server-Sent Events) and the usage counting."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import weakref
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from vllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    StreamOptions,
+    UsageInfo,
+    random_id,
+)
+from vllm.logger import init_logger
+from vllm.outputs import CompletionOutput, Logprob, RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError, RequestStream
+
+logger = init_logger(__name__)
+
+ResponseT = TypeVar("ResponseT", bound=BaseModel)
+
+
+# ---- errors ---------------------------------------------------------------------------------
+class APIError(Exception):
+    """An error answered with an OpenAI-style body and the given HTTP status."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    kind = _ERROR_TYPES.get(status, HTTPStatus(status).phrase.replace(" ", "") + "Error")
+    info = ErrorInfo(message=message, type=kind, param=param, code=status)
+    return ErrorResponse(error=info).model_dump()
+
+
+def error_response(message: str, status: int = 400, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param), status_code=status)
+
+
+_MAX_CLIENT_MESSAGE = 300
+
+
+def client_message(exc: BaseException | str) -> str:
+    """What a client is told about an error: the first line of its message, bounded in length.
+    Tracebacks (a stage's included) and long dumps stay in the server log."""
+    lines = str(exc).strip().splitlines()
+    first = lines[0].strip() if lines else type(exc).__name__
+    if len(first) > _MAX_CLIENT_MESSAGE:
+        first = first[: _MAX_CLIENT_MESSAGE - 3] + "..."
+    return first
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """A request-schema failure as (one-line message, the first offending field)."""
+    parts = []
+    param = None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        if param is None and loc:
+            param = loc[0]
+        msg = str(err.get("msg")).removeprefix("Value error, ")
+        if err.get("type") == "json_invalid":
+            parts.append("the request body is not valid JSON")
+            param = None
+        else:
+            # A validator's own message may already start with the field's name.
+            parts.append(f"{where}: {msg}" if where and not msg.startswith(where) else msg)
+    return "; ".join(parts) or "invalid request", param
+
+
+def stream_error(e: Exception) -> dict[str, Any]:
+    """The error body sent in-band on a stream whose headers already went out."""
+    if isinstance(e, EngineDeadError):
+        return error_body(client_message(e), 503)
+    logger.error("request failed mid-stream", exc_info=e)
+    return error_body(f"internal server error ({type(e).__name__})", 500)
+
+
+# ---- formatting -----------------------------------------------------------------------------
+def sse(obj: Any) -> str:
+    """One Server-Sent Event carrying obj as JSON."""
+    if isinstance(obj, BaseModel):
+        obj = obj.model_dump()
+        for choice in obj.get("choices", ()):
+            if "delta" in choice:  # OpenAI leaves unset delta fields out
+                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def finite(logprob: float) -> float:
+    # JSON has no -inf/NaN; a token the sampler ruled out gets a very low finite value instead.
+    return logprob if logprob > -9999.0 else -9999.0
+
+
+def token_text(lp: Logprob | None, tid: int, tokenizer: Any) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return tokenizer.decode([tid])
+
+
+# ---- streams --------------------------------------------------------------------------------
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, coro: Coroutine[Any, Any, BaseModel]) -> Response:
+    """Run coro, cancelling it (which aborts its engine requests) if the client goes away."""
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not work.done():
+        work.cancel()
+        try:
+            await work
+        except asyncio.CancelledError:
+            pass
+        return Response(status_code=499)
+    return JSONResponse(work.result().model_dump())
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yield (stream index, output) from all streams as outputs arrive; closes them all."""
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                await queue.put((i, out))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            await queue.put((i, e))
+            return
+        await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        _close_all(streams)
+
+
+async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    """The finished output of every stream, in stream order."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    async for i, out in merge_streams(streams):
+        finals[i] = out
+    done = [ro for ro in finals if ro is not None and ro.finished]
+    assert len(done) == len(streams)
+    return done
+
+
+def final_usage(finals: list[RequestOutput]) -> UsageInfo:
+    return usage_info(
+        sum(len(ro.prompt_token_ids) for ro in finals),
+        sum(len(c.token_ids) for ro in finals for c in ro.outputs),
+    )
+
+
+def _close_all(streams: list[RequestStream]) -> None:
+    for s in streams:
+        s.close()
+
+
+def _sse_response(gen: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
+    # A generator that never starts (the client left before the headers went out) never runs
+    # its finally; aborting when it is collected keeps its requests from running on.
+    weakref.finalize(gen, _close_all, list(streams))
+    return StreamingResponse(gen, media_type="text/event-stream")
+
+
+async def stream_events(
+    streams: list[RequestStream],
+    n: int,
+    stream_options: StreamOptions | None,
+    make_choice: Callable[[int, CompletionOutput], BaseModel],
+    make_chunk: Callable[[Sequence[BaseModel], UsageInfo | None], BaseModel],
+    first_choices: Sequence[BaseModel] | None = None,
+) -> AsyncIterator[str]:
+    """The SSE body of a streamed answer, shared by both endpoints.
+
+    Choice `i * n + c.index` of prompt i gets one chunk per engine output that carries
+    something; a choice already sent with its finish_reason is not sent again (n > 1 outputs
+    repeat finished siblings). Usage is sent per chunk with `continuous_usage_stats`, and in a
+    last choice-less chunk with `include_usage`. An error after the headers went out is sent
+    in-band; `data: [DONE]` always ends the stream."""
+    include_usage = bool(stream_options and stream_options.include_usage)
+    continuous = bool(stream_options and stream_options.continuous_usage_stats)
+    prompt_lens = [0] * len(streams)
+    num_tokens = 0
+    done: set[int] = set()
+    try:
+        if first_choices:
+            yield sse(make_chunk(list(first_choices), None))
+        async for i, ro in merge_streams(streams):
+            prompt_lens[i] = len(ro.prompt_token_ids)
+            choices = []
+            for c in ro.outputs:
+                idx = i * n + c.index
+                if idx in done or (not c.text and not c.token_ids and not c.finish_reason):
+                    continue
+                if c.finish_reason is not None:
+                    done.add(idx)
+                num_tokens += len(c.token_ids)
+                choices.append(make_choice(idx, c))
+            if choices:
+                usage = usage_info(sum(prompt_lens), num_tokens) if continuous else None
+                yield sse(make_chunk(choices, usage))
+        if include_usage:
+            yield sse(make_chunk([], usage_info(sum(prompt_lens), num_tokens)))
+    except Exception as e:  # noqa: BLE001 - reported in-band: the headers are sent
+        yield sse(stream_error(e))
+    finally:
+        _close_all(streams)
+    yield "data: [DONE]\n\n"
+
+
+# ---- the serving base -----------------------------------------------------------------------
+class OpenAIServing:
+    """Turns OpenAI requests into engine requests and engine outputs into responses; one
+    subclass per endpoint builds the prompts and formats the answer."""
+
+    request_id_prefix = "cmpl"
+
+    def __init__(self, async_llm: AsyncLLM, served_model_names: list[str]) -> None:
+        self.llm = async_llm
+        self.names = served_model_names
+        self.model_name = served_model_names[0]
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.llm.tokenizer
+
+    def close(self) -> None:
+        """Release what the endpoint started (nothing by default)."""
+
+    def _response(
+        self,
+        cls: type[ResponseT],
+        rid: str,
+        created: int,
+        choices: list[Any],
+        usage: UsageInfo | None = None,
+    ) -> ResponseT:
+        """A response or stream chunk of this endpoint (every one has these five fields)."""
+        return cls(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.names:
+            raise APIError(f"The model `{model}` does not exist.", 404, "model")
+
+    def _check_alive(self) -> None:
+        if not self.llm.is_running:
+            raise APIError(
+                f"the engine is not running: {client_message(self.llm.dead_error or 'stopped')}",
+                503,
+            )
+
+    async def _add_all(
+        self, prompts: list[Any], params: SamplingParams, base_id: str
+    ) -> list[RequestStream]:
+        """Add every prompt as its own engine request; on an error, abort the ones added."""
+        self._check_alive()
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
+                streams.append(await self.llm.add_request(rid, prompt, params))
+        except BaseException:
+            _close_all(streams)
+            raise
+        return streams
+
+    async def _generate(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        raw: Request,
+        prompts: list[Any],
+        params: SamplingParams,
+    ) -> Response:
+        """Run the prompts and answer as a stream or, unless the client leaves, in full."""
+        rid = random_id(self.request_id_prefix)
+        streams = await self._add_all(prompts, params, rid)
+        created = int(time.time())
+        if req.stream:
+            return _sse_response(self._stream(req, streams, rid, created), streams)
+        return await _unless_disconnected(raw, self._full(req, streams, rid, created))
+
+    async def _full(
+        self, req: Any, streams: list[RequestStream], rid: str, created: int
+    ) -> BaseModel:
+        raise NotImplementedError
+
+    def _stream(
+        self, req: Any, streams: list[RequestStream], rid: str, created: int
+    ) -> AsyncIterator[str]:
+        raise NotImplementedError
