@@ -25,11 +25,16 @@ BAD_VALUES = {
     "VLLM_FP8_DEQUANT": "sometimes",
     "VLLM_LOGGING_LEVEL": "LOUD",
     "TRITON_INTERPRET": "maybe",
+    "VLLM_CPU_KERNELS": "perhaps",
 }
 FREE_TEXT = {
     "VLLM_PP_LAYER_PARTITION",  # checked against P and the layer count (test_pp_indices)
     "VLLM_SPARSE_MLA_BACKEND",  # checked against the backend registry
     "VLLM_API_KEY",
+    "VLLM_CPU_KERNELS_BUILD_DIR",
+    "VLLM_BENCH_CACHE",
+    "VLLM_CACHE_ROOT",
+    "XDG_CACHE_HOME",
     "RAY_ADDRESS",
     "OMP_NUM_THREADS",
 }

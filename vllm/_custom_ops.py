@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import platform
 import time
 from pathlib import Path
@@ -43,8 +42,7 @@ def build_dir() -> Path:
     root = envs.VLLM_CPU_KERNELS_BUILD_DIR
     if root:
         return Path(root)
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "vllm" / "cpu_kernels"
+    return envs.cache_root() / "cpu_kernels"
 
 
 @functools.cache

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
@@ -150,6 +151,19 @@ _VARS = [
         "Where the CPU kernels are built and cached (unset: ~/.cache/vllm/cpu_kernels).",
     ),
     EnvVar(
+        "VLLM_CACHE_ROOT",
+        None,
+        _text,
+        "Root of the engine's on-disk caches (the model zoo's converted models, the CPU "
+        "kernels' builds). Unset: $XDG_CACHE_HOME/vllm, or ~/.cache/vllm.",
+    ),
+    EnvVar(
+        "VLLM_BENCH_CACHE",
+        None,
+        _text,
+        "Where `vllm bench` keeps converted models (unset: vllm-bench under the temp dir).",
+    ),
+    EnvVar(
         "VLLM_API_KEY",
         None,
         _text,
@@ -164,6 +178,12 @@ _VARS = [
     ),
     # Read here too, though other packages own them, so that every variable the engine reacts
     # to is listed in one place.
+    EnvVar(
+        "XDG_CACHE_HOME",
+        None,
+        _text,
+        "The XDG base-directory spec's: where user caches live (VLLM_CACHE_ROOT's default).",
+    ),
     EnvVar(
         "RAY_ADDRESS",
         None,
@@ -190,6 +210,9 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in _VARS}
 if TYPE_CHECKING:  # the names this module provides
     VLLM_CPU_KERNELS: bool
     VLLM_CPU_KERNELS_BUILD_DIR: str | None
+    VLLM_BENCH_CACHE: str | None
+    VLLM_CACHE_ROOT: str | None
+    XDG_CACHE_HOME: str | None
     VLLM_PP_STEP_TIMEOUT_S: float
     VLLM_PP_COMM_TIMEOUT_S: float
     VLLM_PP_LAYER_PARTITION: str | None
@@ -227,3 +250,11 @@ def apply_vllm_env(env: dict[str, str]) -> None:
     for k in [k for k in os.environ if k.startswith("VLLM_") and k not in env]:
         del os.environ[k]
     os.environ.update(env)
+
+
+def cache_root() -> Path:
+    """The engine's cache root: VLLM_CACHE_ROOT, else $XDG_CACHE_HOME/vllm, else ~/.cache/vllm."""
+    root = __getattr__("VLLM_CACHE_ROOT")
+    if root:
+        return Path(root)
+    return Path(__getattr__("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm"

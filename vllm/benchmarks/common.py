@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
+from vllm import envs
 from vllm.engine.arg_utils import EngineArgs
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-BENCH_CACHE = Path(os.environ.get("VLLM_BENCH_CACHE", Path(tempfile.gettempdir()) / "vllm-bench"))
+BENCH_CACHE = Path(envs.VLLM_BENCH_CACHE or Path(tempfile.gettempdir()) / "vllm-bench")
 
 
 # ---------------------------------------------------------------------------------- models
@@ -104,7 +105,7 @@ def describe_environment(device: str) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "intra_op_threads": torch.get_num_threads(),
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+        "OMP_NUM_THREADS": envs.OMP_NUM_THREADS,
         "load_average": [round(x, 2) for x in load],
     }
 

