@@ -15,7 +15,7 @@ import os
 import time
 import weakref
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm import envs
 from vllm.config import VllmConfig
@@ -24,6 +24,9 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.executor.multiproc_executor import WorkerFailure, get_open_port
 from vllm.v1.outputs import ModelRunnerOutput
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.worker import Worker
 
 logger = init_logger(__name__)
 
@@ -36,7 +39,7 @@ class RayStage:
 
     def __init__(self, env: dict[str, str]) -> None:
         envs.apply_vllm_env(env)  # the engine's VLLM_* settings apply on every node
-        self.worker = None
+        self.worker: Worker | None = None
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -54,6 +57,7 @@ class RayStage:
         self.worker.load_model()
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        assert self.worker is not None, "init_worker() must run first"
         return self.worker.execute_model(so)
 
     def call(self, method: str, *args: Any) -> Any:

@@ -43,6 +43,7 @@ class ModelRunner:
         mc = vllm_config.model_config
         self.dtype = mc.torch_dtype(self.device.type)
         self.block_size = vllm_config.cache_config.block_size
+        assert mc.max_model_len is not None  # ModelConfig.__post_init__ resolves it
         self.max_model_len = mc.max_model_len
         self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.num_spec = vllm_config.num_speculative_tokens
