@@ -21,7 +21,7 @@ from vllm import envs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.executor.abstract import Executor
+from vllm.v1.executor.abstract import DistributedExecutorBase
 from vllm.v1.executor.multiproc_executor import WorkerFailure, get_open_port
 from vllm.v1.outputs import ModelRunnerOutput
 
@@ -100,7 +100,7 @@ def _stop_actors(state: dict[str, Any]) -> None:
         state["started_ray"] = False
 
 
-class RayExecutor(Executor):
+class RayExecutor(DistributedExecutorBase):
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
         import ray
@@ -286,13 +286,6 @@ class RayExecutor(Executor):
                     self._unchecked = watch
                     self._check_unchecked()
                     return value
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.execute_model_async(scheduler_output)
-        return self.get_output()
-
-    def comm_stats(self) -> list[dict[str, float]]:
-        return self.collective_rpc("comm_stats")
 
     def check_health(self) -> None:
         self._check_alive()
