@@ -161,6 +161,7 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {}, []) if self.pp.is_last_rank else None
         batch = self.prepare(so)
+        assert self.model is not None, "load_model() must run first"
         if intermediate_tensors is not None:
             rows = intermediate_tensors["hidden_states"].shape[0]
             if rows != batch.num_tokens_after_padding:
@@ -324,5 +325,7 @@ class ModelRunner:
                 targets = torch.from_numpy(st.token_ids[s, pos + 1].copy()).to(hidden.device)
                 k = np.full(len(pos), st.num_prompt_logprobs[s])
                 entries += compute_logprobs(logits, targets, k)
-            out[st.slot_req_id[s]] = entries
+            rid = st.slot_req_id[s]
+            assert rid is not None  # the slot belongs to a request of this batch
+            out[rid] = entries
         return out
