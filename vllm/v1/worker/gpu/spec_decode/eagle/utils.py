@@ -63,7 +63,9 @@ def _check_shape(what: str, draft_module: nn.Module | None, target_module: nn.Mo
         )
 
 
-def get_target_lm_head(target_model: nn.Module, target_language_model: nn.Module) -> nn.Module | None:
+def get_target_lm_head(
+    target_model: nn.Module, target_language_model: nn.Module
+) -> nn.Module | None:
     return _real(getattr(target_language_model, "lm_head", None))
 
 
