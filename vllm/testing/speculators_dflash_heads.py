@@ -25,14 +25,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from vllm.testing.speculators_heads import SpeculatorsReference
+from vllm.testing.speculators_heads import (
+    SpeculatorsReference,
+    read_target_config,
+    target_layer_fields,
+)
 
 MASK = 3  # the constructed heads' mask token
 BIAS = 100.0  # the constructed DSpark head's Markov logit bias
-
-
-def _target_config(target_dir: str | os.PathLike) -> dict:
-    return json.loads((Path(target_dir) / "config.json").read_text())
 
 
 def make_speculators_dflash(
@@ -62,19 +62,9 @@ def make_speculators_dflash(
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import Qwen3Config
 
-    t = _target_config(target_dir)
-    keys = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "max_position_embeddings",
-        "rms_norm_eps",
-        "rope_parameters",
-    )
+    t = read_target_config(target_dir)
     layer = Qwen3Config(
-        **{k: t[k] for k in keys if k in t},
+        **target_layer_fields(t),
         head_dim=int(t["hidden_size"]) // int(t["num_attention_heads"]),
         num_hidden_layers=num_layers,
     )
