@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -73,7 +74,7 @@ def make_speculators_dflash(
     if sample_from_anchor is None:
         sample_from_anchor = dspark
     k = speculative_tokens or (block_size if sample_from_anchor else block_size - 1)
-    common = dict(
+    common: dict[str, Any] = dict(
         transformer_layer_config=layer,
         draft_vocab_size=dv,
         block_size=block_size,
