@@ -287,7 +287,8 @@ class HFBaseline:
         level = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # e.g. the MTP layers it does not know: expected
         try:
-            self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device)
+            # transformers types the wrapped .to() as taking the model itself.
+            self.model = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device)  # type: ignore[arg-type]
         finally:
             hf_logging.set_verbosity(level)
         self.model.eval()

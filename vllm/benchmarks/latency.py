@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     lat, ttft, decode_steps, host, hf_lat, cpu, hf_cpu = [], [], [], [], [], [], []
     decode_cpu: list[float] = []
-    ours_ids = hf_ids = None
+    ours_ids: list[list[int]] = []
+    hf_ids: list[list[int]] = []
     for _ in range(args.num_iters):  # interleaved: ours, HF, ours, HF, ...
         with probe.record() as rec:
             t0, c0 = time.perf_counter(), time.process_time()

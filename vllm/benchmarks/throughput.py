@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     ours_s, hf_s, ours_cpu, hf_cpu, host, decode_steps = [], [], [], [], [], []
     decode_cpu: list[float] = []
-    ours_ids = hf_ids = None
+    ours_ids: list[list[int]] = []
+    hf_ids: list[list[int]] = []
     for _ in range(args.num_iters):  # interleaved: ours, HF, ours, HF, ...
         with probe.record() as rec:
             t0, c0 = time.perf_counter(), time.process_time()

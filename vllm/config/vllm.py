@@ -38,6 +38,7 @@ class VllmConfig:
 
     def __post_init__(self) -> None:
         mc, sc = self.model_config, self.scheduler_config
+        assert mc.max_model_len is not None  # ModelConfig.__post_init__ resolves it
         sc.max_model_len = mc.max_model_len
         cc = self.compilation_config
         if cc.cudagraph_capture_sizes:

@@ -121,6 +121,7 @@ class EngineArgs:
         if budget is None:
             budget = SchedulerConfig.max_num_batched_tokens
             if not self.enable_chunked_prefill:
+                assert model_config.max_model_len is not None  # resolved by ModelConfig
                 budget = max(budget, model_config.max_model_len)
         return VllmConfig(
             model_config=model_config,

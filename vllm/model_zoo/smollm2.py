@@ -66,12 +66,13 @@ def _memoised_gguf_helpers() -> Iterator[None]:
             readers[key] = orig_reader(path)
         return readers[key]
 
-    gguf.GGUFReader = reader
+    # Patched for the duration of one load only, so the class name may hold a function.
+    gguf.GGUFReader = reader  # type: ignore[misc, assignment]
     gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(orig_name_map)
     try:
         yield
     finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = orig_reader, orig_name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = orig_reader, orig_name_map  # type: ignore[misc]
 
 
 def convert_smollm2(out_dir: str | os.PathLike) -> str:

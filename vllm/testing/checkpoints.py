@@ -89,7 +89,7 @@ from vllm.model_executor.layers.fused_moe import fuse_experts, split_fused_exper
 from vllm.model_zoo.smollm2 import CHATML_TEMPLATE, convert_smollm2, find_smollm2_gguf
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 __all__ = [
     "CHATML_TEMPLATE",
@@ -190,7 +190,7 @@ def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512) -> PreTra
     return tokenizer
 
 
-def _token_ids(tokenizer) -> dict[str, int | None]:
+def _token_ids(tokenizer) -> dict[str, Any]:
     """bos/eos/pad ids for the model config, matching ``tokenizer``."""
     return {
         "bos_token_id": tokenizer.bos_token_id,
@@ -259,7 +259,7 @@ def _rope_parameters(rope_scaling: dict[str, Any] | None, rope_theta: float) -> 
     return params
 
 
-def _save_model(model: nn.Module, out_dir: str | os.PathLike, dtype: torch.dtype) -> None:
+def _save_model(model: PreTrainedModel, out_dir: str | os.PathLike, dtype: torch.dtype) -> None:
     """Cast to ``dtype`` (router biases stay fp32) and ``save_pretrained`` as safetensors."""
     model.to(dtype)
     _keep_router_bias_fp32_(model)
@@ -417,7 +417,7 @@ def _write_shards(out_dir: Path, shards: list[dict[str, torch.Tensor]]) -> None:
 
 @torch.no_grad()
 def _mtp_state(
-    model: nn.Module,
+    model: PreTrainedModel,
     config: Any,
     n: int,
     seed: int,
@@ -679,7 +679,7 @@ def make_deepseek_v2(
     )
 
 
-def load_hf_mtp_model(main_model: nn.Module) -> nn.Module:
+def load_hf_mtp_model(main_model: PreTrainedModel) -> nn.Module:
     """Load the MTP layers of ``main_model``'s checkpoint with transformers' ``MtpModel``.
 
     transformers 5.23 only recognises MTP keys listed in the model's

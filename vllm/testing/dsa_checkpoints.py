@@ -54,6 +54,7 @@ def _reinit(module: torch.nn.Module, seed: int, output_head: torch.Tensor | None
 
 def _block_fn(glm: bool):
     """HF decoder-block factory for MTP layers (index >= num_hidden_layers): MoE, own indexer."""
+    Layer: type[torch.nn.Module]
     if glm:
         from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import (
             GlmMoeDsaDecoderLayer as Layer,
@@ -89,8 +90,11 @@ def _make_dsa(
 
     out = Path(out_dir)
     tokenizer = build_tokenizer(out)
-    config_cls = transformers.GlmMoeDsaConfig if glm else transformers.DeepseekV32Config
-    model_cls = transformers.GlmMoeDsaForCausalLM if glm else transformers.DeepseekV32ForCausalLM
+    # Either family: the same constructor arguments, types HF keeps apart.
+    config_cls: Any = transformers.GlmMoeDsaConfig if glm else transformers.DeepseekV32Config
+    model_cls: Any = (
+        transformers.GlmMoeDsaForCausalLM if glm else transformers.DeepseekV32ForCausalLM
+    )
     config = config_cls(
         vocab_size=len(tokenizer),
         num_key_value_heads=config_kwargs["num_attention_heads"],

@@ -99,6 +99,7 @@ def _mtp_state(config: Any, moe: bool, n: int, seed: int) -> dict[str, torch.Ten
     """`mtp.*` tensors: fc, the two pre-fc norms, n full-attention decoder layers, and the final
     norm. MoE experts stay fused here (the target's are saved per expert), so the loaders see
     both layouts."""
+    Layer: type[torch.nn.Module]
     if moe:
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
             Qwen3_5MoeDecoderLayer as Layer,
@@ -162,6 +163,9 @@ def make_qwen3_5(
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         **_token_ids(tokenizer),
     )
+    # The dense and MoE families share every field used below.
+    config: transformers.PretrainedConfig
+    model_cls: type[transformers.PreTrainedModel]
     if moe:
         kwargs.update(
             num_experts=8,

@@ -20,19 +20,20 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from vllm.testing.speculators_heads import SpeculatorsReference
+from vllm.testing.speculators_heads import (
+    SpeculatorsReference,
+    read_target_config,
+    target_layer_fields,
+)
 
 MASK = 3  # the constructed heads' mask token
 BIAS = 100.0  # the constructed DSpark head's Markov logit bias
-
-
-def _target_config(target_dir: str | os.PathLike) -> dict:
-    return json.loads((Path(target_dir) / "config.json").read_text())
 
 
 def make_speculators_dflash(
@@ -62,19 +63,9 @@ def make_speculators_dflash(
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import Qwen3Config
 
-    t = _target_config(target_dir)
-    keys = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "max_position_embeddings",
-        "rms_norm_eps",
-        "rope_parameters",
-    )
+    t = read_target_config(target_dir)
     layer = Qwen3Config(
-        **{k: t[k] for k in keys if k in t},
+        **target_layer_fields(t),
         head_dim=int(t["hidden_size"]) // int(t["num_attention_heads"]),
         num_hidden_layers=num_layers,
     )
@@ -83,7 +74,7 @@ def make_speculators_dflash(
     if sample_from_anchor is None:
         sample_from_anchor = dspark
     k = speculative_tokens or (block_size if sample_from_anchor else block_size - 1)
-    common = dict(
+    common: dict[str, Any] = dict(
         transformer_layer_config=layer,
         draft_vocab_size=dv,
         block_size=block_size,

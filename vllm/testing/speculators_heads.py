@@ -29,8 +29,26 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 
-def _target_config(target_dir: str | os.PathLike) -> dict:
+def read_target_config(target_dir: str | os.PathLike) -> dict:
     return json.loads((Path(target_dir) / "config.json").read_text())
+
+
+# The target's fields a draft head's decoder layer copies.
+_LAYER_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_parameters",
+)
+
+
+def target_layer_fields(target: dict) -> dict:
+    """The decoder-layer fields of a target config.json that a draft head's layer copies."""
+    return {k: target[k] for k in _LAYER_KEYS if k in target}
 
 
 def make_speculators_eagle3(
@@ -53,18 +71,8 @@ def make_speculators_eagle3(
     from speculators.proposals.greedy import GreedyTokenProposalConfig
     from transformers import LlamaConfig
 
-    t = _target_config(target_dir)
-    keys = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "max_position_embeddings",
-        "rms_norm_eps",
-        "rope_parameters",
-    )
-    layer = LlamaConfig(**{k: t[k] for k in keys if k in t}, num_hidden_layers=num_layers)
+    t = read_target_config(target_dir)
+    layer = LlamaConfig(**target_layer_fields(t), num_hidden_layers=num_layers)
     vocab = int(t["vocab_size"])
     dv = int(draft_vocab_size or vocab)
     cfg = Eagle3SpeculatorConfig(

@@ -20,6 +20,7 @@ EAGLE3 conventions (as speculators trains and vLLM serves them):
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,7 @@ def is_speculators_config(raw: dict[str, Any]) -> bool:
     return isinstance(raw, dict) and "speculators_model_type" in raw
 
 
-def read_speculators_config(model: str | Path) -> dict[str, Any] | None:
+def read_speculators_config(model: str | os.PathLike[str]) -> dict[str, Any] | None:
     """The raw config.json of a speculators-format folder, or None for any other folder."""
     path = Path(model) / "config.json"
     try:
@@ -293,6 +294,7 @@ def _flatten_dflash_family(raw: dict[str, Any], where: str, dspark: bool) -> dic
     mask = _int_field(raw, "mask_token_id", where, 0, vocab - 1)
     ids = raw.get("aux_hidden_state_layer_ids")
     _check_layer_ids(ids, "aux_hidden_state_layer_ids", where)
+    assert ids is not None  # _check_layer_ids raised otherwise
     if len(set(ids)) != len(ids):
         raise ValueError(f"{where}: aux_hidden_state_layer_ids {ids} has duplicates")
     flat = dict(layer)

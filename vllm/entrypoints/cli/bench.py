@@ -20,11 +20,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     parser = subparsers.add_parser(
         "bench", help="Run a benchmark", description="Offline benchmarks (optionally vs HF)."
     )
-    parser.error = _make_error(parser.prog)  # type: ignore[method-assign]
+    parser.error = _make_error(parser.prog)
     sub = parser.add_subparsers(dest="bench_type")
     for name, (module, add_args, help_text) in _SUBCOMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        p.error = _make_error(p.prog)  # type: ignore[method-assign]
+        p.error = _make_error(p.prog)
         add_args(p)
         p.set_defaults(dispatch=_dispatch(module))
     parser.set_defaults(dispatch=lambda args: _no_subcommand(parser))

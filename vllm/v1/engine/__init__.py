@@ -15,7 +15,7 @@ class EngineCoreOutput:
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[LogprobsLists] | None = None
+    new_logprobs: list[LogprobsLists | None] | None = None
     prompt_logprobs: list[LogprobsLists | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -79,6 +79,8 @@ class LLMEngine:
         self.vllm_config = vllm_config
         mc = vllm_config.model_config
         self.model_config = mc
+        # ModelConfig.__post_init__ resolves both from the checkpoint.
+        assert mc.tokenizer is not None and mc.max_model_len is not None
         self.tokenizer = load_tokenizer(mc.tokenizer, mc.trust_remote_code)
         self.executor = Executor.get_class(vllm_config)(vllm_config)
         try:
@@ -146,6 +148,7 @@ class LLMEngine:
         """Validate a prompt and return (text, token ids); errors name what is wrong.
 
         Reads only the tokenizer and fixed limits, so it may run off the engine thread."""
+        text: str | None
         if isinstance(prompt, str):
             text, ids = prompt, self.encode(prompt)
         elif isinstance(prompt, dict):
@@ -174,6 +177,7 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token id {bad[0]} is out of vocabulary (vocab_size={vocab})")
         max_len = self.model_config.max_model_len
+        assert max_len is not None
         if len(ids) >= max_len:
             raise ValueError(
                 f"The decoder prompt (length {len(ids)}) is longer than the maximum model "
@@ -328,7 +332,7 @@ class LLMEngine:
         # (FINAL_ONLY requests emit nothing until they finish).
         op = self.output_processor
         for rid in {op.child_to_parent.get(cid) for cid in result.outputs}:
-            st = op.requests.get(rid)
+            st = op.requests.get(rid) if rid is not None else None
             if st is not None and st.first_token_time == now and st.num_generation_tokens:
                 self.prom.record_ttft(now - st.arrival_time)
         for ro in outputs:
@@ -348,7 +352,8 @@ class LLMEngine:
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()
-            self.executor = None
+            # Dropped so a shut-down engine cannot step again; only shutdown() sees None.
+            self.executor = None  # type: ignore[assignment]
 
     def __del__(self) -> None:
         try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
+from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -62,3 +63,25 @@ class Executor(ABC):
 
     def check_health(self) -> None:  # noqa: B027 - optional hook: healthy by default
         pass
+
+
+class DistributedExecutorBase(Executor):
+    """An executor whose stages run in other processes: a step is always started and then
+    collected, and every stage answers collective_rpc."""
+
+    @abstractmethod
+    def execute_model_async(self, scheduler_output: SchedulerOutput) -> None: ...
+
+    @abstractmethod
+    def get_output(self) -> ModelRunnerOutput: ...
+
+    @abstractmethod
+    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """Call Worker.method(*args) on every stage and return their results (rank order)."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.execute_model_async(scheduler_output)
+        return self.get_output()
+
+    def comm_stats(self) -> list[dict[str, float]]:
+        return self.collective_rpc("comm_stats")

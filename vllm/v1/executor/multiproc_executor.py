@@ -31,7 +31,7 @@ from vllm import envs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.executor.abstract import Executor
+from vllm.v1.executor.abstract import DistributedExecutorBase
 from vllm.v1.outputs import ModelRunnerOutput
 
 logger = init_logger(__name__)
@@ -150,7 +150,7 @@ def _stop_processes(procs: list, conns: list, graceful: bool = True) -> None:
             pass
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(DistributedExecutorBase):
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
         self.world_size = vllm_config.parallel_config.pipeline_parallel_size
@@ -331,13 +331,6 @@ class MultiprocExecutor(Executor):
         out = self._wait_for(self.world_size - 1, self.step_timeout_s, "a step")
         self._inflight -= 1
         return out
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.execute_model_async(scheduler_output)
-        return self.get_output()
-
-    def comm_stats(self) -> list[dict[str, float]]:
-        return self.collective_rpc("comm_stats")
 
     def check_health(self) -> None:
         """Idle liveness check: every stage process exists and answers a ping (a stopped or

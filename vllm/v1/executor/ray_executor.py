@@ -15,15 +15,18 @@ import os
 import time
 import weakref
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm import envs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.executor.abstract import Executor
+from vllm.v1.executor.abstract import DistributedExecutorBase
 from vllm.v1.executor.multiproc_executor import WorkerFailure, get_open_port
 from vllm.v1.outputs import ModelRunnerOutput
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.worker import Worker
 
 logger = init_logger(__name__)
 
@@ -36,7 +39,7 @@ class RayStage:
 
     def __init__(self, env: dict[str, str]) -> None:
         envs.apply_vllm_env(env)  # the engine's VLLM_* settings apply on every node
-        self.worker = None
+        self.worker: Worker | None = None
 
     def address(self) -> tuple[str, int]:
         import ray
@@ -54,6 +57,7 @@ class RayStage:
         self.worker.load_model()
 
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        assert self.worker is not None, "init_worker() must run first"
         return self.worker.execute_model(so)
 
     def call(self, method: str, *args: Any) -> Any:
@@ -96,7 +100,7 @@ def _stop_actors(state: dict[str, Any]) -> None:
         state["started_ray"] = False
 
 
-class RayExecutor(Executor):
+class RayExecutor(DistributedExecutorBase):
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
         import ray
@@ -282,13 +286,6 @@ class RayExecutor(Executor):
                     self._unchecked = watch
                     self._check_unchecked()
                     return value
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        self.execute_model_async(scheduler_output)
-        return self.get_output()
-
-    def comm_stats(self) -> list[dict[str, float]]:
-        return self.collective_rpc("comm_stats")
 
     def check_health(self) -> None:
         self._check_alive()

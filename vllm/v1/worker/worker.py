@@ -74,13 +74,18 @@ class Worker:
         torch.manual_seed(self.vllm_config.model_config.seed)
         self.model_runner = ModelRunner(self.vllm_config, self.device)
 
+    def _runner(self) -> ModelRunner:
+        # Set by init_device(); every later step needs it.
+        assert self.model_runner is not None, "init_device() must run first"
+        return self.model_runner
+
     def load_model(self) -> None:
-        self.model_runner.load_model()
+        self._runner().load_model()
 
     def determine_num_blocks(self) -> int:
         """KV blocks that fit the memory budget, capped at what max_num_seqs could ever use."""
         cc = self.vllm_config.cache_config
-        per_block = self.model_runner.kv_cache_bytes_per_block()
+        per_block = self._runner().kv_cache_bytes_per_block()
         if cc.kv_cache_memory_bytes is not None:
             budget = cc.kv_cache_memory_bytes
         elif self.device.type == "cuda":
@@ -91,7 +96,7 @@ class Worker:
             gib = envs.VLLM_CPU_KVCACHE_SPACE
             budget = int(gib * (1 << 30))
         # Hybrid models: the linear-attention states (one slot per running request) come first.
-        states = self.model_runner.state_cache_bytes()
+        states = self._runner().state_cache_bytes()
         if states and states >= budget:
             raise ValueError(
                 f"the KV cache budget ({budget} bytes) does not hold the linear-attention "
@@ -100,8 +105,8 @@ class Worker:
             )
         budget -= states
         if per_block == 0:
-            return self.model_runner.max_useful_blocks()
-        n = min(budget // per_block, self.model_runner.max_useful_blocks())
+            return self._runner().max_useful_blocks()
+        n = min(budget // per_block, self._runner().max_useful_blocks())
         if n <= 0:
             raise ValueError(
                 f"the KV cache budget ({budget} bytes) does not hold one block of "
@@ -110,18 +115,18 @@ class Worker:
         return int(n)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.model_runner.initialize_kv_cache(num_blocks)
+        self._runner().initialize_kv_cache(num_blocks)
 
     def execute_model(self, so: SchedulerOutput, intermediate_tensors=None):
         """Run this stage. P > 1: non-first stages receive IntermediateTensors from the previous
         stage, non-last stages send theirs on (non-blocking) and return None."""
         if self.world_size == 1:
-            return self.model_runner.execute_model(so, intermediate_tensors)
+            return self._runner().execute_model(so, intermediate_tensors)
         pp = get_pp_group()
         if not pp.is_first_rank and so.total_num_scheduled_tokens > 0:
             intermediate_tensors = IntermediateTensors(self._recv(pp.prev_rank))
         t0, c0 = time.perf_counter(), time.process_time()
-        out = self.model_runner.execute_model(so, intermediate_tensors)
+        out = self._runner().execute_model(so, intermediate_tensors)
         self._comm["run_s"] += time.perf_counter() - t0
         self._comm["run_cpu_s"] += time.process_time() - c0
         if pp.is_last_rank:

@@ -188,6 +188,7 @@ class Scheduler:
             self._sent_blocks[req.request_id] = len(
                 self.kv_cache_manager.get_block_ids(req.request_id)
             )
+            assert req.seed is not None  # the engine draws one for unseeded requests
             new_reqs.append(
                 NewRequestData(
                     req_id=req.request_id,

@@ -43,6 +43,7 @@ class ModelRunner:
         mc = vllm_config.model_config
         self.dtype = mc.torch_dtype(self.device.type)
         self.block_size = vllm_config.cache_config.block_size
+        assert mc.max_model_len is not None  # ModelConfig.__post_init__ resolves it
         self.max_model_len = mc.max_model_len
         self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.num_spec = vllm_config.num_speculative_tokens
@@ -160,6 +161,7 @@ class ModelRunner:
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {}, []) if self.pp.is_last_rank else None
         batch = self.prepare(so)
+        assert self.model is not None, "load_model() must run first"
         if intermediate_tensors is not None:
             rows = intermediate_tensors["hidden_states"].shape[0]
             if rows != batch.num_tokens_after_padding:
@@ -323,5 +325,7 @@ class ModelRunner:
                 targets = torch.from_numpy(st.token_ids[s, pos + 1].copy()).to(hidden.device)
                 k = np.full(len(pos), st.num_prompt_logprobs[s])
                 entries += compute_logprobs(logits, targets, k)
-            out[st.slot_req_id[s]] = entries
+            rid = st.slot_req_id[s]
+            assert rid is not None  # the slot belongs to a request of this batch
+            out[rid] = entries
         return out

@@ -159,6 +159,7 @@ def compute_logprobs(
         k = V if num_logprobs[i] == -1 else int(num_logprobs[i])
         ids, lps = [tok_l[j]], [tok_lp_l[j]]
         if k > 0:
+            assert top_ids is not None and top_lp is not None  # kmax >= k > 0
             ids += top_ids[j, :k].tolist()
             lps += top_lp[j, :k].tolist()
         out[i] = LogprobsLists(ids, lps, ranks_l[j])

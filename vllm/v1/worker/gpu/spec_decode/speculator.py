@@ -67,7 +67,7 @@ class BaseSpeculator(ABC):
 class DraftModelSpeculator(BaseSpeculator):
     """A speculator with a draft nn.Module of its own (MTP head, EAGLE head)."""
 
-    def __init__(self, vllm_config: VllmConfig, device: torch.device) -> None:
+    def __init__(self, vllm_config: VllmConfig, device: torch.device | str) -> None:
         spec = vllm_config.speculative_config
         if spec is None:
             raise ValueError("a speculator needs speculative_config")
@@ -80,7 +80,9 @@ class DraftModelSpeculator(BaseSpeculator):
         sc = vllm_config.scheduler_config
         self.max_num_reqs = sc.max_num_seqs
         self.max_num_tokens = sc.max_num_batched_tokens
-        self.max_model_len = vllm_config.model_config.max_model_len
+        max_model_len = vllm_config.model_config.max_model_len
+        assert max_model_len is not None  # ModelConfig.__post_init__ resolves it
+        self.max_model_len = max_model_len
         self.block_size = vllm_config.cache_config.block_size
         draft_text = self.draft_model_config.hf_text_config
         self.hidden_size = int(draft_text.hidden_size) * int(getattr(draft_text, "hc_mult", 1) or 1)

@@ -63,7 +63,9 @@ def _check_shape(what: str, draft_module: nn.Module | None, target_module: nn.Mo
         )
 
 
-def get_target_lm_head(target_model: nn.Module, target_language_model: nn.Module) -> nn.Module:
+def get_target_lm_head(
+    target_model: nn.Module, target_language_model: nn.Module
+) -> nn.Module | None:
     return _real(getattr(target_language_model, "lm_head", None))
 
 
@@ -120,6 +122,7 @@ def load_eagle_model(
     """Build and load the draft of speculative_config, then share the target's embedding and
     LM head where allowed, and its DSA top-k buffer where the draft has one."""
     spec = vllm_config.speculative_config
+    assert spec is not None  # only speculators call this
     multi_stage = get_pp_group().world_size > 1
     if multi_stage:
         # The draft lives on the last stage next to its target: it must be buildable there.
