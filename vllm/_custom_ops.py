@@ -102,12 +102,16 @@ def cpu_kernels_available() -> bool:
     return True
 
 
+_fakes_registered = False
+
+
 def _register_fakes() -> None:
     """Shape functions, so that torch.compile can trace through the ops."""
+    global _fakes_registered
     lib = "vllm_cpu::"
-    if getattr(_register_fakes, "done", False):
+    if _fakes_registered:
         return
-    _register_fakes.done = True
+    _fakes_registered = True
     torch.library.register_fake(lib + "paged_attention")(lambda out, *args: None)
     torch.library.register_fake(lib + "rms_norm")(lambda x, w, eps: torch.empty_like(x))
     torch.library.register_fake(lib + "add_rms_norm")(

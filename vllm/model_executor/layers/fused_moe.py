@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -72,7 +73,7 @@ class UnquantizedFusedMoEMethod:
 
     def create_weights(
         self,
-        layer: nn.Module,
+        layer: FusedMoE,
         num_experts: int,
         hidden_size: int,
         intermediate_size: int,
@@ -93,7 +94,7 @@ class UnquantizedFusedMoEMethod:
         reject_quantized_tensor(ckpt_name, tensor, param_name)
         dst.copy_(tensor.to(dst.dtype))
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
         pass
 
     def apply(
@@ -114,6 +115,12 @@ class FusedMoE(nn.Module):
 
     w13_weight: nn.Parameter
     w2_weight: nn.Parameter
+    quant_method: Any  # UnquantizedFusedMoEMethod or a quantization config's MoE method
+    # Set by block-FP8 (Fp8MoEMethod) only.
+    w13_weight_scale_inv: nn.Parameter
+    w2_weight_scale_inv: nn.Parameter
+    params_dtype: torch.dtype
+    fp8_gemm_scales: tuple[list[torch.Tensor], list[torch.Tensor]] | None
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()

@@ -6,6 +6,7 @@ quantization method such as block FP8), chosen from the model's quantization con
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -45,50 +46,69 @@ def _cpu_has_bf16_gemm() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+class LinearLayerBase(nn.Module):
+    """The attributes a linear layer shares with its method object: the method creates and
+    replaces the parameters from outside the layer, so they are declared here for both."""
+
+    in_features: int
+    out_features: int
+    params_dtype: torch.dtype
+    quant_method: LinearMethodBase
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    # Set by block-FP8 (Fp8LinearMethod) only.
+    weight_scale_inv: nn.Parameter
+    weight_block_size: tuple[int, int]
+    fp8_stored: bool | None
+    fp8_gemm_scale: torch.Tensor | None
+
+
 class LinearMethodBase:
     """How a linear layer stores its weight and computes x @ W^T (+ bias)."""
 
     def create_weights(
-        self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype
+        self, layer: LinearLayerBase, input_size: int, output_size: int, params_dtype: torch.dtype
     ) -> None:
         raise NotImplementedError
 
     def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+        self, layer: LinearLayerBase, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         raise NotImplementedError
 
-    def load_weight(self, layer: nn.Module, leaf: str, tensor: torch.Tensor, name: str) -> bool:
+    def load_weight(
+        self, layer: LinearLayerBase, leaf: str, tensor: torch.Tensor, name: str
+    ) -> bool:
         """Copy checkpoint tensor `name` into the layer's parameter `leaf`; False leaves it to
         the default loader (a plain copy with a shape check)."""
         return False
 
-    def finish_loading(self, layer: nn.Module, prefix: str, loaded: set[str]) -> None:
+    def finish_loading(self, layer: LinearLayerBase, prefix: str, loaded: set[str]) -> None:
         """After the checkpoint was read: raise naming what is inconsistent (e.g. a quantized
         weight without its scale) and drop parameters the checkpoint did not need."""
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: LinearLayerBase) -> None:
         """Convert the loaded weights into the form apply() computes with."""
 
-    def dequantize_(self, layer: nn.Module) -> None:
+    def dequantize_(self, layer: LinearLayerBase) -> None:
         """Turn the layer into a plain unquantized one (no-op when it already is)."""
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
     def create_weights(
-        self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype
+        self, layer: LinearLayerBase, input_size: int, output_size: int, params_dtype: torch.dtype
     ) -> None:
         layer.weight = nn.Parameter(
             torch.empty(output_size, input_size, dtype=params_dtype), requires_grad=False
         )
 
     def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+        self, layer: LinearLayerBase, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return linear(x, layer.weight, bias)
 
 
-def _create_linear_weights(layer: nn.Module, method: LinearMethodBase, bias: bool) -> None:
+def _create_linear_weights(layer: LinearLayerBase, method: LinearMethodBase, bias: bool) -> None:
     """Give layer (with in_features, out_features, params_dtype) its quant_method, the
     method's weights and an optional bias."""
     layer.quant_method = method
@@ -101,7 +121,7 @@ def _create_linear_weights(layer: nn.Module, method: LinearMethodBase, bias: boo
         layer.register_parameter("bias", None)
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(LinearLayerBase):
     """y = x @ W^T + b with W [output_size, input_size], stored and multiplied as the quant
     config of the model being built says (unquantized without one). Every rank holds all of W.
 
@@ -109,8 +129,6 @@ class ReplicatedLinear(nn.Module):
     (router gates, lm_head) stay nn.Linear, so a quantized checkpoint tensor reaching them is a
     load error instead of a silent cast.
     """
-
-    quant_method: LinearMethodBase
 
     def __init__(
         self,
@@ -143,7 +161,7 @@ def dequantize_linear_(layer: nn.Module) -> None:
         method.dequantize_(layer)
 
 
-class MergedReplicatedLinear(nn.Module):
+class MergedReplicatedLinear(LinearLayerBase):
     """Several projections of one input packed into one: y = x @ [W_0; W_1; ...]^T, shard i
     being output columns [offset_i, offset_i + output_sizes[i]) (vLLM's qkv_proj /
     gate_up_proj). One larger GEMM instead of several, and no concatenation of their outputs.
@@ -203,9 +221,12 @@ class MergedReplicatedLinear(nn.Module):
             isinstance(s.quant_method, UnquantizedLinearMethod) for s in self.shards
         ):
             return
-        weight = torch.cat([s.weight for s in self.shards], dim=0)
-        has_bias = self.shards[0].bias is not None
-        bias = torch.cat([s.bias for s in self.shards]) if has_bias else None
+        # nn.ModuleList is untyped: its entries are the ReplicatedLinear shards built above.
+        shards = cast("list[ReplicatedLinear]", list(self.shards))
+        weight = torch.cat([s.weight for s in shards], dim=0)
+        bias: torch.Tensor | None = None
+        if shards[0].bias is not None:
+            bias = torch.cat([cast(torch.Tensor, s.bias) for s in shards])
         self.params_dtype = weight.dtype
         del self.shards
         self.shards = None

@@ -64,7 +64,7 @@ def _inv_freq(dim: int, base: float, scaling: dict[str, Any] | None) -> tuple[to
         beta_fast = float(scaling.get("beta_fast", 32))
         beta_slow = float(scaling.get("beta_slow", 1))
         low = math.floor(_yarn_find_correction_dim(beta_fast, dim, base, old_ctx))
-        high = math.ceil(_yarn_find_correction_dim(beta_slow, dim, base, old_ctx))
+        high: float = math.ceil(_yarn_find_correction_dim(beta_slow, dim, base, old_ctx))
         low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001
@@ -101,8 +101,8 @@ class RotaryEmbedding(nn.Module):
         self.is_neox_style = is_neox_style
         inv, self.attn_factor = _inv_freq(rotary_dim, base, scaling)
         self.inv_freq = inv
-        self._cos: torch.Tensor | None = None
-        self._sin: torch.Tensor | None = None
+        self._cos: torch.Tensor
+        self._sin: torch.Tensor
         self._build(max(max_position, 1))
 
     def _build(self, n: int) -> None:

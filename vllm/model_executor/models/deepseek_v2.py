@@ -192,7 +192,13 @@ class DeepseekV2MLAAttention(nn.Module):
             is_neox_style=not interleaved,
             scaling=scaling,
         )
-        self.attn = MLAAttention(
+        self.attn = MLAAttention(*self.mla_layer_args(config), prefix=f"{prefix}.attn")
+
+    def mla_layer_args(
+        self, config: Any
+    ) -> tuple[int, int, int, int, int, float, ReplicatedLinear]:
+        """The positional arguments of this block's MLA attention layer (dense or sparse)."""
+        return (
             self.num_heads,
             self.qk_nope_head_dim,
             self.qk_rope_head_dim,
@@ -200,7 +206,6 @@ class DeepseekV2MLAAttention(nn.Module):
             self.kv_lora_rank,
             mla_softmax_scale(config),
             self.kv_b_proj,
-            prefix=f"{prefix}.attn",
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:

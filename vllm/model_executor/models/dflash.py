@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -44,13 +44,9 @@ from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params
 from vllm.model_executor.models.interfaces import SupportsEagleBase, SupportsPP
 from vllm.model_executor.models.llama import LlamaMLP
 from vllm.model_executor.models.llama_eagle3 import (
-    LlamaForCausalLMEagle3,
     get_eagle3_aux_layers_from_config,
 )
-from vllm.model_executor.models.utils import (
-    load_params_strict,
-    make_empty_intermediate_tensors_factory,
-)
+from vllm.model_executor.models.utils import DraftVocabModel, load_params_strict
 from vllm.sequence import IntermediateTensors
 
 DFLASH_ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
@@ -312,7 +308,7 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(input_dim, 1)
 
 
-class DFlashDraftModel(nn.Module, SupportsPP, SupportsEagleBase):
+class DFlashDraftModel(DraftVocabModel, SupportsPP, SupportsEagleBase):
     """DFlash draft (speculators `dflash` folders and native DFlash configs)."""
 
     supports_pp = True
@@ -324,40 +320,13 @@ class DFlashDraftModel(nn.Module, SupportsPP, SupportsEagleBase):
         config = model_config.hf_text_config
         self.config = config
         self.model = DFlashModel(config)
-        self.vocab_size = int(config.vocab_size)
-        self.draft_vocab_size = int(getattr(config, "draft_vocab_size", None) or self.vocab_size)
         self.mask_token_id = int(_get(config, "mask_token_id"))
         self.block_size = int(_get(config, "block_size"))
         self.sample_from_anchor = sample_from_anchor(config)
-        self.lm_head = nn.Linear(int(config.hidden_size), self.draft_vocab_size, bias=False)
-        if self.draft_vocab_size != self.vocab_size:
-            self.d2t = nn.Parameter(
-                torch.zeros(self.draft_vocab_size, dtype=torch.int64), requires_grad=False
-            )
-        else:
-            self.d2t = None
-        self.register_buffer("draft_to_target", None, persistent=False)
+        self.init_draft_vocab(config)
         self.markov_head: MarkovHead | None = None
         self.confidence_head: ConfidenceHead | None = None
         self.confidence_with_markov = False
-        self.has_own_embed_tokens = True
-        self.has_own_lm_head = True
-        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states", "residual"], int(config.hidden_size)
-        )
-
-    # Logits over the draft vocabulary and the draft-vocabulary loading checks, as the EAGLE3
-    # head has them.
-    compute_draft_logits = LlamaForCausalLMEagle3.compute_draft_logits
-    finish_draft_vocab_loading = LlamaForCausalLMEagle3.finish_draft_vocab_loading
-
-    def scatter_to_target(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits [N, Vd] -> target-vocabulary ones (-inf outside)."""
-        if self.draft_to_target is None:
-            return logits
-        out = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        out[:, self.draft_to_target] = logits
-        return out
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.scatter_to_target(self.compute_draft_logits(hidden_states))
@@ -373,7 +342,8 @@ class DFlashDraftModel(nn.Module, SupportsPP, SupportsEagleBase):
     ) -> None:
         """Store the context keys / values of positions (features ctx) in every layer's cache."""
         for layer in self.model.layers:
-            layer.self_attn.write_context(positions, ctx, slot_mapping)
+            # nn.ModuleList is untyped: DFlashModel fills it with DFlashDecoderLayer only.
+            cast(DFlashDecoderLayer, layer).self_attn.write_context(positions, ctx, slot_mapping)
 
     def forward(
         self,

@@ -32,10 +32,8 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.models.interfaces import SupportsEagleBase, SupportsPP
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from vllm.model_executor.models.utils import (
-    WeightLoadError,
-    check_all_loaded,
+    DraftVocabModel,
     load_params_strict,
-    make_empty_intermediate_tensors_factory,
     maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
@@ -163,7 +161,7 @@ class Eagle3LlamaModel(nn.Module):
         return normed, (normed if self.norm_output else prenorm)
 
 
-class LlamaForCausalLMEagle3(nn.Module, SupportsPP, SupportsEagleBase):
+class LlamaForCausalLMEagle3(DraftVocabModel, SupportsPP, SupportsEagleBase):
     """EAGLE3 draft (legacy `LlamaForCausalLMEagle3` folders and speculators `eagle3` ones)."""
 
     supports_pp = True
@@ -175,23 +173,7 @@ class LlamaForCausalLMEagle3(nn.Module, SupportsPP, SupportsEagleBase):
         config = model_config.hf_text_config
         self.config = config
         self.model = Eagle3LlamaModel(config, prefix=maybe_prefix(prefix, "model"))
-        self.vocab_size = int(config.vocab_size)
-        self.draft_vocab_size = int(getattr(config, "draft_vocab_size", None) or self.vocab_size)
-        self.lm_head = nn.Linear(config.hidden_size, self.draft_vocab_size, bias=False)
-        if self.draft_vocab_size != self.vocab_size:
-            # Target id of draft id i is i + d2t[i].
-            self.d2t = nn.Parameter(
-                torch.zeros(self.draft_vocab_size, dtype=torch.int64), requires_grad=False
-            )
-        else:
-            self.d2t = None
-        # draft id -> target id, derived from d2t once it is loaded.
-        self.register_buffer("draft_to_target", None, persistent=False)
-        self.has_own_embed_tokens = True
-        self.has_own_lm_head = True
-        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
-            ["hidden_states", "residual"], config.hidden_size
-        )
+        self.init_draft_vocab(config)
 
     @property
     def aux_hidden_state_layers(self) -> tuple[int, ...] | None:
@@ -214,18 +196,9 @@ class LlamaForCausalLMEagle3(nn.Module, SupportsPP, SupportsEagleBase):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.model(input_ids, positions, hidden_states, inputs_embeds)
 
-    def compute_draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary [T, draft_vocab_size]."""
-        return self.lm_head(hidden_states).float()
-
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits over the TARGET vocabulary (tokens outside the draft vocab get -inf)."""
-        logits = self.compute_draft_logits(hidden_states)
-        if self.draft_to_target is None:
-            return logits
-        out = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
-        out[:, self.draft_to_target] = logits
-        return out
+        return self.scatter_to_target(self.compute_draft_logits(hidden_states))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str) -> str | None:
@@ -244,26 +217,3 @@ class LlamaForCausalLMEagle3(nn.Module, SupportsPP, SupportsEagleBase):
             return "model." + name
 
         return self.finish_draft_vocab_loading(load_params_strict(self, weights, rename))
-
-    def finish_draft_vocab_loading(self, loaded: set[str]) -> set[str]:
-        """After the weights named `loaded` were loaded: whether the draft ships its own
-        embedding / LM head (else the target's are shared), that nothing else is missing, and
-        the draft -> target id map of a reduced vocabulary (target id = i + d2t[i])."""
-        what = type(self).__name__
-        if self.d2t is not None and "d2t" not in loaded:
-            raise WeightLoadError(
-                f"{what} has draft_vocab_size={self.draft_vocab_size} < "
-                f"vocab_size={self.vocab_size} but its checkpoint has no 'd2t' map"
-            )
-        self.has_own_embed_tokens = "model.embed_tokens.weight" in loaded
-        self.has_own_lm_head = "lm_head.weight" in loaded
-        if not self.has_own_lm_head and self.d2t is not None:
-            raise WeightLoadError(f"{what} with a reduced vocabulary must ship lm_head.weight")
-        # Missing embedding / head are shared from the target by load_eagle_model.
-        check_all_loaded(self, loaded, shared={"model.embed_tokens.weight", "lm_head.weight"})
-        if self.d2t is not None:
-            ids = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
-            if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
-                raise WeightLoadError(f"{what} d2t maps draft ids outside the target vocabulary")
-            self.draft_to_target = ids
-        return loaded

@@ -194,7 +194,7 @@ def stacked_params_mapping(modules: dict[str, nn.Module]) -> dict[str, tuple[str
 
 
 def _load_packed_shard(
-    merged: nn.Module,
+    merged: MergedReplicatedLinear,
     shard: int,
     leaf: str,
     tensor: torch.Tensor,
@@ -258,3 +258,77 @@ def spec_decode_needs_target_embed(vllm_config: Any) -> bool:
         return False
     pp = get_pp_group()
     return pp.world_size > 1 and pp.is_last_rank
+
+
+class DraftVocabModel(nn.Module):
+    """A draft head with its own (possibly reduced) vocabulary: logits over draft_vocab_size
+    ids, mapped to target ids by `d2t` (target id of draft id i is i + d2t[i]), and an
+    embedding / LM head either shipped by the checkpoint or shared from the target."""
+
+    vocab_size: int
+    draft_vocab_size: int
+    lm_head: nn.Linear
+    d2t: nn.Parameter | None
+    draft_to_target: torch.Tensor | None
+    has_own_embed_tokens: bool
+    has_own_lm_head: bool
+
+    def init_draft_vocab(self, config: Any) -> None:
+        """The draft vocabulary, LM head and d2t map of a head built from HF `config`."""
+        hidden_size = int(config.hidden_size)
+        self.vocab_size = int(config.vocab_size)
+        self.draft_vocab_size = int(getattr(config, "draft_vocab_size", None) or self.vocab_size)
+        self.lm_head = nn.Linear(hidden_size, self.draft_vocab_size, bias=False)
+        if self.draft_vocab_size != self.vocab_size:
+            self.d2t = nn.Parameter(
+                torch.zeros(self.draft_vocab_size, dtype=torch.int64), requires_grad=False
+            )
+        else:
+            self.d2t = None
+        # draft id -> target id, derived from d2t once it is loaded.
+        self.register_buffer("draft_to_target", None, persistent=False)
+        self.has_own_embed_tokens = True
+        self.has_own_lm_head = True
+        self._make_intermediate = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "residual"], hidden_size
+        )
+
+    def make_empty_intermediate_tensors(
+        self, batch_size: int, dtype: torch.dtype, device: torch.device
+    ) -> IntermediateTensors:
+        return self._make_intermediate(batch_size, dtype, device)
+
+    def compute_draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary [T, draft_vocab_size]."""
+        return self.lm_head(hidden_states).float()
+
+    def scatter_to_target(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [N, Vd] -> target-vocabulary ones (-inf outside)."""
+        if self.draft_to_target is None:
+            return logits
+        out = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        out[:, self.draft_to_target] = logits
+        return out
+
+    def finish_draft_vocab_loading(self, loaded: set[str]) -> set[str]:
+        """After the weights named `loaded` were loaded: whether the draft ships its own
+        embedding / LM head (else the target's are shared), that nothing else is missing, and
+        the draft -> target id map of a reduced vocabulary (target id = i + d2t[i])."""
+        what = type(self).__name__
+        if self.d2t is not None and "d2t" not in loaded:
+            raise WeightLoadError(
+                f"{what} has draft_vocab_size={self.draft_vocab_size} < "
+                f"vocab_size={self.vocab_size} but its checkpoint has no 'd2t' map"
+            )
+        self.has_own_embed_tokens = "model.embed_tokens.weight" in loaded
+        self.has_own_lm_head = "lm_head.weight" in loaded
+        if not self.has_own_lm_head and self.d2t is not None:
+            raise WeightLoadError(f"{what} with a reduced vocabulary must ship lm_head.weight")
+        # Missing embedding / head are shared from the target by load_eagle_model.
+        check_all_loaded(self, loaded, shared={"model.embed_tokens.weight", "lm_head.weight"})
+        if self.d2t is not None:
+            ids = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t
+            if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+                raise WeightLoadError(f"{what} d2t maps draft ids outside the target vocabulary")
+            self.draft_to_target = ids
+        return loaded

@@ -26,7 +26,6 @@ from vllm.model_executor.models.deepseek_v2 import (
     DeepseekV2MLAAttention,
     DeepseekV2Model,
     DeepseekV3ForCausalLM,
-    mla_softmax_scale,
 )
 
 # Bound on the [rows, queries, index heads, keys] score block of one indexer chunk, in elements.
@@ -199,13 +198,7 @@ class DeepseekV32MLAAttention(DeepseekV2MLAAttention):
             else None
         )
         self.attn = SparseMLAAttention(
-            self.num_heads,
-            self.qk_nope_head_dim,
-            self.qk_rope_head_dim,
-            self.v_head_dim,
-            self.kv_lora_rank,
-            mla_softmax_scale(config),
-            self.kv_b_proj,
+            *self.mla_layer_args(config),
             topk_tokens=int(config.index_topk),
             indexer=self.indexer,
             topk_indices_buffer=topk_indices_buffer,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.linear import dequantize_linear_
+from vllm.model_executor.layers.linear import LinearLayerBase, dequantize_linear_
 from vllm.v1.attention.backends.mla.torch_mla import TorchMLAImpl
 from vllm.v1.attention.backends.torch_paged import TorchPagedAttentionImpl
 
@@ -74,7 +74,7 @@ class MLAAttention(AttentionLayerBase):
         v_head_dim: int,
         kv_lora_rank: int,
         scale: float,
-        kv_b_proj: nn.Module,
+        kv_b_proj: nn.Linear | LinearLayerBase,
         prefix: str = "",
     ) -> None:
         super().__init__(prefix)

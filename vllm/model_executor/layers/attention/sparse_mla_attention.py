@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from vllm.model_executor.layers.attention import MLAAttention
+from vllm.model_executor.layers.linear import LinearLayerBase
 from vllm.v1.attention.backends.mla.sparse_common import (
     TOPK_PAD,
     SharedTopkIndicesBuffer,
@@ -42,7 +43,7 @@ class SparseMLAAttention(MLAAttention):
         v_head_dim: int,
         kv_lora_rank: int,
         scale: float,
-        kv_b_proj: nn.Module,
+        kv_b_proj: nn.Linear | LinearLayerBase,
         topk_tokens: int,
         indexer: Any | None = None,
         topk_indices_buffer: torch.Tensor | None = None,

@@ -24,8 +24,12 @@ from torch import nn
 
 from vllm import envs
 from vllm.logger import init_logger
-from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod, fused_moe
-from vllm.model_executor.layers.linear import LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.fused_moe import FusedMoE, UnquantizedFusedMoEMethod, fused_moe
+from vllm.model_executor.layers.linear import (
+    LinearLayerBase,
+    LinearMethodBase,
+    UnquantizedLinearMethod,
+)
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.model_loader.weight_utils import FP8_DTYPES, WeightLoadError
 
@@ -193,7 +197,7 @@ class Fp8LinearMethod(LinearMethodBase):
         self.block = config.weight_block_size
 
     def create_weights(
-        self, layer: nn.Module, input_size: int, output_size: int, params_dtype: torch.dtype
+        self, layer: LinearLayerBase, input_size: int, output_size: int, params_dtype: torch.dtype
     ) -> None:
         layer.weight = nn.Parameter(
             torch.empty(output_size, input_size, dtype=FP8_DTYPE), requires_grad=False
@@ -206,7 +210,9 @@ class Fp8LinearMethod(LinearMethodBase):
         layer.fp8_stored = None  # True / False once the checkpoint's weight was seen
         layer.fp8_gemm_scale = None  # the scale laid out for the FP8 GEMM, when one is used
 
-    def load_weight(self, layer: nn.Module, leaf: str, tensor: torch.Tensor, name: str) -> bool:
+    def load_weight(
+        self, layer: LinearLayerBase, leaf: str, tensor: torch.Tensor, name: str
+    ) -> bool:
         shape = (layer.out_features, layer.in_features)
         if leaf == "weight":
             if tuple(tensor.shape) != shape:
@@ -237,7 +243,7 @@ class Fp8LinearMethod(LinearMethodBase):
             return True
         return False
 
-    def finish_loading(self, layer: nn.Module, prefix: str, loaded: set[str]) -> None:
+    def finish_loading(self, layer: LinearLayerBase, prefix: str, loaded: set[str]) -> None:
         weight, scale = f"{prefix}.weight", f"{prefix}.weight_scale_inv"
         if layer.fp8_stored is True and scale not in loaded:
             raise WeightLoadError(
@@ -252,7 +258,7 @@ class Fp8LinearMethod(LinearMethodBase):
             del layer.weight_scale_inv
             layer.quant_method = UnquantizedLinearMethod()
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: LinearLayerBase) -> None:
         device = layer.weight.device
         if _use_fp8_gemm(device):
             from vllm.model_executor.layers.quantization import fp8_kernels
@@ -265,7 +271,7 @@ class Fp8LinearMethod(LinearMethodBase):
         if _dense_mode(device) == "load":
             self.dequantize_(layer)
 
-    def dequantize_(self, layer: nn.Module) -> None:
+    def dequantize_(self, layer: LinearLayerBase) -> None:
         dense = dequantize_fp8_block(
             layer.weight, layer.weight_scale_inv, self.block, layer.params_dtype
         )
@@ -275,7 +281,7 @@ class Fp8LinearMethod(LinearMethodBase):
         layer.quant_method = UnquantizedLinearMethod()
 
     def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+        self, layer: LinearLayerBase, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if layer.fp8_gemm_scale is not None:
             from vllm.model_executor.layers.quantization import fp8_kernels
@@ -296,7 +302,7 @@ class Fp8MoEMethod:
 
     def create_weights(
         self,
-        layer: nn.Module,
+        layer: FusedMoE,
         num_experts: int,
         hidden_size: int,
         intermediate_size: int,
@@ -330,7 +336,7 @@ class Fp8MoEMethod:
         up = dequantize_fp8_block(w[..., i:, :], s[..., gi:, :], self.block, dtype)
         return torch.cat([gate, up], dim=-2)
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
         device = layer.w13_weight.device
         if _use_fp8_gemm(device):
             from vllm.model_executor.layers.quantization import fp8_kernels
@@ -355,7 +361,7 @@ class Fp8MoEMethod:
             del layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
             layer.quant_method = UnquantizedFusedMoEMethod()
 
-    def _expert_linear(self, layer: nn.Module) -> Callable[[torch.Tensor, int, str], torch.Tensor]:
+    def _expert_linear(self, layer: FusedMoE) -> Callable[[torch.Tensor, int, str], torch.Tensor]:
         if layer.fp8_gemm_scales is not None:
             from vllm.model_executor.layers.quantization import fp8_kernels
 
@@ -376,7 +382,7 @@ class Fp8MoEMethod:
 
     def apply(
         self,
-        layer: nn.Module,
+        layer: FusedMoE,
         hidden_states: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,

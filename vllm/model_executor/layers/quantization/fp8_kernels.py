@@ -12,12 +12,15 @@ run on a GPU in this project's CI (no GPU there).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.fused_moe import FusedMoE
 
 logger = init_logger(__name__)
 
@@ -145,7 +148,7 @@ def block_fp8_linear(
 
 
 def prepare_moe_block_fp8_gemm(
-    layer: nn.Module, block: tuple[int, int]
+    layer: FusedMoE, block: tuple[int, int]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
     """Per-expert scale layouts for stacked FP8 experts, or None (dequantized path). Needs
     I % 128 == 0 so the gate and up grids of w13 join into one grid of the [2I, H] matrix."""
@@ -164,8 +167,9 @@ def prepare_moe_block_fp8_gemm(
     return (s13, s2) if ok else None
 
 
-def moe_expert_linear(layer: nn.Module) -> Callable[[torch.Tensor, int, str], torch.Tensor]:
+def moe_expert_linear(layer: FusedMoE) -> Callable[[torch.Tensor, int, str], torch.Tensor]:
     """fused_moe's expert_linear over FP8 expert stacks prepared by prepare_moe_block_fp8_gemm."""
+    assert layer.fp8_gemm_scales is not None, "prepare_moe_block_fp8_gemm did not run"
     s13, s2 = layer.fp8_gemm_scales
 
     def linear(x: torch.Tensor, expert: int, proj: str) -> torch.Tensor:
