@@ -6,6 +6,7 @@ on the last stage samples (or verifies drafts) and proposes the next drafts."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -28,6 +29,9 @@ from vllm.v1.worker.gpu.linear_attn_states import LinearAttnStates
 from vllm.v1.worker.gpu.pp_utils import PPHandler
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays, compute_logprobs
 from vllm.v1.worker.gpu.spec_decode import init_speculator
+
+if TYPE_CHECKING:
+    from vllm.model_executor.models.base import CausalLMBase
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import configure_target_aux_taps
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
@@ -52,7 +56,7 @@ class ModelRunner:
         self.states = RequestStates(
             self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.num_spec
         )
-        self.model: torch.nn.Module | None = None
+        self.model: CausalLMBase | None = None
         self.attn_layers: dict[str, AttentionLayerBase] = {}
         self.speculator: BaseSpeculator | None = None
         # Verifies drafts (or, without any, takes each request's one sampled token).
@@ -71,7 +75,8 @@ class ModelRunner:
     def load_model(self) -> None:
         if self.pp.world_size > 1:
             check_supports_pp(resolve_model_cls(self.vllm_config.model_config.architecture))
-        self.model = get_model(self.vllm_config, device=self.device)
+        # Every registered target is a CausalLMBase (the decoder plus its LM head).
+        self.model = cast("CausalLMBase", get_model(self.vllm_config, device=self.device))
         if self.vllm_config.speculative_config is not None and self.pp.is_last_rank:
             self.speculator = init_speculator(self.vllm_config, self.device)
             self.speculator.load_model(self.model)
@@ -321,6 +326,7 @@ class ModelRunner:
             entries: list[LogprobsLists | None] = [None] if c == 0 else []
             if len(pos):
                 rows = torch.from_numpy(start + pos - c).to(hidden.device)
+                assert self.model is not None  # load_model ran before any step
                 logits = self.model.compute_logits(hidden[rows])
                 targets = torch.from_numpy(st.token_ids[s, pos + 1].copy()).to(hidden.device)
                 k = np.full(len(pos), st.num_prompt_logprobs[s])

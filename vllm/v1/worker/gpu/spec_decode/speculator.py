@@ -6,7 +6,7 @@ speculator that runs a draft model (its config, buffers, loading and draft-token
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -19,6 +19,8 @@ from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
 from vllm.v1.worker.gpu.spec_decode.eagle.utils import should_gather_mm_embeds_for_draft
 
 if TYPE_CHECKING:
+    from vllm.model_executor.models.base import ModelBase
+    from vllm.model_executor.models.interfaces import SupportsPP
     from vllm.v1.worker.gpu.input_batch import InputBatch
 
 
@@ -106,7 +108,7 @@ class DraftModelSpeculator(BaseSpeculator):
     def load_model(self, target_model: nn.Module) -> None:
         self.target_attn_layer_names = _attn_layer_names(target_model)
         target_ids = {id(m) for m in target_model.modules()}
-        self.target_hidden_size = int(target_model.config.hidden_size)
+        self.target_hidden_size = int(cast("ModelBase", target_model).config.hidden_size)
         self.model = self.load_draft_model(target_model, self.target_attn_layer_names)
         # The speculator lives on the last stage; encoder outputs exist only on the first.
         self.supports_mm_inputs = should_gather_mm_embeds_for_draft(
@@ -121,7 +123,7 @@ class DraftModelSpeculator(BaseSpeculator):
         # input a captured graph or compiled forward needs), shaped by the draft itself: its
         # SupportsPP make_empty_intermediate_tensors gives rows of the hidden size it consumes.
         rows = max(self.max_num_tokens, self.max_num_reqs)
-        self.hidden_states = self.model.make_empty_intermediate_tensors(
+        self.hidden_states = cast("SupportsPP", self.model).make_empty_intermediate_tensors(
             rows, self.dtype, self.device
         )["hidden_states"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -35,6 +35,8 @@ from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
 if TYPE_CHECKING:
+    from vllm.model_executor.models.base import DraftModelBase
+    from vllm.model_executor.models.llama_eagle3 import LlamaForCausalLMEagle3
     from vllm.v1.worker.gpu.input_batch import InputBatch
 
 logger = init_logger(__name__)
@@ -163,7 +165,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
 
     def _compute_logits(self, hidden: torch.Tensor, draft_step: int) -> torch.Tensor:
         assert self.model is not None
-        return self.model.compute_logits(hidden)
+        return cast("DraftModelBase", self.model).compute_logits(hidden)
 
     def _prefill_hidden(
         self, last_hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor] | None
@@ -171,7 +173,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         """Hidden states the prefill pass reads: the target's last hidden states, or (EAGLE3)
         the draft's combination of the target's aux hidden states."""
         if aux_hidden_states and hasattr(self.model, "combine_hidden_states"):
-            return self.model.combine_hidden_states(torch.cat(aux_hidden_states, dim=-1))
+            eagle3 = cast("LlamaForCausalLMEagle3", self.model)
+            return eagle3.combine_hidden_states(torch.cat(aux_hidden_states, dim=-1))
         return last_hidden_states
 
     def _num_aux_hidden_states(self) -> int:

@@ -13,7 +13,7 @@ token drafted before it; its confidence head's estimates are accumulated and log
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
 if TYPE_CHECKING:
+    from vllm.model_executor.models.dflash import DFlashDraftModel, DSparkDraftModel
     from vllm.v1.worker.gpu.input_batch import InputBatch
 
 logger = init_logger(__name__)
@@ -72,7 +73,7 @@ class DFlashSpeculator(DraftModelSpeculator):
     @property
     def sequential(self) -> bool:
         """Whether drafting runs slot by slot (DSpark's heads read the previous token)."""
-        m = self.model
+        m = self._dflash
         return m is not None and (m.markov_head is not None or m.confidence_head is not None)
 
     def confidence_stats(self) -> np.ndarray | None:
@@ -82,12 +83,17 @@ class DFlashSpeculator(DraftModelSpeculator):
             return None
         return self.confidence_sum / self.confidence_blocks
 
+    @property
+    def _dflash(self) -> DFlashDraftModel:
+        # load_draft_model builds a DFlashDraftModel (or DSparkDraftModel) for this method.
+        return cast("DFlashDraftModel", self.model)
+
     # ---- drafting ---------------------------------------------------------------------------
     def _sample(
         self, draft_logits: torch.Tensor, positions: np.ndarray, sampling: SamplingArrays
     ) -> torch.Tensor:
         """Tokens (target ids) from draft-vocabulary logits [R, Vd]."""
-        m = self.model
+        m = self._dflash
         if self.draft_sample_method != "probabilistic":
             tok = draft_logits.argmax(-1)
             return tok if m.draft_to_target is None else m.draft_to_target[tok]
@@ -102,7 +108,7 @@ class DFlashSpeculator(DraftModelSpeculator):
     ) -> np.ndarray:
         """Drafts [R, K] of one block per request (anchor token at anchor_pos, the context
         before it in the draft's cache)."""
-        m = self.model
+        m = self._dflash
         assert m is not None
         R, Q, K = len(anchor_tokens), self.query_len, self.num_speculative_steps
         dev = self.device
@@ -132,6 +138,8 @@ class DFlashSpeculator(DraftModelSpeculator):
                 toks.append(self._sample(base[:, k], draft_pos + k, sampling))
             drafts[:] = torch.stack(toks, dim=1).cpu().numpy()
             return drafts.copy()
+        # Sequential drafting runs only for DSpark heads (their Markov / confidence heads).
+        ds = cast("DSparkDraftModel", m)
         prev = torch.from_numpy(np.asarray(anchor_tokens, dtype=np.int64)).to(dev)
         state = None
         toks, confs = [], []
@@ -139,10 +147,10 @@ class DFlashSpeculator(DraftModelSpeculator):
             k = s - first
             if k < 0:
                 # The anchor's slot drafts nothing but feeds the rnn head's state.
-                if m.markov_head is not None and m.markov_head.head_type == "rnn":
-                    _, _, state = m.markov_step(prev, hidden[:, s], state)
+                if ds.markov_head is not None and ds.markov_head.head_type == "rnn":
+                    _, _, state = ds.markov_step(prev, hidden[:, s], state)
                 continue
-            bias, conf, state = m.markov_step(prev, hidden[:, s], state)
+            bias, conf, state = ds.markov_step(prev, hidden[:, s], state)
             logits = base[:, k] if bias is None else base[:, k] + bias.float()
             prev = self._sample(logits, draft_pos + k, sampling)
             toks.append(prev)
@@ -163,7 +171,7 @@ class DFlashSpeculator(DraftModelSpeculator):
             self._blocks_since_log = 0
             logger.info(
                 "DSpark confidence head: mean predicted acceptance per draft position %s",
-                np.round(self.confidence_stats(), 3).tolist(),
+                np.round(self.confidence_sum / self.confidence_blocks, 3).tolist(),
             )
 
     # ---- the runner's interface -------------------------------------------------------------
@@ -202,9 +210,9 @@ class DFlashSpeculator(DraftModelSpeculator):
         R, T = b.num_reqs, b.num_tokens
         num_sampled = np.asarray(num_sampled, dtype=np.int64)
         num_rejected = np.asarray(num_rejected, dtype=np.int64)
-        ctx = self.model.combine_hidden_states(torch.cat(aux_hidden_states, dim=-1)[:T])
+        ctx = self._dflash.combine_hidden_states(torch.cat(aux_hidden_states, dim=-1)[:T])
         positions = torch.from_numpy(np.asarray(b.positions_np[:T], dtype=np.int64))
-        self.model.write_context(positions.to(self.device), ctx, b.attn_metadata.slot_mapping[:T])
+        self._dflash.write_context(positions.to(self.device), ctx, b.attn_metadata.slot_mapping[:T])
         # Each request's last valid row; the anchor is the token after it: the one just
         # sampled, or (non-final prefill chunk) the next prompt token.
         last_idx = b.query_start_loc_np[:-1] + b.num_scheduled_tokens - num_rejected - 1

@@ -4,13 +4,17 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.logger import init_logger
-from vllm.model_executor.models.interfaces import EagleModelMixin, supports_eagle3
+from vllm.model_executor.models.interfaces import (
+    EagleModelMixin,
+    SupportsEagle3,
+    supports_eagle3,
+)
 from vllm.model_executor.models.llama_eagle3 import (
     get_eagle3_aux_layers_from_config,
     get_eagle3_use_aux_hidden_state_from_config,
@@ -30,15 +34,16 @@ def set_eagle3_aux_hidden_state_layers(
         raise RuntimeError(
             f"Model does not support EAGLE3 interface ({type(target_model).__name__})"
         )
+    target = cast(SupportsEagle3, target_model)
     ids = get_eagle3_aux_layers_from_config(draft_hf_config)
     if ids is None:
-        ids = target_model.get_eagle3_default_aux_hidden_state_layers()
+        ids = target.get_eagle3_default_aux_hidden_state_layers()
         logger.warning(
             "the EAGLE3 draft config names no eagle_aux_hidden_state_layer_ids; tapping the "
             "default layers %s (acceptance will be low if the draft was trained on others)",
             ids,
         )
-    n = int(target_model.config.num_hidden_layers)
+    n = int(target.config.num_hidden_layers)
     bad = [i for i in ids if not 0 <= int(i) <= n]
     if bad:
         raise ValueError(
@@ -48,7 +53,7 @@ def set_eagle3_aux_hidden_state_layers(
     taps = tuple(sorted({int(i) for i in ids}))
     fc = getattr(getattr(draft_model, "model", None), "fc", None)
     if fc is not None:
-        need = len(taps) * int(target_model.config.hidden_size)
+        need = len(taps) * int(target.config.hidden_size)
         if fc.in_features != need:
             raise ValueError(
                 f"eagle_aux_hidden_state_layer_ids {list(ids)} gives {len(taps)} distinct taps "
@@ -56,7 +61,7 @@ def set_eagle3_aux_hidden_state_layers(
             )
     if get_pp_group().world_size > 1:
         verify_supports_aux_hidden_states_over_pp(target_model, method)
-    target_model.set_aux_hidden_state_layers(taps)
+    target.set_aux_hidden_state_layers(taps)
     return taps
 
 
@@ -69,7 +74,8 @@ def uses_aux_hidden_states(method: str, draft_hf_config: Any) -> bool:
 
 def _inner_decoder(model: nn.Module) -> nn.Module | None:
     """The decoder holding the taps: the language model's `.model`."""
-    lm = model.get_language_model() if hasattr(model, "get_language_model") else model
+    get_language_model = getattr(model, "get_language_model", None)
+    lm = get_language_model() if get_language_model is not None else model
     return getattr(lm, "model", None)
 
 

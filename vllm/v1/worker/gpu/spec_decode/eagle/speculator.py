@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import numpy as np
 import torch
 from torch import nn
@@ -15,6 +17,9 @@ from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
     uses_aux_hidden_states,
 )
 from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
+
+if TYPE_CHECKING:
+    from vllm.model_executor.models.llama_eagle3 import LlamaForCausalLMEagle3
 
 
 class EagleSpeculator(AutoRegressiveSpeculator):
@@ -40,16 +45,23 @@ class EagleSpeculator(AutoRegressiveSpeculator):
         )
         return draft
 
+    @property
+    def _eagle3(self) -> LlamaForCausalLMEagle3:
+        # Only read when _draft_vocab_argmax: a draft-vocabulary (EAGLE3-style) head.
+        return cast("LlamaForCausalLMEagle3", self.model)
+
     def _compute_logits(self, hidden: torch.Tensor, draft_step: int) -> torch.Tensor:
         if self._draft_vocab_argmax:
-            return self.model.compute_draft_logits(hidden)
+            return self._eagle3.compute_draft_logits(hidden)
         return super()._compute_logits(hidden, draft_step)
 
     def sample_draft(
         self, logits: torch.Tensor, positions: np.ndarray, sampling: SamplingArrays
     ) -> torch.Tensor:
         if self._draft_vocab_argmax:
-            return self.model.draft_to_target[logits.argmax(-1)]
+            d2t = self._eagle3.draft_to_target
+            assert d2t is not None  # _draft_vocab_argmax requires it
+            return d2t[logits.argmax(-1)]
         return super().sample_draft(logits, positions, sampling)
 
     def _num_aux_hidden_states(self) -> int:

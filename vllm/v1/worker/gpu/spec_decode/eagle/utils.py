@@ -5,6 +5,8 @@ target's embedding / LM head where the draft ships none (or an identical copy)."
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -111,9 +113,11 @@ def _share_mtp_layer_weights(draft_inner: nn.Module, target_embed, target_head) 
     for layer in layers.values():
         if _same_weights(getattr(layer, "embed_tokens", None), target_embed):
             layer.embed_tokens = target_embed
-        head = getattr(getattr(layer, "shared_head", None), "head", None)
-        if _same_weights(head, target_head):
-            layer.shared_head.head = target_head
+        shared_head = getattr(layer, "shared_head", None)
+        if shared_head is not None and _same_weights(
+            getattr(shared_head, "head", None), target_head
+        ):
+            shared_head.head = target_head
 
 
 def load_eagle_model(
@@ -130,19 +134,19 @@ def load_eagle_model(
     draft = get_model(vllm_config, model_config=spec.draft_model_config, device=device)
     if multi_stage:
         check_supports_pp(draft)
-    target_lm = (
-        target_model.get_language_model()
-        if hasattr(target_model, "get_language_model")
-        else target_model
-    )
-    target_inner = target_lm.model
+    get_language_model = getattr(target_model, "get_language_model", None)
+    target_lm = get_language_model() if get_language_model is not None else target_model
+    target_inner = cast(nn.Module, target_lm.model)
     draft_inner = getattr(draft, "model", draft)
     target_embed = _real(getattr(target_inner, "embed_tokens", None))
     target_head = get_target_lm_head(target_model, target_lm)
     maybe_share_target_embed(draft, draft_inner, target_inner)
     draft_head = getattr(draft, "lm_head", None)
     if draft_head is not None:
-        if _should_share(draft, "has_own_lm_head", draft_head, target_head):
+        # (_should_share is False without a target head.)
+        if target_head is not None and _should_share(
+            draft, "has_own_lm_head", draft_head, target_head
+        ):
             if not getattr(draft, "has_own_lm_head", False):
                 _check_shape("lm_head", draft_head, target_head)
             draft.lm_head = target_head

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -13,6 +13,10 @@ from torch import nn
 from vllm.config import num_mtp_layers
 from vllm.v1.worker.gpu.spec_decode.autoregressive.speculator import AutoRegressiveSpeculator
 from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
+
+if TYPE_CHECKING:
+    from vllm.model_executor.models.base import DraftModelBase
+    from vllm.models.deepseek_v32.mtp import DeepseekV32MultiTokenPredictor
 
 
 class MTPSpeculator(AutoRegressiveSpeculator):
@@ -38,11 +42,12 @@ class MTPSpeculator(AutoRegressiveSpeculator):
         return {"spec_step_idx": draft_step}
 
     def _compute_logits(self, hidden: torch.Tensor, draft_step: int) -> torch.Tensor:
-        return self.model.compute_logits(hidden, spec_step_idx=draft_step)
+        return cast("DraftModelBase", self.model).compute_logits(hidden, spec_step_idx=draft_step)
 
     @property
-    def _inner(self) -> nn.Module:
-        return getattr(self.model, "model", self.model)
+    def _inner(self) -> DeepseekV32MultiTokenPredictor:
+        # Only read when share_mtp_topk_indices: the draft's inner predictor has the top-k hooks.
+        return cast("DeepseekV32MultiTokenPredictor", getattr(self.model, "model", self.model))
 
     def on_prefill_begin(self, num_reqs: int) -> None:
         if self.share_mtp_topk_indices:
