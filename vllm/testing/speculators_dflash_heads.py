@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 
 from vllm.testing.speculators_heads import (
     SpeculatorsReference,
+    load_random_vocab_mapping,
     read_target_config,
     target_layer_fields,
 )
@@ -117,10 +118,7 @@ def make_speculators_dflash(
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
         if dv < vocab:
-            ids = torch.randperm(vocab, generator=gen)[:dv].sort().values
-            t2d = torch.zeros(vocab, dtype=torch.bool)
-            t2d[ids] = True
-            model.load_vocab_mappings(t2d, ids - torch.arange(dv))
+            load_random_vocab_mapping(model, vocab, dv, gen)
     model.save_pretrained(str(out_dir))
     return str(out_dir)
 

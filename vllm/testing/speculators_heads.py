@@ -51,6 +51,17 @@ def target_layer_fields(target: dict) -> dict:
     return {k: target[k] for k in _LAYER_KEYS if k in target}
 
 
+def load_random_vocab_mapping(
+    model: torch.nn.Module, vocab: int, dv: int, gen: torch.Generator
+) -> None:
+    """A random sorted draft vocabulary of dv of the target's vocab ids, loaded as the head's
+    d2t / t2d buffers (speculators' load_vocab_mappings)."""
+    ids = torch.randperm(vocab, generator=gen)[:dv].sort().values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    model.load_vocab_mappings(t2d, ids - torch.arange(dv))
+
+
 def make_speculators_eagle3(
     out_dir: str | os.PathLike,
     target_dir: str | os.PathLike,
@@ -106,10 +117,7 @@ def make_speculators_eagle3(
             else:
                 p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
         if dv < vocab:
-            ids = torch.randperm(vocab, generator=gen)[:dv].sort().values
-            t2d = torch.zeros(vocab, dtype=torch.bool)
-            t2d[ids] = True
-            model.load_vocab_mappings(t2d, ids - torch.arange(dv))
+            load_random_vocab_mapping(model, vocab, dv, gen)
     model.save_pretrained(str(out_dir))
     if not own_embed:
         path = Path(out_dir) / "model.safetensors"
