@@ -193,8 +193,8 @@ def _spec_run(path: str, k: int = K) -> dict:
         drafts: list[list[list[int]]] = []
         orig = spec.propose
 
-        def propose(*args, **kwargs):
-            out = orig(*args, **kwargs)
+        def propose(inputs):
+            out = orig(inputs)
             drafts.append(out.tolist())  # [num_reqs, K] int64 array
             return out
 

@@ -271,17 +271,17 @@ def _make_dense(
     arch: str,
     out_dir: str | os.PathLike,
     *,
-    tie_word_embeddings: bool,
-    num_hidden_layers: int,
-    hidden_size: int,
-    intermediate_size: int,
-    num_attention_heads: int,
-    num_key_value_heads: int,
-    rope_scaling: dict[str, Any] | None,
-    rope_theta: float,
-    max_position_embeddings: int,
-    seed: int,
-    dtype: torch.dtype,
+    tie_word_embeddings: bool = False,
+    num_hidden_layers: int = 4,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    rope_scaling: dict[str, Any] | None = None,
+    rope_theta: float = 10000.0,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> str:
     """Shared body of :func:`make_llama` / :func:`make_qwen2`."""
     import transformers
@@ -313,73 +313,22 @@ def _make_dense(
     return str(out_dir)
 
 
-def make_llama(
-    out_dir: str | os.PathLike,
-    *,
-    tie_word_embeddings: bool = False,
-    num_hidden_layers: int = 4,
-    hidden_size: int = 64,
-    intermediate_size: int = 128,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
-    rope_scaling: dict[str, Any] | None = None,
-    rope_theta: float = 10000.0,
-    max_position_embeddings: int = 512,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-) -> str:
+def make_llama(out_dir: str | os.PathLike, **kwargs: Any) -> str:
     """Write a tiny random ``LlamaForCausalLM`` checkpoint (+ tokenizer) to ``out_dir``.
 
-    ``rope_scaling`` (e.g. a llama3 dict) is stored in ``config.rope_parameters``.
+    Keyword arguments (sizes, ``tie_word_embeddings``, ``seed``, ``dtype``, ...) are those of
+    :func:`_make_dense`; ``rope_scaling`` (e.g. a llama3 dict) is stored in
+    ``config.rope_parameters``.
     """
-    return _make_dense(
-        "Llama",
-        out_dir,
-        tie_word_embeddings=tie_word_embeddings,
-        num_hidden_layers=num_hidden_layers,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        rope_scaling=rope_scaling,
-        rope_theta=rope_theta,
-        max_position_embeddings=max_position_embeddings,
-        seed=seed,
-        dtype=dtype,
-    )
+    return _make_dense("Llama", out_dir, **kwargs)
 
 
-def make_qwen2(
-    out_dir: str | os.PathLike,
-    *,
-    tie_word_embeddings: bool = False,
-    num_hidden_layers: int = 4,
-    hidden_size: int = 64,
-    intermediate_size: int = 128,
-    num_attention_heads: int = 4,
-    num_key_value_heads: int = 2,
-    rope_scaling: dict[str, Any] | None = None,
-    rope_theta: float = 10000.0,
-    max_position_embeddings: int = 512,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-) -> str:
-    """Write a tiny random ``Qwen2ForCausalLM`` checkpoint (random non-zero q/k/v biases)."""
-    return _make_dense(
-        "Qwen2",
-        out_dir,
-        tie_word_embeddings=tie_word_embeddings,
-        num_hidden_layers=num_hidden_layers,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads,
-        rope_scaling=rope_scaling,
-        rope_theta=rope_theta,
-        max_position_embeddings=max_position_embeddings,
-        seed=seed,
-        dtype=dtype,
-    )
+def make_qwen2(out_dir: str | os.PathLike, **kwargs: Any) -> str:
+    """Write a tiny random ``Qwen2ForCausalLM`` checkpoint (random non-zero q/k/v biases).
+
+    Keyword arguments are those of :func:`make_llama`.
+    """
+    return _make_dense("Qwen2", out_dir, **kwargs)
 
 
 # --------------------------------------------------------------------------- DeepSeek
@@ -539,69 +488,74 @@ def _make_deepseek(
     return str(out)
 
 
+# HF config fields of the tiny DeepSeek models (plus rope_scaling / rope_theta, folded into
+# rope_parameters); each maker's ``**config`` overrides them.
+V3_DEFAULTS: dict[str, Any] = {
+    "num_hidden_layers": 3,
+    "hidden_size": 64,
+    "q_lora_rank": None,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "num_attention_heads": 4,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 32,
+    "intermediate_size": 128,
+    "first_k_dense_replace": 1,
+    "routed_scaling_factor": 2.5,
+    "rope_scaling": None,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 512,
+}
+# DeepSeek-V2: softmax routing, greedy top-k, no expert groups.
+V2_DEFAULTS: dict[str, Any] = {
+    **V3_DEFAULTS,
+    "routed_scaling_factor": 1.0,
+    "topk_method": "greedy",
+    "n_group": None,
+    "topk_group": None,
+}
+
+
+def _config_kwargs(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``defaults`` updated by ``overrides`` (unknown fields refused), rope folded."""
+    unknown = set(overrides) - set(defaults)
+    if unknown:
+        raise ValueError(f"unknown tiny-model config field(s) {sorted(unknown)}")
+    kw = {**defaults, **overrides}
+    rope = _rope_parameters(kw.pop("rope_scaling"), kw.pop("rope_theta"))
+    return {**kw, "rope_parameters": rope}
+
+
 def make_deepseek_v3(
     out_dir: str | os.PathLike,
     *,
-    num_hidden_layers: int = 3,
-    hidden_size: int = 64,
-    q_lora_rank: int | None = None,
-    kv_lora_rank: int = 32,
-    qk_nope_head_dim: int = 16,
-    qk_rope_head_dim: int = 8,
-    v_head_dim: int = 16,
-    num_attention_heads: int = 4,
-    n_routed_experts: int = 8,
-    num_experts_per_tok: int = 2,
-    n_group: int = 2,
-    topk_group: int = 1,
-    n_shared_experts: int = 1,
-    moe_intermediate_size: int = 32,
-    intermediate_size: int = 128,
-    first_k_dense_replace: int = 1,
-    routed_scaling_factor: float = 2.5,
     num_nextn_predict_layers: int = 0,
     mtp_own_embed: bool = True,
     mtp_copy_main_head: bool = True,
     per_expert_names: bool = True,
     architecture: str = "DeepseekV3ForCausalLM",
-    rope_scaling: dict[str, Any] | None = None,
-    rope_theta: float = 10000.0,
-    max_position_embeddings: int = 512,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    **config: Any,
 ) -> str:
     """Write a tiny random DeepSeek-V3 (MLA + sigmoid/group-limited MoE) checkpoint.
 
-    With ``num_nextn_predict_layers = n > 0`` the folder is sharded and the second shard
-    holds the MTP layers ``model.layers.{N+i}.*`` (see the module docstring).
-    ``mtp_own_embed`` controls whether the MTP layers carry ``embed_tokens.weight``;
+    ``config`` overrides V3_DEFAULTS. With ``num_nextn_predict_layers = n > 0`` the folder is
+    sharded and the second shard holds the MTP layers ``model.layers.{N+i}.*`` (see the module
+    docstring). ``mtp_own_embed`` controls whether the MTP layers carry ``embed_tokens.weight``;
     ``mtp_copy_main_head=False`` makes their ``embed_tokens``/``shared_head.head`` random
     instead of copies of the main model's.  ``per_expert_names=False`` stores fused experts.
     """
     return _make_deepseek(
         3,
         out_dir,
-        config_kwargs={
-            "num_hidden_layers": num_hidden_layers,
-            "hidden_size": hidden_size,
-            "q_lora_rank": q_lora_rank,
-            "kv_lora_rank": kv_lora_rank,
-            "qk_nope_head_dim": qk_nope_head_dim,
-            "qk_rope_head_dim": qk_rope_head_dim,
-            "v_head_dim": v_head_dim,
-            "num_attention_heads": num_attention_heads,
-            "n_routed_experts": n_routed_experts,
-            "num_experts_per_tok": num_experts_per_tok,
-            "n_group": n_group,
-            "topk_group": topk_group,
-            "n_shared_experts": n_shared_experts,
-            "moe_intermediate_size": moe_intermediate_size,
-            "intermediate_size": intermediate_size,
-            "first_k_dense_replace": first_k_dense_replace,
-            "routed_scaling_factor": routed_scaling_factor,
-            "max_position_embeddings": max_position_embeddings,
-            "rope_parameters": _rope_parameters(rope_scaling, rope_theta),
-        },
+        config_kwargs=_config_kwargs(V3_DEFAULTS, config),
         num_nextn_predict_layers=num_nextn_predict_layers,
         mtp_own_embed=mtp_own_embed,
         mtp_copy_main_head=mtp_copy_main_head,
@@ -615,60 +569,20 @@ def make_deepseek_v3(
 def make_deepseek_v2(
     out_dir: str | os.PathLike,
     *,
-    num_hidden_layers: int = 3,
-    hidden_size: int = 64,
-    q_lora_rank: int | None = None,
-    kv_lora_rank: int = 32,
-    qk_nope_head_dim: int = 16,
-    qk_rope_head_dim: int = 8,
-    v_head_dim: int = 16,
-    num_attention_heads: int = 4,
-    n_routed_experts: int = 8,
-    num_experts_per_tok: int = 2,
-    n_shared_experts: int = 1,
-    moe_intermediate_size: int = 32,
-    intermediate_size: int = 128,
-    first_k_dense_replace: int = 1,
-    routed_scaling_factor: float = 1.0,
-    topk_method: str = "greedy",
-    n_group: int | None = None,
-    topk_group: int | None = None,
     per_expert_names: bool = True,
-    rope_scaling: dict[str, Any] | None = None,
-    rope_theta: float = 10000.0,
-    max_position_embeddings: int = 512,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    **config: Any,
 ) -> str:
     """Write a tiny random DeepSeek-V2 (MLA + softmax-routed MoE) checkpoint.
 
-    Same tensor names as DeepSeek-V3 minus ``mlp.gate.e_score_correction_bias``.
+    ``config`` overrides V2_DEFAULTS. Same tensor names as DeepSeek-V3 minus
+    ``mlp.gate.e_score_correction_bias``.
     """
     return _make_deepseek(
         2,
         out_dir,
-        config_kwargs={
-            "num_hidden_layers": num_hidden_layers,
-            "hidden_size": hidden_size,
-            "q_lora_rank": q_lora_rank,
-            "kv_lora_rank": kv_lora_rank,
-            "qk_nope_head_dim": qk_nope_head_dim,
-            "qk_rope_head_dim": qk_rope_head_dim,
-            "v_head_dim": v_head_dim,
-            "num_attention_heads": num_attention_heads,
-            "n_routed_experts": n_routed_experts,
-            "num_experts_per_tok": num_experts_per_tok,
-            "n_shared_experts": n_shared_experts,
-            "moe_intermediate_size": moe_intermediate_size,
-            "intermediate_size": intermediate_size,
-            "first_k_dense_replace": first_k_dense_replace,
-            "routed_scaling_factor": routed_scaling_factor,
-            "topk_method": topk_method,
-            "n_group": n_group,
-            "topk_group": topk_group,
-            "max_position_embeddings": max_position_embeddings,
-            "rope_parameters": _rope_parameters(rope_scaling, rope_theta),
-        },
+        config_kwargs=_config_kwargs(V2_DEFAULTS, config),
         num_nextn_predict_layers=0,
         mtp_own_embed=False,
         mtp_copy_main_head=True,

@@ -26,10 +26,11 @@ from typing import Any
 import torch
 
 from vllm.testing.checkpoints import (
+    V3_DEFAULTS,
+    _config_kwargs,
     _mtp_state,
     _peaky_reinit_,
     _read_safetensors,
-    _rope_parameters,
     _save_model,
     _token_ids,
     _write_shards,
@@ -79,14 +80,17 @@ def _make_dsa(
     glm: bool,
     out_dir: str | os.PathLike,
     *,
-    config_kwargs: dict[str, Any],
-    num_nextn_predict_layers: int,
-    index_share_for_mtp_iteration: bool | None,
-    seed: int,
-    dtype: torch.dtype,
+    num_nextn_predict_layers: int = 0,
+    index_share_for_mtp_iteration: bool | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
     mtp_own_embed: bool = True,
+    **config: Any,
 ) -> str:
+    """Shared body of :func:`make_deepseek_v32` / :func:`make_glm_moe_dsa`."""
     import transformers
+
+    config_kwargs = _config_kwargs(GLM_DEFAULTS if glm else V32_DEFAULTS, config)
 
     out = Path(out_dir)
     tokenizer = build_tokenizer(out)
@@ -133,33 +137,15 @@ def _make_dsa(
     return str(out)
 
 
-# HF config fields of the tiny models (plus rope_scaling / rope_theta, folded into
-# rope_parameters). 8 indexer heads make an exactly-zero index score (every head clipped by the
-# ReLU) rare, so the top-k selection has no ties for HF and us to break differently.
+# V3's tiny config (vllm/testing/checkpoints.py) with a q LoRA and the indexer. 8 indexer heads
+# make an exactly-zero index score (every head clipped by the ReLU) rare, so the top-k selection
+# has no ties for HF and us to break differently.
 V32_DEFAULTS: dict[str, Any] = {
-    "num_hidden_layers": 3,
-    "hidden_size": 64,
+    **V3_DEFAULTS,
     "q_lora_rank": 24,
-    "kv_lora_rank": 32,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "v_head_dim": 16,
-    "num_attention_heads": 4,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "n_group": 2,
-    "topk_group": 1,
-    "n_shared_experts": 1,
-    "moe_intermediate_size": 32,
-    "intermediate_size": 128,
-    "first_k_dense_replace": 1,
-    "routed_scaling_factor": 2.5,
     "index_topk": 8,
     "index_n_heads": 8,
     "index_head_dim": 16,
-    "rope_scaling": None,
-    "rope_theta": 10000.0,
-    "max_position_embeddings": 512,
 }
 # GLM-5 layout: no expert groups, and layer 2 "shared" (reuses layer 1's top-k).
 GLM_DEFAULTS: dict[str, Any] = {
@@ -170,61 +156,20 @@ GLM_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _config_kwargs(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    unknown = set(overrides) - set(defaults)
-    if unknown:
-        raise ValueError(f"unknown tiny-DSA config field(s) {sorted(unknown)}")
-    kw = {**defaults, **overrides}
-    rope = _rope_parameters(kw.pop("rope_scaling"), kw.pop("rope_theta"))
-    return {**kw, "rope_parameters": rope}
-
-
-def make_deepseek_v32(
-    out_dir: str | os.PathLike,
-    *,
-    num_nextn_predict_layers: int = 0,
-    index_share_for_mtp_iteration: bool | None = None,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    mtp_own_embed: bool = True,
-    **config: Any,
-) -> str:
+def make_deepseek_v32(out_dir: str | os.PathLike, **kwargs: Any) -> str:
     """Write a tiny random ``DeepseekV32ForCausalLM`` checkpoint (+ tokenizer) to ``out_dir``.
 
-    ``config`` overrides V32_DEFAULTS. With ``num_nextn_predict_layers = n > 0`` the second
-    shard holds MTP layers ``model.layers.{N+i}.*`` (each with its own indexer, and its own
-    ``embed_tokens`` unless ``mtp_own_embed=False``: then only the top-level table exists);
+    Keyword arguments: ``num_nextn_predict_layers``, ``index_share_for_mtp_iteration``,
+    ``mtp_own_embed``, ``seed``, ``dtype``; any other overrides V32_DEFAULTS. With
+    ``num_nextn_predict_layers = n > 0`` the second shard holds MTP layers
+    ``model.layers.{N+i}.*`` (each with its own indexer, and its own ``embed_tokens`` unless
+    ``mtp_own_embed=False``: then only the top-level table exists);
     ``index_share_for_mtp_iteration`` is written to config.json when given.
     """
-    return _make_dsa(
-        False,
-        out_dir,
-        config_kwargs=_config_kwargs(V32_DEFAULTS, config),
-        num_nextn_predict_layers=num_nextn_predict_layers,
-        index_share_for_mtp_iteration=index_share_for_mtp_iteration,
-        seed=seed,
-        dtype=dtype,
-        mtp_own_embed=mtp_own_embed,
-    )
+    return _make_dsa(False, out_dir, **kwargs)
 
 
-def make_glm_moe_dsa(
-    out_dir: str | os.PathLike,
-    *,
-    num_nextn_predict_layers: int = 0,
-    index_share_for_mtp_iteration: bool | None = None,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-    **config: Any,
-) -> str:
+def make_glm_moe_dsa(out_dir: str | os.PathLike, **kwargs: Any) -> str:
     """Write a tiny random ``GlmMoeDsaForCausalLM`` (interleaved indexer RoPE, a ``"shared"``
-    layer); ``config`` overrides GLM_DEFAULTS; the rest as :func:`make_deepseek_v32`."""
-    return _make_dsa(
-        True,
-        out_dir,
-        config_kwargs=_config_kwargs(GLM_DEFAULTS, config),
-        num_nextn_predict_layers=num_nextn_predict_layers,
-        index_share_for_mtp_iteration=index_share_for_mtp_iteration,
-        seed=seed,
-        dtype=dtype,
-    )
+    layer); config fields override GLM_DEFAULTS; the rest as :func:`make_deepseek_v32`."""
+    return _make_dsa(True, out_dir, **kwargs)

@@ -71,10 +71,10 @@ def _record(llm: LLM) -> list[tuple[str, int, list[int], list[torch.Tensor], lis
     orig = spec.propose
     records = []
 
-    def propose(batch, hidden, aux, sampled, num_sampled, *rest):
-        drafts = orig(batch, hidden, aux, sampled, num_sampled, *rest)
-        for i, rid in enumerate(batch.req_ids):
-            if num_sampled[i]:
+    def propose(inputs):
+        drafts = orig(inputs)
+        for i, rid in enumerate(inputs.input_batch.req_ids):
+            if inputs.num_sampled[i]:
                 records.append(
                     (
                         rid,

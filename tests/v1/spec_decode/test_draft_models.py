@@ -59,8 +59,10 @@ def _record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
     orig = spec.propose
     records: list[tuple[list[int], list[int]]] = []
 
-    def propose(batch, hidden, aux, sampled, num_sampled, *args):
-        drafts = orig(batch, hidden, aux, sampled, num_sampled, *args)
+    def propose(inputs):
+        drafts = orig(inputs)
+        batch, num_sampled = inputs.input_batch, inputs.num_sampled
+        sampled = inputs.sampled_token_ids
         st = runner.states
         for i, s in enumerate(batch.idx_mapping_np.tolist()):
             if num_sampled[i]:

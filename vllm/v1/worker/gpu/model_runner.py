@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from vllm.model_executor.models.base import CausalLMBase
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import configure_target_aux_taps
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
-from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
+from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator, ProposeInputs
 from vllm.v1.worker.gpu.states import RequestStates, StepResult, apply_step_result
 
 logger = init_logger(__name__)
@@ -242,15 +242,17 @@ class ModelRunner:
             cols = np.minimum(chunk_end[:, None] + ahead, st.token_ids.shape[1] - 1)
             next_prefill = st.token_ids[slots[:, None], cols]
             drafts = self.speculator.propose(
-                batch,
-                hidden,
-                aux,
-                sampled,
-                num_sampled,
-                num_rejected,
-                next_prefill,
-                SamplingArrays.of(st, slots),
-                np.isin(slots, self._new_slots),
+                ProposeInputs(
+                    input_batch=batch,
+                    last_hidden_states=hidden,
+                    aux_hidden_states=aux,
+                    sampled_token_ids=sampled,
+                    num_sampled=num_sampled,
+                    num_rejected=num_rejected,
+                    next_prefill_token_ids=next_prefill,
+                    sampling=SamplingArrays.of(st, slots),
+                    new_req_mask=np.isin(slots, self._new_slots),
+                )
             )
         result = StepResult(sampled, num_sampled, num_rejected, drafts)
         apply_step_result(st, result, np.where(batch.need_sample_np, slots, -1))

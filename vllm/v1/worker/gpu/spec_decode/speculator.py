@@ -6,6 +6,7 @@ speculator that runs a draft model (its config, buffers, loading and draft-token
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -22,6 +23,54 @@ if TYPE_CHECKING:
     from vllm.model_executor.models.base import ModelBase
     from vllm.model_executor.models.interfaces import SupportsPP
     from vllm.v1.worker.gpu.input_batch import InputBatch
+
+
+@dataclass
+class ProposeInputs:
+    """What the model runner hands propose() after verifying a step (one row per request).
+
+    last_hidden_states [num_tokens_after_padding, H] (and, EAGLE3-style, aux_hidden_states) are
+    the target's for this step; sampled_token_ids [R, K + 1] / num_sampled / num_rejected what
+    the verifier kept; next_prefill_token_ids [R, num_lookahead_tokens] the known tokens after
+    each row's chunk (read where nothing was sampled); sampling the rows' sampling parameters;
+    new_req_mask the rows whose request entered its slot this step."""
+
+    input_batch: InputBatch
+    last_hidden_states: torch.Tensor
+    aux_hidden_states: list[torch.Tensor] | None
+    sampled_token_ids: np.ndarray
+    num_sampled: np.ndarray
+    num_rejected: np.ndarray
+    next_prefill_token_ids: np.ndarray
+    sampling: SamplingArrays
+    new_req_mask: np.ndarray
+
+    def __post_init__(self) -> None:
+        self.num_sampled = np.asarray(self.num_sampled, dtype=np.int64)
+        self.num_rejected = np.asarray(self.num_rejected, dtype=np.int64)
+        self.new_req_mask = np.asarray(self.new_req_mask, dtype=bool)
+
+    @property
+    def has_sample(self) -> np.ndarray:
+        """[R] bool: the rows that sampled this step (not a non-final prefill chunk)."""
+        return self.num_sampled > 0
+
+    def last_valid_indices(self) -> np.ndarray:
+        """[R] each request's last token row still valid after rejection."""
+        b = self.input_batch
+        return b.query_start_loc_np[:-1] + b.num_scheduled_tokens - self.num_rejected - 1
+
+    def next_tokens(self, width: int) -> np.ndarray:
+        """[R, width] the known tokens after each request's last valid row: the one just
+        sampled, then the prompt tokens after the chunk (all of them prompt tokens for a
+        non-final prefill chunk)."""
+        R = self.input_batch.num_reqs
+        nxt = np.asarray(self.next_prefill_token_ids, dtype=np.int64).reshape(R, -1)[:, :width]
+        nxt = nxt.copy()
+        last = self.sampled_token_ids[np.arange(R), np.maximum(self.num_sampled - 1, 0)]
+        has = self.has_sample
+        nxt[has, 0] = last[has]
+        return nxt
 
 
 class BaseSpeculator(ABC):
@@ -45,25 +94,8 @@ class BaseSpeculator(ABC):
         return 1
 
     @abstractmethod
-    def propose(
-        self,
-        input_batch: InputBatch,
-        last_hidden_states: torch.Tensor,
-        aux_hidden_states: list[torch.Tensor] | None,
-        sampled_token_ids: np.ndarray,
-        num_sampled: np.ndarray,
-        num_rejected: np.ndarray,
-        next_prefill_token_ids: np.ndarray,
-        sampling: SamplingArrays,
-        new_req_mask: np.ndarray,
-    ) -> np.ndarray:
-        """Draft tokens [num_reqs, K] int64 for the rows of input_batch.
-
-        last_hidden_states [num_tokens_after_padding, H] (and, EAGLE3, aux_hidden_states) are
-        the target's for this step; sampled_token_ids [R, K + 1] / num_sampled / num_rejected
-        what the verifier kept; next_prefill_token_ids [R, num_lookahead_tokens] the known
-        tokens after each row's chunk (read where nothing was sampled); sampling the rows'
-        sampling parameters; new_req_mask the rows whose request entered its slot this step."""
+    def propose(self, inputs: ProposeInputs) -> np.ndarray:
+        """Draft tokens [num_reqs, K] int64 for the rows of inputs.input_batch."""
 
 
 class DraftModelSpeculator(BaseSpeculator):

@@ -32,12 +32,11 @@ from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.v1.attention.backends.torch_paged import AttentionMetadata, build_attn_metadata
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
-from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator, ProposeInputs
 
 if TYPE_CHECKING:
     from vllm.model_executor.models.base import DraftModelBase
     from vllm.model_executor.models.llama_eagle3 import LlamaForCausalLMEagle3
-    from vllm.v1.worker.gpu.input_batch import InputBatch
 
 logger = init_logger(__name__)
 
@@ -426,42 +425,22 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             self.last_token_indices.zero_()
             self._draft(db, hidden)
 
-    def propose(
-        self,
-        input_batch: InputBatch,
-        last_hidden_states: torch.Tensor,
-        aux_hidden_states: list[torch.Tensor] | None,
-        sampled_token_ids: np.ndarray,
-        num_sampled: np.ndarray,
-        num_rejected: np.ndarray,
-        next_prefill_token_ids: np.ndarray,
-        sampling: SamplingArrays,
-        new_req_mask: np.ndarray,
-    ) -> np.ndarray:
-        b = input_batch
-        R = b.num_reqs
+    def propose(self, inputs: ProposeInputs) -> np.ndarray:
+        b = inputs.input_batch
         num_tokens = b.num_tokens
         num_tokens_padded = b.num_tokens_after_padding
-        num_rejected = np.asarray(num_rejected, dtype=np.int64)
-        num_sampled = np.asarray(num_sampled, dtype=np.int64)
-        # Each request's last row that is still valid after rejection.
-        last_idx = b.query_start_loc_np[:-1] + b.num_scheduled_tokens - num_rejected - 1
+        last_idx = inputs.last_valid_indices()
         last_pos = b.positions_np[last_idx]
         # The tokens after that row: the one just sampled, or (non-final prefill chunk) the
         # next prompt tokens.
-        has_sample = num_sampled > 0
-        last_sampled = sampled_token_ids[np.arange(R), np.maximum(num_sampled - 1, 0)]
-        L = self.num_lookahead_tokens
-        next_tokens = np.asarray(next_prefill_token_ids, dtype=np.int64).reshape(R, -1)[:, :L]
-        next_tokens = next_tokens.copy()
-        next_tokens[has_sample, 0] = last_sampled[has_sample]
+        next_tokens = inputs.next_tokens(self.num_lookahead_tokens)
         input_ids = np.zeros(num_tokens_padded, dtype=np.int64)
         input_ids[: num_tokens - 1] = b.input_ids_np[1:num_tokens]
         input_ids[last_idx] = next_tokens[:, 0]
         positions = np.zeros(num_tokens_padded, dtype=np.int64)
         positions[:num_tokens] = b.positions_np
         hidden = self.stage_hidden_states(
-            self._prefill_hidden(last_hidden_states, aux_hidden_states)
+            self._prefill_hidden(inputs.last_hidden_states, inputs.aux_hidden_states)
         )
         if hidden.shape[0] != num_tokens_padded:
             raise RuntimeError(
@@ -470,7 +449,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             )
         db = DraftBatch(
             slots=b.idx_mapping_np,
-            new_req=np.asarray(new_req_mask, dtype=bool),
+            new_req=inputs.new_req_mask,
             start=b.num_computed_tokens_np,
             last=last_pos,
             last_token_indices=last_idx,
@@ -480,9 +459,9 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             input_ids=input_ids,
             positions=positions,
             next_tokens=next_tokens,
-            num_known=np.where(has_sample, last_pos + 2, b.prefill_len_np),
+            num_known=np.where(inputs.has_sample, last_pos + 2, b.prefill_len_np),
             block_table=b.block_table_np,
             attn_metadata=b.attn_metadata,
-            sampling=sampling,
+            sampling=inputs.sampling,
         )
         return self._draft(db, hidden)

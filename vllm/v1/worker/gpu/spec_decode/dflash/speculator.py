@@ -29,11 +29,10 @@ from vllm.model_executor.models.dflash import (
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import set_eagle3_aux_hidden_state_layers
 from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
-from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator, ProposeInputs
 
 if TYPE_CHECKING:
     from vllm.model_executor.models.dflash import DFlashDraftModel, DSparkDraftModel
-    from vllm.v1.worker.gpu.input_batch import InputBatch
 
 logger = init_logger(__name__)
 
@@ -188,37 +187,22 @@ class DFlashSpeculator(DraftModelSpeculator):
             )
         self.confidence_sum, self.confidence_blocks, self._blocks_since_log = saved
 
-    def propose(
-        self,
-        input_batch: InputBatch,
-        last_hidden_states: torch.Tensor,
-        aux_hidden_states: list[torch.Tensor] | None,
-        sampled_token_ids: np.ndarray,
-        num_sampled: np.ndarray,
-        num_rejected: np.ndarray,
-        next_prefill_token_ids: np.ndarray,
-        sampling: SamplingArrays,
-        new_req_mask: np.ndarray,
-    ) -> np.ndarray:
+    def propose(self, inputs: ProposeInputs) -> np.ndarray:
         assert self.model is not None
-        if not aux_hidden_states:
+        aux = inputs.aux_hidden_states
+        if not aux:
             raise RuntimeError(
                 f"{self.method} drafts from the target's aux hidden states, but the target "
                 "returned none (its taps were not configured)"
             )
-        b = input_batch
-        R, T = b.num_reqs, b.num_tokens
-        num_sampled = np.asarray(num_sampled, dtype=np.int64)
-        num_rejected = np.asarray(num_rejected, dtype=np.int64)
-        ctx = self._dflash.combine_hidden_states(torch.cat(aux_hidden_states, dim=-1)[:T])
+        b = inputs.input_batch
+        T = b.num_tokens
+        ctx = self._dflash.combine_hidden_states(torch.cat(aux, dim=-1)[:T])
         positions = torch.from_numpy(np.asarray(b.positions_np[:T], dtype=np.int64))
         self._dflash.write_context(positions.to(self.device), ctx, b.attn_metadata.slot_mapping[:T])
-        # Each request's last valid row; the anchor is the token after it: the one just
-        # sampled, or (non-final prefill chunk) the next prompt token.
-        last_idx = b.query_start_loc_np[:-1] + b.num_scheduled_tokens - num_rejected - 1
+        # The anchor is the token after each request's last valid row: the one just sampled,
+        # or (non-final prefill chunk) the next prompt token.
+        last_idx = inputs.last_valid_indices()
         anchor_pos = b.positions_np[last_idx].astype(np.int64) + 1
-        has_sample = num_sampled > 0
-        last_sampled = sampled_token_ids[np.arange(R), np.maximum(num_sampled - 1, 0)]
-        nxt = np.asarray(next_prefill_token_ids, dtype=np.int64).reshape(R, -1)[:, 0]
-        anchor = np.where(has_sample, last_sampled, nxt)
-        return self._draft_block(anchor, anchor_pos, b.block_table_np, sampling)
+        anchor = inputs.next_tokens(1)[:, 0]
+        return self._draft_block(anchor, anchor_pos, b.block_table_np, inputs.sampling)
