@@ -22,18 +22,19 @@ from vllm.v1.attention.backends.mla.sparse_common import (
     SharedTopkIndicesBuffer,
     SparseMLACommonImpl,
 )
-from vllm.v1.attention.backends.mla.torch_mla import TorchMLAImpl
+from vllm.v1.attention.backends.mla.torch_mla import MLADims, TorchMLAImpl
 from vllm.v1.attention.backends.registry import get_sparse_mla_impl_cls, sparse_mla_impl_names
 from vllm.v1.attention.backends.torch_paged import build_attn_metadata, padded_attention
 
 H, NOPE, ROPE, V, RANK = 4, 16, 8, 16, 32
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
 SCALE = (NOPE + ROPE) ** -0.5
+DIMS = MLADims(H, NOPE, ROPE, V, RANK, SCALE)
 
 
 def _impl(name: str, topk: int, indexer=None, buffer=None) -> SparseMLACommonImpl:
     cls = get_sparse_mla_impl_cls(name)
-    return cls(H, NOPE, ROPE, V, RANK, SCALE, topk, indexer=indexer, topk_indices_buffer=buffer)
+    return cls(DIMS, topk, indexer=indexer, topk_indices_buffer=buffer)
 
 
 def _indexer(buffer: torch.Tensor):
@@ -146,12 +147,7 @@ def test_sharing_repoints_owners_and_assigns_only_indexerless_layers() -> None:
     def attn(indexer):
         kv_b = nn.Linear(RANK, H * (NOPE + V), bias=False)
         return SparseMLAAttention(
-            H,
-            NOPE,
-            ROPE,
-            V,
-            RANK,
-            SCALE,
+            DIMS,
             kv_b,
             2,
             indexer=indexer,

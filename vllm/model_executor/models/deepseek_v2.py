@@ -16,6 +16,7 @@ from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params, yarn_get_mscale
 from vllm.model_executor.models.base import CausalLMBase, DecoderLayerBase, DecoderModelBase
 from vllm.model_executor.models.llama import LlamaMLP
+from vllm.v1.attention.backends.mla.torch_mla import MLADims
 
 
 def get_spec_layer_idx_from_weight_name(config: Any, weight_name: str) -> int | None:
@@ -192,20 +193,17 @@ class DeepseekV2MLAAttention(nn.Module):
             is_neox_style=not interleaved,
             scaling=scaling,
         )
-        self.attn = MLAAttention(*self.mla_layer_args(config), prefix=f"{prefix}.attn")
+        self.attn = MLAAttention(self.mla_dims(config), self.kv_b_proj, prefix=f"{prefix}.attn")
 
-    def mla_layer_args(
-        self, config: Any
-    ) -> tuple[int, int, int, int, int, float, ReplicatedLinear]:
-        """The positional arguments of this block's MLA attention layer (dense or sparse)."""
-        return (
+    def mla_dims(self, config: Any) -> MLADims:
+        """The sizes of this block's MLA attention layer (dense or sparse)."""
+        return MLADims(
             self.num_heads,
             self.qk_nope_head_dim,
             self.qk_rope_head_dim,
             self.v_head_dim,
             self.kv_lora_rank,
             mla_softmax_scale(config),
-            self.kv_b_proj,
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:

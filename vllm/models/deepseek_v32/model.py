@@ -198,7 +198,8 @@ class DeepseekV32MLAAttention(DeepseekV2MLAAttention):
             else None
         )
         self.attn = SparseMLAAttention(
-            *self.mla_layer_args(config),
+            self.mla_dims(config),
+            self.kv_b_proj,
             topk_tokens=int(config.index_topk),
             indexer=self.indexer,
             topk_indices_buffer=topk_indices_buffer,

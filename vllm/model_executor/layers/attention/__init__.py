@@ -9,7 +9,7 @@ from torch import nn
 
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.linear import LinearLayerBase, dequantize_linear_
-from vllm.v1.attention.backends.mla.torch_mla import TorchMLAImpl
+from vllm.v1.attention.backends.mla.torch_mla import MLADims, TorchMLAImpl
 from vllm.v1.attention.backends.torch_paged import TorchPagedAttentionImpl
 
 
@@ -67,31 +67,16 @@ class MLAAttention(AttentionLayerBase):
     """Multi-head latent attention over a cache of (kv_c, k_pe) per token."""
 
     def __init__(
-        self,
-        num_heads: int,
-        qk_nope_head_dim: int,
-        qk_rope_head_dim: int,
-        v_head_dim: int,
-        kv_lora_rank: int,
-        scale: float,
-        kv_b_proj: nn.Linear | LinearLayerBase,
-        prefix: str = "",
+        self, dims: MLADims, kv_b_proj: nn.Linear | LinearLayerBase, prefix: str = ""
     ) -> None:
         super().__init__(prefix)
-        self.num_heads = num_heads
-        self.kv_lora_rank = kv_lora_rank
-        self.qk_rope_head_dim = qk_rope_head_dim
-        self.v_head_dim = v_head_dim
+        self.dims = dims
         # Not a submodule: the owning attention block registers kv_b_proj itself.
         self._kv_b_proj = [kv_b_proj]
-        self.impl = TorchMLAImpl(
-            num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank, scale
-        )
+        self.impl = TorchMLAImpl(dims)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return self.impl.kv_cache_shape(
-            num_blocks, block_size, self.kv_lora_rank, self.qk_rope_head_dim
-        )
+        return self.impl.kv_cache_shape(num_blocks, block_size)
 
     def process_weights_after_loading(self) -> None:
         # The absorbed form multiplies by slices of kv_b_proj's weight itself (W_UK, W_UV), so
@@ -109,7 +94,7 @@ class MLAAttention(AttentionLayerBase):
         meta = get_forward_context().attn_metadata
         out = torch.zeros(
             q_nope.shape[0],
-            self.num_heads * self.v_head_dim,
+            self.dims.num_heads * self.dims.v_head_dim,
             dtype=q_nope.dtype,
             device=q_nope.device,
         )

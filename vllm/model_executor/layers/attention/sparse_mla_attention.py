@@ -19,6 +19,7 @@ from vllm.v1.attention.backends.mla.sparse_common import (
     SharedTopkIndicesBuffer,
     SparseMLACommonImpl,
 )
+from vllm.v1.attention.backends.mla.torch_mla import MLADims
 from vllm.v1.attention.backends.registry import get_sparse_mla_impl_cls, select_sparse_mla_impl
 
 __all__ = [
@@ -37,12 +38,7 @@ class SparseMLAAttention(MLAAttention):
 
     def __init__(
         self,
-        num_heads: int,
-        qk_nope_head_dim: int,
-        qk_rope_head_dim: int,
-        v_head_dim: int,
-        kv_lora_rank: int,
-        scale: float,
+        dims: MLADims,
         kv_b_proj: nn.Linear | LinearLayerBase,
         topk_tokens: int,
         indexer: Any | None = None,
@@ -50,28 +46,14 @@ class SparseMLAAttention(MLAAttention):
         prefix: str = "",
         backend: str | None = None,
     ) -> None:
-        super().__init__(
-            num_heads,
-            qk_nope_head_dim,
-            qk_rope_head_dim,
-            v_head_dim,
-            kv_lora_rank,
-            scale,
-            kv_b_proj,
-            prefix=prefix,
-        )
+        super().__init__(dims, kv_b_proj, prefix=prefix)
         impl_cls = (
             get_sparse_mla_impl_cls(backend)
             if backend is not None
             else select_sparse_mla_impl(torch.get_default_device())
         )
         self.impl = impl_cls(
-            num_heads,
-            qk_nope_head_dim,
-            qk_rope_head_dim,
-            v_head_dim,
-            kv_lora_rank,
-            scale,
+            dims,
             topk_tokens,
             indexer=indexer,
             topk_indices_buffer=topk_indices_buffer,

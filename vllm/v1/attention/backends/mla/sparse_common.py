@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm.v1.attention.backends.mla.torch_mla import TorchMLAImpl
+from vllm.v1.attention.backends.mla.torch_mla import MLADims, TorchMLAImpl
 from vllm.v1.attention.backends.torch_paged import AttentionMetadata
 
 # Entry value of an unused top-k slot (fewer selectable positions than index_topk).
@@ -61,19 +61,12 @@ class SparseMLACommonImpl(TorchMLAImpl, SharedTopkIndicesBuffer):
 
     def __init__(
         self,
-        num_heads: int,
-        qk_nope_head_dim: int,
-        qk_rope_head_dim: int,
-        v_head_dim: int,
-        kv_lora_rank: int,
-        scale: float,
+        dims: MLADims,
         topk_tokens: int,
         indexer: Any | None = None,
         topk_indices_buffer: torch.Tensor | None = None,
     ) -> None:
-        super().__init__(
-            num_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank, scale
-        )
+        super().__init__(dims)
         self.topk_tokens = int(topk_tokens)
         self.dense_when_short = True
         self.init_topk_indices_buffer(indexer, topk_indices_buffer)

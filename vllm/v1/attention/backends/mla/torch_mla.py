@@ -9,6 +9,8 @@ latent cache as a single-KV-head MQA, and the latent output is projected out wit
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from vllm.v1.attention.backends.torch_paged import (
@@ -18,26 +20,30 @@ from vllm.v1.attention.backends.torch_paged import (
 )
 
 
-class TorchMLAImpl:
-    def __init__(
-        self,
-        num_heads: int,
-        qk_nope_head_dim: int,
-        qk_rope_head_dim: int,
-        v_head_dim: int,
-        kv_lora_rank: int,
-        scale: float,
-    ) -> None:
-        self.num_heads = num_heads
-        self.qk_nope_head_dim = qk_nope_head_dim
-        self.qk_rope_head_dim = qk_rope_head_dim
-        self.v_head_dim = v_head_dim
-        self.kv_lora_rank = kv_lora_rank
-        self.scale = scale
+@dataclass(frozen=True)
+class MLADims:
+    """The sizes of one MLA attention layer (what its layer, impl and cache are built from)."""
 
-    @staticmethod
-    def kv_cache_shape(num_blocks: int, block_size: int, kv_lora_rank: int, rope_dim: int):
-        return (num_blocks * block_size, 1, kv_lora_rank + rope_dim)
+    num_heads: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    kv_lora_rank: int
+    scale: float
+
+
+class TorchMLAImpl:
+    def __init__(self, dims: MLADims) -> None:
+        self.dims = dims
+        self.num_heads = dims.num_heads
+        self.qk_nope_head_dim = dims.qk_nope_head_dim
+        self.qk_rope_head_dim = dims.qk_rope_head_dim
+        self.v_head_dim = dims.v_head_dim
+        self.kv_lora_rank = dims.kv_lora_rank
+        self.scale = dims.scale
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (num_blocks * block_size, 1, self.kv_lora_rank + self.qk_rope_head_dim)
 
     def split_kv_b(self, kv_b_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, rank] and W_UV [H, v, rank] from kv_b_proj.weight."""
