@@ -334,6 +334,19 @@ def make_qwen2(out_dir: str | os.PathLike, **kwargs: Any) -> str:
 # --------------------------------------------------------------------------- DeepSeek
 
 
+def update_config_json(
+    folder: str | os.PathLike, updates: dict[str, Any], drop: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """Set ``updates`` and delete ``drop`` in ``folder/config.json`` (keys sorted); returns the
+    config as it was before."""
+    path = Path(folder) / "config.json"
+    before = json.loads(path.read_text())
+    cfg = {k: v for k, v in before.items() if k not in drop}
+    cfg.update(updates)
+    path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return before
+
+
 def _read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Load every tensor of a safetensors file."""
     with safe_open(str(path), framework="pt") as f:
@@ -425,6 +438,32 @@ def _mtp_state(
     return state
 
 
+def build_mla_model(
+    config_cls: Any,
+    model_cls: Any,
+    out: Path,
+    config_kwargs: dict[str, Any],
+    seed: int,
+    dtype: torch.dtype,
+    reinit: Any,
+) -> tuple[PreTrainedModel, Any]:
+    """Tokenizer + a DeepSeek-family HF model (one KV head per head, as MLA has) from
+    config_kwargs, re-initialised by reinit(model, seed, output_head=...) and saved to out."""
+    tokenizer = build_tokenizer(out)
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        num_key_value_heads=config_kwargs["num_attention_heads"],
+        rms_norm_eps=1e-6,
+        **_token_ids(tokenizer),
+        **config_kwargs,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    reinit(model, seed, output_head=model.get_output_embeddings().weight)
+    _save_model(model, out, dtype)
+    return model, config
+
+
 def _make_deepseek(
     version: int,
     out_dir: str | os.PathLike,
@@ -442,23 +481,19 @@ def _make_deepseek(
     import transformers
 
     out = Path(out_dir)
-    tokenizer = build_tokenizer(out)
-    config_cls = getattr(transformers, f"DeepseekV{version}Config")
-    model_cls = getattr(transformers, f"DeepseekV{version}ForCausalLM")
     if version == 3:
         # DeepseekV3Config defaults num_mtp_layers (alias of num_nextn_predict_layers) to 1.
         config_kwargs = dict(config_kwargs, num_nextn_predict_layers=num_nextn_predict_layers)
-    config = config_cls(
-        vocab_size=len(tokenizer),
-        num_key_value_heads=config_kwargs["num_attention_heads"],
-        rms_norm_eps=1e-6,
-        **_token_ids(tokenizer),
-        **config_kwargs,
+    # HF writes per-expert names (reverse weight conversion).
+    model, config = build_mla_model(
+        getattr(transformers, f"DeepseekV{version}Config"),
+        getattr(transformers, f"DeepseekV{version}ForCausalLM"),
+        out,
+        config_kwargs,
+        seed,
+        dtype,
+        _peaky_reinit_,
     )
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    _peaky_reinit_(model, seed, output_head=model.get_output_embeddings().weight)
-    _save_model(model, out, dtype)  # HF writes per-expert names (reverse weight conversion)
 
     if num_nextn_predict_layers > 0 or not per_expert_names:
         shards = [_read_safetensors(out / "model.safetensors")]
@@ -478,13 +513,12 @@ def _make_deepseek(
             shards = [fuse_experts(s) for s in shards]
         _write_shards(out, shards)
 
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
+    updates: dict[str, Any] = {}
     if architecture is not None:
-        cfg["architectures"] = [architecture]
+        updates["architectures"] = [architecture]
     if version == 3:
-        cfg["num_nextn_predict_layers"] = num_nextn_predict_layers
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        updates["num_nextn_predict_layers"] = num_nextn_predict_layers
+    update_config_json(out, updates)
     return str(out)
 
 

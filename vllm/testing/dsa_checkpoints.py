@@ -18,7 +18,6 @@ the usual ``enorm``/``hnorm``/``eh_proj``/``shared_head``/``embed_tokens``.
 from __future__ import annotations
 
 import copy
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -31,10 +30,9 @@ from vllm.testing.checkpoints import (
     _mtp_state,
     _peaky_reinit_,
     _read_safetensors,
-    _save_model,
-    _token_ids,
     _write_shards,
-    build_tokenizer,
+    build_mla_model,
+    update_config_json,
 )
 
 __all__ = ["make_deepseek_v32", "make_glm_moe_dsa"]
@@ -93,23 +91,16 @@ def _make_dsa(
     config_kwargs = _config_kwargs(GLM_DEFAULTS if glm else V32_DEFAULTS, config)
 
     out = Path(out_dir)
-    tokenizer = build_tokenizer(out)
     # Either family: the same constructor arguments, types HF keeps apart.
-    config_cls: Any = transformers.GlmMoeDsaConfig if glm else transformers.DeepseekV32Config
-    model_cls: Any = (
-        transformers.GlmMoeDsaForCausalLM if glm else transformers.DeepseekV32ForCausalLM
+    model, config = build_mla_model(
+        transformers.GlmMoeDsaConfig if glm else transformers.DeepseekV32Config,
+        transformers.GlmMoeDsaForCausalLM if glm else transformers.DeepseekV32ForCausalLM,
+        out,
+        config_kwargs,
+        seed,
+        dtype,
+        _reinit,
     )
-    config = config_cls(
-        vocab_size=len(tokenizer),
-        num_key_value_heads=config_kwargs["num_attention_heads"],
-        rms_norm_eps=1e-6,
-        **_token_ids(tokenizer),
-        **config_kwargs,
-    )
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    _reinit(model, seed, output_head=model.get_output_embeddings().weight)
-    _save_model(model, out, dtype)
     if num_nextn_predict_layers > 0:
         shards = [_read_safetensors(out / "model.safetensors")]
         mtp = _mtp_state(
@@ -128,12 +119,10 @@ def _make_dsa(
                 mtp[name] = (torch.randn(t.shape, generator=gen) * _K_NORM_BIAS_STD).to(t.dtype)
         shards.append(mtp)
         _write_shards(out, shards)
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["num_nextn_predict_layers"] = num_nextn_predict_layers
+    updates: dict[str, Any] = {"num_nextn_predict_layers": num_nextn_predict_layers}
     if index_share_for_mtp_iteration is not None:
-        cfg["index_share_for_mtp_iteration"] = index_share_for_mtp_iteration
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        updates["index_share_for_mtp_iteration"] = index_share_for_mtp_iteration
+    update_config_json(out, updates)
     return str(out)
 
 

@@ -21,16 +21,16 @@ theirs, and HF transformers references for them.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from vllm.model_executor.layers.fused_moe import split_fused_experts
-from vllm.testing.checkpoints import _read_safetensors, _write_shards
+from vllm.testing.checkpoints import _read_safetensors, _write_shards, update_config_json
 from vllm.testing.spec_checkpoints import _shards
 
 FP8 = torch.float8_e4m3fn
@@ -92,9 +92,7 @@ def quantize_checkpoint(
             shard[name[: -len("weight")] + "weight_scale_inv"] = scale.to(scale_dtype)
         shards.append(shard)
     _write_shards(out, shards)
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    qc = {
+    qc: dict[str, Any] = {
         "quant_method": "fp8",
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
@@ -102,8 +100,7 @@ def quantize_checkpoint(
     }
     if list_unconverted:
         qc["modules_to_not_convert"] = sorted(unconverted)
-    cfg["quantization_config"] = qc
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    update_config_json(out, {"quantization_config": qc})
     return str(out)
 
 
@@ -115,11 +112,8 @@ def hf_dequantized_copy(fp8_dir: str | os.PathLike, out_dir: str | os.PathLike) 
     if out.exists():
         shutil.rmtree(out)
     shutil.copytree(src, out)
-    cfg_path = out / "config.json"
-    cfg = json.loads(cfg_path.read_text())
-    block = cfg.pop("quantization_config")["weight_block_size"]
-    cfg["dtype"] = "float32"
-    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    before = update_config_json(out, {"dtype": "float32"}, drop=("quantization_config",))
+    block = before["quantization_config"]["weight_block_size"]
     shards = []
     for path in _shards(out):
         tensors = _read_safetensors(path)
