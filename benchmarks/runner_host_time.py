@@ -4,8 +4,10 @@
 target's and the draft's forwards and logits (input preparation, sampling, verification,
 drafting bookkeeping, applying the step's result). Tiny checkpoints, P = 1, one thread; no
 speculation, MTP (one and two layers) and EAGLE3. With --baseline DIR, the same measurement of
-the checkout at DIR runs in interleaved fresh processes, and the ratio this / baseline is
-printed last.
+the checkout at DIR runs in interleaved fresh processes, and the ratios this / baseline are
+printed last (--tree DIR measures another checkout as "this"). The checkpoints are built once by
+this checkout and only paths reach the measured trees, so any checkout that has the LLM API can
+be measured, older ones included.
 
     python benchmarks/runner_host_time.py [--baseline /path/to/other/checkout] [--repeats 3]
 """
@@ -26,6 +28,9 @@ CASES = ["none", "mtp1_k2", "mtp2_k2", "mtp2_k3", "eagle3_k2"]
 
 
 def _models() -> dict[str, tuple[str, dict | None]]:
+    # Parent process only (the children import vllm from the measured tree alone).
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     from benchmarks.common import CACHE
     from vllm.testing.checkpoints import make_deepseek_v3, make_llama
     from vllm.testing.spec_checkpoints import make_eagle3_draft, make_mtp_self_draft
@@ -57,14 +62,13 @@ def _models() -> dict[str, tuple[str, dict | None]]:
     return out
 
 
-def _measure(case: str, num_prompts: int, input_len: int, output_len: int) -> dict:
+def _measure(case: str, models: dict, num_prompts: int, input_len: int, output_len: int) -> dict:
     """One engine, one case: (host ms/step, forward ms/step, steps)."""
     import torch
 
     from vllm import LLM, SamplingParams
-    from vllm.testing.engine_utils import make_prompts
 
-    model, spec = _models()[case]
+    model, spec = models[case]
     llm = LLM(
         model=model,
         dtype="float32",
@@ -103,7 +107,11 @@ def _measure(case: str, num_prompts: int, input_len: int, output_len: int) -> di
 
     runner.execute_model = execute_model
     vocab = llm.llm_engine.model_config.vocab_size
-    prompts = [{"prompt_token_ids": p} for p in make_prompts(vocab, [input_len] * num_prompts, 3)]
+    g = torch.Generator().manual_seed(3)
+    prompts = [
+        {"prompt_token_ids": torch.randint(1, vocab, (input_len,), generator=g).tolist()}
+        for _ in range(num_prompts)
+    ]
     sp = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     try:
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -121,16 +129,23 @@ def _measure(case: str, num_prompts: int, input_len: int, output_len: int) -> di
 
 
 def _child(args: argparse.Namespace) -> None:
-    out = {c: _measure(c, args.num_prompts, args.input_len, args.output_len) for c in args.cases}
+    models = json.loads(args.models)
+    out = {
+        c: _measure(c, models, args.num_prompts, args.input_len, args.output_len)
+        for c in args.cases
+    }
     print("RESULT " + json.dumps(out), flush=True)
 
 
-def _run_tree(tree: Path, args: argparse.Namespace) -> dict:
+def _run_tree(tree: Path, args: argparse.Namespace, models: dict) -> dict:
+    # The child imports vllm from `tree` only: the checkpoints were built here.
     env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
     cmd = [
         sys.executable,
         str(ROOT / "benchmarks" / "runner_host_time.py"),
         "--child",
+        "--models",
+        json.dumps(models),
         "--num-prompts",
         str(args.num_prompts),
         "--input-len",
@@ -140,8 +155,6 @@ def _run_tree(tree: Path, args: argparse.Namespace) -> dict:
         "--cases",
         *args.cases,
     ]
-    # The child imports vllm from `tree` but this script's model builders from this checkout.
-    env["PYTHONPATH"] = f"{tree}{os.pathsep}{ROOT}"
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=str(tree))
     for line in res.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -157,37 +170,46 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
+    ap.add_argument("--tree", default=str(ROOT), help='the checkout measured as "this"')
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--models", default="{}", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         _child(args)
         return
-    trees = {"this": ROOT}
+    models = _models()
+    trees = {"this": Path(args.tree).resolve()}
     if args.baseline:
         trees["baseline"] = Path(args.baseline).resolve()
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     for r in range(args.repeats):
         order = list(trees) if r % 2 == 0 else list(trees)[::-1]
         for name in order:
-            runs[name].append(_run_tree(trees[name], args))
+            runs[name].append(_run_tree(trees[name], args, models))
     print(
         f"{args.num_prompts} prompts x {args.input_len} -> {args.output_len} tokens, greedy, "
         f"P = 1, one thread; medians of {args.repeats} interleaved fresh processes"
     )
     print(f"{'case':10s} {'tree':9s} {'host ms/step':>13s} {'forward ms/step':>16s} {'steps':>6s}")
     med: dict[tuple[str, str], float] = {}
+    fmed: dict[tuple[str, str], float] = {}
     for case in args.cases:
         for name in trees:
             host = statistics.median(x[case]["host_ms"] for x in runs[name])
             fwd = statistics.median(x[case]["forward_ms"] for x in runs[name])
             steps = runs[name][0][case]["steps"]
             med[(case, name)] = host
+            fmed[(case, name)] = fwd
             print(f"{case:10s} {name:9s} {host:13.2f} {fwd:16.2f} {steps:6d}")
     if args.baseline:
         ratios = ", ".join(
             f"{c}: {med[(c, 'this')] / med[(c, 'baseline')]:.2f}x" for c in args.cases
         )
         print(f"host time per step, this / baseline: {ratios}")
+        ratios = ", ".join(
+            f"{c}: {fmed[(c, 'this')] / fmed[(c, 'baseline')]:.2f}x" for c in args.cases
+        )
+        print(f"forward time per step, this / baseline: {ratios}")
 
 
 if __name__ == "__main__":
