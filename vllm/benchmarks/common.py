@@ -2,7 +2,8 @@
 # Copyright 2026 The vllm-pp-spec contributors
 """What both offline benchmarks share: model resolution, prompts, the HF transformers baseline,
 the per-step probe (step time, time inside the model forward, prefill vs decode), the memory
-bandwidth measurement behind the roofline figure, and the summary statistics."""
+bandwidth measurement behind the roofline figure, the summary statistics, and one session of
+interleaved timed runs (ours, HF, ours, HF, ...)."""
 
 from __future__ import annotations
 
@@ -414,3 +415,135 @@ def engine_dtype(llm: Any) -> torch.dtype:
     if runner is not None:
         return runner.dtype
     return llm.llm_engine.model_config.torch_dtype("cpu")
+
+
+# ---------------------------------------------------------------------- one benchmark run
+
+
+@dataclass
+class BenchSession:
+    """What both commands open before measuring: the started and probed engine, the machine's
+    environment and bandwidth, the prompts, and (--hf-baseline) the HF reference."""
+
+    model: str
+    llm: Any
+    startup: dict[str, float]
+    dtype: torch.dtype
+    probe: EngineProbe
+    env: dict[str, Any]
+    bandwidth: float
+    bandwidth_cpu: float
+    prompts: list[list[int]]
+    hf: HFBaseline | None
+
+    @classmethod
+    def open(cls, args: argparse.Namespace, max_num_seqs: int, num_prompts: int) -> BenchSession:
+        apply_threads(args.num_threads)
+        model = resolve_model(args.model)
+        llm, startup = start_engine(engine_kwargs(args, model, max_num_seqs=max_num_seqs))
+        dtype = engine_dtype(llm)
+        probe = EngineProbe(llm)
+        device = probe.device_type
+        vocab = llm.llm_engine.model_config.vocab_size
+        return cls(
+            model=model,
+            llm=llm,
+            startup=startup,
+            dtype=dtype,
+            probe=probe,
+            env=describe_environment(device),
+            bandwidth=measure_memory_bandwidth(device),
+            bandwidth_cpu=measure_memory_bandwidth(device, clock=time.process_time),
+            prompts=random_prompts(vocab, num_prompts, args.input_len, args.seed),
+            hf=HFBaseline(model, dtype, device) if args.hf_baseline else None,
+        )
+
+    def result_header(self, benchmark: str, args: argparse.Namespace) -> dict[str, Any]:
+        """The fields every result starts with."""
+        return {
+            "benchmark": benchmark,
+            "model": args.model or self.model,
+            "model_path": self.model,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+        }
+
+    def result_footer(self, runs: Runs, batch_one: bool) -> dict[str, Any]:
+        """Environment, start-up, bandwidth and (batch-1 decode, model in this process) the
+        roofline of a result."""
+        rl = None
+        if batch_one and self.probe.model is not None and runs.decode_steps:
+            rl = roofline(
+                weight_bytes_per_token(self.probe.model),
+                statistics.median(runs.decode_steps),
+                self.bandwidth,
+                statistics.median(runs.decode_cpu) if runs.decode_cpu else None,
+                self.bandwidth_cpu,
+            )
+        return {
+            "environment": self.env,
+            "startup": self.startup,
+            "bandwidth_GBps": self.bandwidth / 1e9,
+            "roofline": rl,
+        }
+
+
+@dataclass
+class Runs:
+    """Interleaved timed runs: ours, then HF (when present), num_iters times."""
+
+    ours_s: list[float] = field(default_factory=list)
+    ours_cpu: list[float] = field(default_factory=list)
+    hf_s: list[float] = field(default_factory=list)
+    hf_cpu: list[float] = field(default_factory=list)
+    ttft: list[float] = field(default_factory=list)
+    decode_steps: list[float] = field(default_factory=list)
+    decode_cpu: list[float] = field(default_factory=list)
+    host: list[float] = field(default_factory=list)  # host-overhead share of each run
+    ours_ids: list[list[int]] = field(default_factory=list)
+    hf_ids: list[list[int]] = field(default_factory=list)
+
+
+def run_interleaved(
+    session: BenchSession,
+    sp: Any,
+    output_len: int,
+    batch_size: int,
+    num_iters: int,
+    decode_only_host: bool,
+) -> Runs:
+    """Time `session.llm.generate` on the session's prompts and HF generate on the same ones,
+    alternating (ours, HF, ours, HF, ...) so machine noise hits both alike."""
+    runs = Runs()
+    llm, hf, prompts = session.llm, session.hf, session.prompts
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    for _ in range(num_iters):
+        with session.probe.record() as rec:
+            t0, c0 = time.perf_counter(), time.process_time()
+            outs = llm.generate(requests, sp, use_tqdm=False)
+            runs.ours_s.append(time.perf_counter() - t0)
+            runs.ours_cpu.append(time.process_time() - c0)
+        runs.ours_ids = [list(o.outputs[0].token_ids) for o in outs]
+        if rec.steps:
+            runs.ttft.append(rec.steps[0].end_s - t0)
+        runs.decode_steps += rec.decode_step_times()
+        runs.decode_cpu += rec.decode_step_cpu_times()
+        share = rec.host_share(decode_only=decode_only_host)
+        if share is not None:
+            runs.host.append(share)
+        if hf is not None:
+            t0, c0 = time.perf_counter(), time.process_time()
+            runs.hf_ids = hf.generate(prompts, output_len, batch_size)
+            runs.hf_s.append(time.perf_counter() - t0)
+            runs.hf_cpu.append(time.process_time() - c0)
+    return runs
+
+
+def startup_lines(res: dict[str, Any]) -> str:
+    """The environment and start-up lines of a report."""
+    st = res["startup"]
+    return (
+        f"{environment_line(res['environment'])}\n"
+        f"start-up: LLM() {st['init_s']:.2f} s, to first token {st['first_token_s']:.2f} s"
+    )

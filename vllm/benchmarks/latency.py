@@ -12,30 +12,19 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
 import numpy as np
 
 from vllm.benchmarks.common import (
-    EngineProbe,
-    HFBaseline,
-    apply_threads,
+    BenchSession,
     check_lengths,
     compare_outputs,
-    describe_environment,
-    engine_dtype,
-    engine_kwargs,
-    environment_line,
     fmt,
-    measure_memory_bandwidth,
-    random_prompts,
-    resolve_model,
-    roofline,
     roofline_line,
-    start_engine,
+    run_interleaved,
+    startup_lines,
     summary,
-    weight_bytes_per_token,
     write_json,
 )
 
@@ -52,91 +41,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     if args.hf_baseline and args.n != 1:
         raise ValueError("--hf-baseline compares greedy outputs and needs --n 1")
-    apply_threads(args.num_threads)
-    model = resolve_model(args.model)
-    kwargs = engine_kwargs(args, model, max_num_seqs=args.batch_size * args.n)
-    llm, startup = start_engine(kwargs)
-    dtype = engine_dtype(llm)
-    probe = EngineProbe(llm)
-    env = describe_environment(probe.device_type)
-    bandwidth = measure_memory_bandwidth(probe.device_type)
-    bandwidth_cpu = measure_memory_bandwidth(probe.device_type, clock=time.process_time)
-    vocab = llm.llm_engine.model_config.vocab_size
-    prompts = random_prompts(vocab, args.batch_size, args.input_len, args.seed)
-    hf = HFBaseline(model, dtype, probe.device_type) if args.hf_baseline else None
+    session = BenchSession.open(args, args.batch_size * args.n, args.batch_size)
+    llm, hf, prompts = session.llm, session.hf, session.prompts
     sp = SamplingParams(n=args.n, temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    batch = [{"prompt_token_ids": p} for p in prompts]
-
     for _ in range(args.num_iters_warmup):
-        llm.generate(batch, sp, use_tqdm=False)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         if hf is not None:
             hf.generate(prompts, args.output_len, args.batch_size)
-
-    lat, ttft, decode_steps, host, hf_lat, cpu, hf_cpu = [], [], [], [], [], [], []
-    decode_cpu: list[float] = []
-    ours_ids: list[list[int]] = []
-    hf_ids: list[list[int]] = []
-    for _ in range(args.num_iters):  # interleaved: ours, HF, ours, HF, ...
-        with probe.record() as rec:
-            t0, c0 = time.perf_counter(), time.process_time()
-            outs = llm.generate(batch, sp, use_tqdm=False)
-            lat.append(time.perf_counter() - t0)
-            cpu.append(time.process_time() - c0)
-        ours_ids = [list(o.outputs[0].token_ids) for o in outs]
-        if rec.steps:
-            ttft.append(rec.steps[0].end_s - t0)
-        decode_steps += rec.decode_step_times()
-        decode_cpu += rec.decode_step_cpu_times()
-        share = rec.host_share(decode_only=True)
-        if share is not None:
-            host.append(share)
-        if hf is not None:
-            t0, c0 = time.perf_counter(), time.process_time()
-            hf_ids = hf.generate(prompts, args.output_len, args.batch_size)
-            hf_lat.append(time.perf_counter() - t0)
-            hf_cpu.append(time.process_time() - c0)
+    runs = run_interleaved(
+        session, sp, args.output_len, args.batch_size, args.num_iters, decode_only_host=True
+    )
     llm.shutdown()
 
+    lat = runs.ours_s
     res: dict[str, Any] = {
-        "benchmark": "latency",
-        "model": args.model or model,
-        "model_path": model,
-        "dtype": str(dtype).removeprefix("torch."),
-        "input_len": args.input_len,
-        "output_len": args.output_len,
+        **session.result_header("latency", args),
         "batch_size": args.batch_size,
         "n": args.n,
-        "environment": env,
-        "startup": startup,
         "avg_latency": statistics.mean(lat),
         "latencies": lat,
         "percentiles": {str(p): float(np.percentile(lat, p)) for p in PERCENTILES},
         "latency": summary(lat),
-        "cpu_s": summary(cpu),
-        "ttft": summary(ttft) if ttft else None,
-        "decode_step_s": summary(decode_steps) if decode_steps else None,
-        "host_overhead_share_decode": summary(host) if host else None,
-        "bandwidth_GBps": bandwidth / 1e9,
-        "roofline": None,
+        "cpu_s": summary(runs.ours_cpu),
+        "ttft": summary(runs.ttft) if runs.ttft else None,
+        "decode_step_s": summary(runs.decode_steps) if runs.decode_steps else None,
+        "host_overhead_share_decode": summary(runs.host) if runs.host else None,
+        **session.result_footer(runs, batch_one=args.batch_size * args.n == 1),
     }
-    if args.batch_size * args.n == 1 and probe.model is not None and decode_steps:
-        res["roofline"] = roofline(
-            weight_bytes_per_token(probe.model),
-            statistics.median(decode_steps),
-            bandwidth,
-            statistics.median(decode_cpu) if decode_cpu else None,
-            bandwidth_cpu,
-        )
     if hf is not None:
         res["hf"] = {
-            "latency": summary(hf_lat),
-            "cpu_s": summary(hf_cpu),
+            "latency": summary(runs.hf_s),
+            "cpu_s": summary(runs.hf_cpu),
             "load_s": hf.load_s,
-            "outputs": compare_outputs(ours_ids, hf_ids),
+            "outputs": compare_outputs(runs.ours_ids, runs.hf_ids),
         }
-        res["speedup"] = summary([h / o for h, o in zip(hf_lat, lat)])
-        res["cpu_time_ratio"] = summary([h / o for h, o in zip(hf_cpu, cpu)])
-    report(res, lat, decode_steps, hf_lat)
+        res["speedup"] = summary([h / o for h, o in zip(runs.hf_s, lat)])
+        res["cpu_time_ratio"] = summary([h / o for h, o in zip(runs.hf_cpu, runs.ours_cpu)])
+    report(res, lat, runs.decode_steps, runs.hf_s)
     write_json(args.output_json, res)
     return res
 
@@ -147,9 +88,7 @@ def report(res: dict[str, Any], lat: list[float], steps: list[float], hf_lat: li
         f"input_len={res['input_len']} output_len={res['output_len']} "
         f"batch_size={res['batch_size']} n={res['n']}"
     )
-    print(environment_line(res["environment"]))
-    st = res["startup"]
-    print(f"start-up: LLM() {st['init_s']:.2f} s, to first token {st['first_token_s']:.2f} s")
+    print(startup_lines(res))
     print(f"Avg latency: {res['avg_latency']:.4f} seconds")
     for p, v in res["percentiles"].items():
         print(f"{p}% percentile latency: {v:.4f} seconds")

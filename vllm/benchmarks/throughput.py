@@ -10,29 +10,17 @@ side by side with HF transformers generate (--hf-baseline) in the same process.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any
 
 from vllm.benchmarks.common import (
-    EngineProbe,
-    HFBaseline,
-    apply_threads,
+    BenchSession,
     check_lengths,
     compare_outputs,
-    describe_environment,
-    engine_dtype,
-    engine_kwargs,
-    environment_line,
     fmt,
-    measure_memory_bandwidth,
-    random_prompts,
-    resolve_model,
-    roofline,
     roofline_line,
-    start_engine,
+    run_interleaved,
+    startup_lines,
     summary,
-    weight_bytes_per_token,
     write_json,
 )
 
@@ -47,19 +35,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if batch < 1:
         raise ValueError(f"--batch-size must be a positive integer, got {batch}")
     batch = min(batch, args.num_prompts)
-    apply_threads(args.num_threads)
-    model = resolve_model(args.model)
-    kwargs = engine_kwargs(args, model, max_num_seqs=batch)
-    llm, startup = start_engine(kwargs)
-    dtype = engine_dtype(llm)
-    probe = EngineProbe(llm)
-    device = probe.device_type
-    env = describe_environment(device)
-    bandwidth = measure_memory_bandwidth(device)
-    bandwidth_cpu = measure_memory_bandwidth(device, clock=time.process_time)
-    vocab = llm.llm_engine.model_config.vocab_size
-    prompts = random_prompts(vocab, args.num_prompts, args.input_len, args.seed)
-    hf = HFBaseline(model, dtype, device) if args.hf_baseline else None
+    session = BenchSession.open(args, batch, args.num_prompts)
+    llm, hf, prompts = session.llm, session.hf, session.prompts
 
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     warm_len = min(8, args.output_len)
@@ -68,72 +45,37 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]], warm_sp, use_tqdm=False)
         if hf is not None:
             hf.generate(prompts[:batch], warm_len, batch)
-
-    ours_s, hf_s, ours_cpu, hf_cpu, host, decode_steps = [], [], [], [], [], []
-    decode_cpu: list[float] = []
-    ours_ids: list[list[int]] = []
-    hf_ids: list[list[int]] = []
-    for _ in range(args.num_iters):  # interleaved: ours, HF, ours, HF, ...
-        with probe.record() as rec:
-            t0, c0 = time.perf_counter(), time.process_time()
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-            ours_s.append(time.perf_counter() - t0)
-            ours_cpu.append(time.process_time() - c0)
-        ours_ids = [list(o.outputs[0].token_ids) for o in outs]
-        share = rec.host_share()
-        if share is not None:
-            host.append(share)
-        decode_steps += rec.decode_step_times()
-        decode_cpu += rec.decode_step_cpu_times()
-        if hf is not None:
-            t0, c0 = time.perf_counter(), time.process_time()
-            hf_ids = hf.generate(prompts, args.output_len, batch)
-            hf_s.append(time.perf_counter() - t0)
-            hf_cpu.append(time.process_time() - c0)
+    runs = run_interleaved(
+        session, sp, args.output_len, batch, args.num_iters, decode_only_host=False
+    )
     llm.shutdown()
 
-    n_out = sum(len(x) for x in ours_ids)
-    ours_tps = [n_out / s for s in ours_s]
+    n_out = sum(len(x) for x in runs.ours_ids)
+    ours_tps = [n_out / s for s in runs.ours_s]
     res: dict[str, Any] = {
-        "benchmark": "throughput",
-        "model": args.model or model,
-        "model_path": model,
-        "dtype": str(dtype).removeprefix("torch."),
-        "input_len": args.input_len,
-        "output_len": args.output_len,
+        **session.result_header("throughput", args),
         "num_prompts": args.num_prompts,
         "batch_size": batch,
-        "environment": env,
-        "startup": startup,
         "output_tokens_per_s": summary(ours_tps),
-        "requests_per_s": summary([args.num_prompts / s for s in ours_s]),
+        "requests_per_s": summary([args.num_prompts / s for s in runs.ours_s]),
         "total_tokens_per_s": summary(
-            [args.num_prompts * (args.input_len + args.output_len) / s for s in ours_s]
+            [args.num_prompts * (args.input_len + args.output_len) / s for s in runs.ours_s]
         ),
-        "cpu_s_per_output_token": summary([c / n_out for c in ours_cpu]),
-        "host_overhead_share": summary(host) if host else None,
-        "bandwidth_GBps": bandwidth / 1e9,
-        "roofline": None,
+        "cpu_s_per_output_token": summary([c / n_out for c in runs.ours_cpu]),
+        "host_overhead_share": summary(runs.host) if runs.host else None,
+        **session.result_footer(runs, batch_one=batch == 1),
     }
-    if batch == 1 and probe.model is not None and decode_steps:
-        res["roofline"] = roofline(
-            weight_bytes_per_token(probe.model),
-            statistics.median(decode_steps),
-            bandwidth,
-            statistics.median(decode_cpu) if decode_cpu else None,
-            bandwidth_cpu,
-        )
+    hf_tps = [n_out / s for s in runs.hf_s]
     if hf is not None:
-        hf_tps = [n_out / s for s in hf_s]
         res["hf"] = {
             "output_tokens_per_s": summary(hf_tps),
-            "cpu_s_per_output_token": summary([c / n_out for c in hf_cpu]),
+            "cpu_s_per_output_token": summary([c / n_out for c in runs.hf_cpu]),
             "load_s": hf.load_s,
-            "outputs": compare_outputs(ours_ids, hf_ids),
+            "outputs": compare_outputs(runs.ours_ids, runs.hf_ids),
         }
         res["ratio"] = summary([a / b for a, b in zip(ours_tps, hf_tps)])
-        res["cpu_time_ratio"] = summary([h / o for h, o in zip(hf_cpu, ours_cpu)])
-    report(res, ours_tps, res.get("hf") and [n_out / s for s in hf_s])
+        res["cpu_time_ratio"] = summary([h / o for h, o in zip(runs.hf_cpu, runs.ours_cpu)])
+    report(res, ours_tps, hf_tps or None)
     write_json(args.output_json, res)
     return res
 
@@ -145,9 +87,7 @@ def report(res: dict[str, Any], ours_tps: list[float], hf_tps: list[float] | Non
         f"input_len={res['input_len']} output_len={res['output_len']} "
         f"num_prompts={res['num_prompts']} batch_size={res['batch_size']}"
     )
-    print(environment_line(res["environment"]))
-    st = res["startup"]
-    print(f"start-up: LLM() {st['init_s']:.2f} s, to first token {st['first_token_s']:.2f} s")
+    print(startup_lines(res))
     print(
         f"ours: {fmt(ours_tps)} output tok/s (median [min-max] of {n} runs); "
         f"{res['requests_per_s']['median']:.2f} req/s, "
