@@ -72,19 +72,14 @@ from torch import nn
 # The engine's own converters between HF's fused in-memory experts and per-expert checkpoint
 # names (the layout the engine's loader reads).
 from vllm.model_executor.layers.fused_moe import fuse_experts, split_fused_experts
+from vllm.model_zoo.smollm2 import CHATML_TEMPLATE
+from vllm.testing.checkpoints import train_bpe
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "vllm" / "model_zoo" / "tiny-deepseek-mtp"
 DEFAULT_PLOT = REPO_ROOT / "benchmarks" / "training_curves.png"
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|endoftext|>"
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 
 
@@ -223,22 +218,13 @@ def read_texts(files: list[Path]) -> list[str]:
 
 def train_tokenizer(texts: list[str], vocab_size: int):
     """Byte-level BPE (``tokenizers``) wrapped as a ``PreTrainedTokenizerFast``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, bos_token=None
+        tokenizer_object=train_bpe(texts, vocab_size),
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        bos_token=None,
     )
     tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer

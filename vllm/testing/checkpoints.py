@@ -148,8 +148,9 @@ def _training_corpus() -> list[str]:
     return texts
 
 
-def _train_tokenizer_json(vocab_size: int) -> str:
-    """Train a byte-level BPE tokenizer (uncached) and return its JSON serialisation."""
+def train_bpe(texts: list[str], vocab_size: int) -> Any:
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts``, with SPECIAL_TOKENS
+    first (ids 0, 1, 2)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -162,8 +163,13 @@ def _train_tokenizer_json(vocab_size: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_training_corpus(), trainer=trainer)
-    return tok.to_str()
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def _train_tokenizer_json(vocab_size: int) -> str:
+    """Train a byte-level BPE tokenizer (uncached) and return its JSON serialisation."""
+    return train_bpe(_training_corpus(), vocab_size).to_str()
 
 
 def build_tokenizer(out_dir: str | os.PathLike, vocab_size: int = 512) -> PreTrainedTokenizerFast:
