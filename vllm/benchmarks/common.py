@@ -342,6 +342,16 @@ def fmt(xs: Sequence[float], digits: int = 1, scale: float = 1.0) -> str:
     return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
 
 
+def ratio_text(s: dict[str, float]) -> str:
+    """A summary() of ratios as "median x [min-max]"."""
+    return f"{s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}]"
+
+
+def share_text(s: dict[str, float]) -> str:
+    """A summary() of shares as "median% [min%-max%]"."""
+    return f"{s['median']:.1%} [{s['min']:.1%}-{s['max']:.1%}]"
+
+
 def roofline(
     bytes_per_token: int | None,
     step_s: float | None,

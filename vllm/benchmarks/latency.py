@@ -21,8 +21,10 @@ from vllm.benchmarks.common import (
     check_lengths,
     compare_outputs,
     fmt,
+    ratio_text,
     roofline_line,
     run_interleaved,
+    share_text,
     startup_lines,
     summary,
     write_json,
@@ -103,25 +105,15 @@ def report(res: dict[str, Any], lat: list[float], steps: list[float], hf_lat: li
         )
     host = res["host_overhead_share_decode"]
     if host is not None:
-        print(
-            f"host overhead (decode step time outside the model forward): {host['median']:.1%} "
-            f"[{host['min']:.1%}-{host['max']:.1%}]"
-        )
+        print(f"host overhead (decode step time outside the model forward): {share_text(host)}")
     print(roofline_line(res["roofline"]))
     if hf_lat:
         print(f"HF transformers latency: {fmt(hf_lat, 3)} s (load {res['hf']['load_s']:.2f} s)")
         o = res["hf"]["outputs"]
         print(f"greedy outputs identical to HF: {o['identical']}/{o['total']}")
-        c = res["cpu_time_ratio"]
-        print(
-            f"CPU-time ratio HF/ours (process CPU seconds per run): {c['median']:.2f}x "
-            f"[{c['min']:.2f}-{c['max']:.2f}]"
-        )
-        s = res["speedup"]
-        print(
-            f"ratio HF latency / ours (paired interleaved runs): {s['median']:.2f}x "
-            f"[{s['min']:.2f}-{s['max']:.2f}]"
-        )
+        c = ratio_text(res["cpu_time_ratio"])
+        print(f"CPU-time ratio HF/ours (process CPU seconds per run): {c}")
+        print(f"ratio HF latency / ours (paired interleaved runs): {ratio_text(res['speedup'])}")
 
 
 def main(args: argparse.Namespace) -> int:

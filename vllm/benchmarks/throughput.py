@@ -17,8 +17,10 @@ from vllm.benchmarks.common import (
     check_lengths,
     compare_outputs,
     fmt,
+    ratio_text,
     roofline_line,
     run_interleaved,
+    share_text,
     startup_lines,
     summary,
     write_json,
@@ -97,10 +99,7 @@ def report(res: dict[str, Any], ours_tps: list[float], hf_tps: list[float] | Non
         print(f"HF transformers: {fmt(hf_tps)} output tok/s (load {res['hf']['load_s']:.2f} s)")
     host = res["host_overhead_share"]
     if host is not None:
-        print(
-            f"host overhead (step time outside the model forward): {host['median']:.1%} "
-            f"[{host['min']:.1%}-{host['max']:.1%}]"
-        )
+        print(f"host overhead (step time outside the model forward): {share_text(host)}")
     print(roofline_line(res["roofline"]))
     if hf_tps:
         o = res["hf"]["outputs"]
@@ -109,17 +108,12 @@ def report(res: dict[str, Any], ours_tps: list[float], hf_tps: list[float] | Non
             m = o["first_mismatch"]
             line += f" (first difference: prompt {m['prompt']}, output token {m['token']})"
         print(line)
-        c = res["cpu_time_ratio"]
         print(
-            f"CPU-time ratio HF/ours (process CPU seconds per run; steadier than wall time on a "
-            f"shared machine, exact work at 1 thread): {c['median']:.2f}x "
-            f"[{c['min']:.2f}-{c['max']:.2f}]"
+            "CPU-time ratio HF/ours (process CPU seconds per run; steadier than wall time on a "
+            f"shared machine, exact work at 1 thread): {ratio_text(res['cpu_time_ratio'])}"
         )
-        r = res["ratio"]
-        print(
-            f"ratio ours/HF (output tok/s, paired interleaved runs): {r['median']:.2f}x "
-            f"[{r['min']:.2f}-{r['max']:.2f}]"
-        )
+        r = ratio_text(res["ratio"])
+        print(f"ratio ours/HF (output tok/s, paired interleaved runs): {r}")
 
 
 def main(args: argparse.Namespace) -> int:
