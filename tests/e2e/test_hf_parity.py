@@ -6,10 +6,9 @@ steps, and greedy generation token for token, for each supported family."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from vllm import LLM, SamplingParams
-from vllm.testing.engine_utils import hf_greedy, hf_logprobs, make_prompts
+from vllm.testing.engine_utils import assert_logprobs_match_hf, hf_greedy, make_prompts
 
 FAMILIES = [
     "llama_dir",
@@ -29,11 +28,6 @@ def family(request):
     llm.shutdown()
 
 
-def _full_dist(entry: dict) -> torch.Tensor:
-    ids = sorted(entry)
-    return torch.tensor([entry[i].logprob for i in ids])
-
-
 def test_logprobs_match_hf(family):
     path, llm = family
     vocab = llm.llm_engine.model_config.vocab_size
@@ -42,20 +36,7 @@ def test_logprobs_match_hf(family):
         temperature=0, max_tokens=4, logprobs=-1, prompt_logprobs=-1, ignore_eos=True
     )
     out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
-    gen = out.outputs[0].token_ids
-    ref = hf_logprobs(path, prompt + gen)
-    # Prompt: entry p (p >= 1) is the distribution at position p - 1.
-    assert out.prompt_logprobs[0] is None
-    for p in range(1, len(prompt)):
-        ours = _full_dist(out.prompt_logprobs[p])
-        assert ours.shape[0] == vocab
-        torch.testing.assert_close(ours, ref[p - 1], atol=2e-4, rtol=1e-4)
-    # Decode: generated token j is sampled from the distribution at position len(prompt)-1+j.
-    for j, entry in enumerate(out.outputs[0].logprobs):
-        torch.testing.assert_close(
-            _full_dist(entry), ref[len(prompt) - 1 + j], atol=2e-4, rtol=1e-4
-        )
-        assert entry[gen[j]].rank == 1
+    assert_logprobs_match_hf(path, out, prompt)
 
 
 def test_greedy_matches_hf_generate(family):

@@ -18,7 +18,7 @@ import torch
 
 from vllm import LLM, SamplingParams
 from vllm.testing.dsa_checkpoints import make_deepseek_v32, make_glm_moe_dsa
-from vllm.testing.engine_utils import hf_greedy, hf_logprobs, make_prompts
+from vllm.testing.engine_utils import assert_logprobs_match_hf, hf_greedy, hf_logprobs, make_prompts
 
 INDEX_TOPK = 8  # the builders' default: prompts of 21+ tokens select a strict subset
 YARN = {
@@ -81,10 +81,6 @@ def family(request):
     llm.shutdown()
 
 
-def _full_dist(entry: dict) -> torch.Tensor:
-    return torch.tensor([entry[i].logprob for i in sorted(entry)])
-
-
 def _dense_copy(path: str, tmp_path: Path) -> str:
     """The same checkpoint with index_topk beyond any context (HF then attends densely)."""
     dense = tmp_path / "dense"
@@ -105,17 +101,7 @@ def test_logprobs_match_hf(family, prompt_len: int, tmp_path: Path) -> None:
     )
     out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
     gen = list(out.outputs[0].token_ids)
-    ref = hf_logprobs(path, prompt + gen)
-    assert out.prompt_logprobs[0] is None
-    for p in range(1, len(prompt)):
-        ours = _full_dist(out.prompt_logprobs[p])
-        assert ours.shape[0] == vocab
-        torch.testing.assert_close(ours, ref[p - 1], atol=2e-4, rtol=1e-4)
-    for j, entry in enumerate(out.outputs[0].logprobs):
-        torch.testing.assert_close(
-            _full_dist(entry), ref[len(prompt) - 1 + j], atol=2e-4, rtol=1e-4
-        )
-        assert entry[gen[j]].rank == 1
+    ref = assert_logprobs_match_hf(path, out, prompt)
     if prompt_len + len(gen) > INDEX_TOPK + 1:
         # The selection matters here: dense attention would be far off.
         dense = hf_logprobs(_dense_copy(path, tmp_path), prompt + gen)

@@ -27,7 +27,7 @@ from vllm.model_executor.layers.mamba.ops.gated_delta_rule import (
     recurrent_gated_delta_rule,
 )
 from vllm.testing import qwen3_5_checkpoints as q35
-from vllm.testing.engine_utils import hf_greedy, hf_logprobs, make_prompts
+from vllm.testing.engine_utils import assert_logprobs_match_hf, hf_greedy, make_prompts
 from vllm.v1.worker.gpu.linear_attn_states import LinearAttnStates
 
 FAMILIES = ["qwen3_5_dir", "qwen3_5_moe_dir"]
@@ -46,31 +46,12 @@ def _one_torch_thread():
     torch.set_num_threads(n)
 
 
-def _full_dist(entry: dict) -> torch.Tensor:
-    return torch.tensor([entry[i].logprob for i in sorted(entry)])
-
-
 def _gen(llm: LLM, prompts, sp=GREEDY):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
 
 
 def _ids(outs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def _check_logprobs_vs_hf(path: str, out, prompt: list[int]) -> None:
-    gen = out.outputs[0].token_ids
-    ref = hf_logprobs(path, prompt + list(gen))
-    assert out.prompt_logprobs[0] is None
-    for p in range(1, len(prompt)):
-        torch.testing.assert_close(
-            _full_dist(out.prompt_logprobs[p]), ref[p - 1], atol=2e-4, rtol=1e-4
-        )
-    for j, entry in enumerate(out.outputs[0].logprobs):
-        torch.testing.assert_close(
-            _full_dist(entry), ref[len(prompt) - 1 + j], atol=2e-4, rtol=1e-4
-        )
-        assert entry[gen[j]].rank == 1
 
 
 # ---- kernels ----------------------------------------------------------------------------------
@@ -194,7 +175,7 @@ def test_logprobs_match_hf(family):
     sp = SamplingParams(
         temperature=0, max_tokens=5, logprobs=-1, prompt_logprobs=-1, ignore_eos=True
     )
-    _check_logprobs_vs_hf(path, _gen(llm, [prompt], sp)[0], prompt)
+    assert_logprobs_match_hf(path, _gen(llm, [prompt], sp)[0], prompt)
 
 
 def test_greedy_matches_hf_and_is_batch_invariant(family):
@@ -230,7 +211,7 @@ def test_chunked_prefill_matches_hf(request, model):
         sp = SamplingParams(
             temperature=0, max_tokens=5, logprobs=-1, prompt_logprobs=-1, ignore_eos=True
         )
-        _check_logprobs_vs_hf(path, _gen(llm, [prompt], sp)[0], prompt)
+        assert_logprobs_match_hf(path, _gen(llm, [prompt], sp)[0], prompt)
         prompts = make_prompts(vocab, LENGTHS, seed=2)
         assert _ids(_gen(llm, prompts)) == [hf_greedy(path, p, GREEDY.max_tokens) for p in prompts]
     finally:
@@ -283,7 +264,7 @@ def test_multimodal_checkpoint_runs_text_path(qwen3_5_dir, tmp_path):
         sp = SamplingParams(
             temperature=0, max_tokens=3, logprobs=-1, prompt_logprobs=-1, ignore_eos=True
         )
-        _check_logprobs_vs_hf(qwen3_5_dir, _gen(llm, [prompt], sp)[0], prompt)
+        assert_logprobs_match_hf(qwen3_5_dir, _gen(llm, [prompt], sp)[0], prompt)
     finally:
         llm.shutdown()
 

@@ -38,6 +38,33 @@ def hf_logprobs(model_dir: str, token_ids: list[int]) -> torch.Tensor:
     return logits.log_softmax(-1)
 
 
+def full_dist(entry: dict) -> torch.Tensor:
+    """A logprobs entry that holds every token (logprobs=-1) as a [V] tensor, in token order."""
+    return torch.tensor([entry[i].logprob for i in sorted(entry)])
+
+
+def assert_logprobs_match_hf(
+    model_dir: str, out, prompt: list[int], atol: float = 2e-4, rtol: float = 1e-4
+) -> torch.Tensor:
+    """One RequestOutput generated with logprobs=-1, prompt_logprobs=-1 (greedy): every prompt
+    and decode distribution equals HF's at the same position, and each generated token ranks
+    first. Returns HF's [len(prompt) + len(gen), V] log-probs."""
+    gen = list(out.outputs[0].token_ids)
+    ref = hf_logprobs(model_dir, prompt + gen)
+    vocab = ref.shape[-1]
+    # Prompt: entry p (p >= 1) is the distribution at position p - 1.
+    assert out.prompt_logprobs[0] is None
+    for p in range(1, len(prompt)):
+        ours = full_dist(out.prompt_logprobs[p])
+        assert ours.shape[0] == vocab
+        torch.testing.assert_close(ours, ref[p - 1], atol=atol, rtol=rtol)
+    # Decode: generated token j is sampled from the distribution at position len(prompt)-1+j.
+    for j, entry in enumerate(out.outputs[0].logprobs):
+        torch.testing.assert_close(full_dist(entry), ref[len(prompt) - 1 + j], atol=atol, rtol=rtol)
+        assert entry[gen[j]].rank == 1
+    return ref
+
+
 def make_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab_size, (n,), generator=g).tolist() for n in lengths]
