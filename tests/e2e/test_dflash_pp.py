@@ -180,12 +180,11 @@ def test_serve_pp2_dspark(cache, tmp_path):
     target = cache.targets["llama"]
     ref = cache.reference("llama", k)
     spec = json.dumps({"method": "dspark", "model": cache.head("llama", "dspark", k)})
-    server = RemoteServer(
+    with RemoteServer(
         target,
         ["-pp", "2", "--dtype", "float32", "--max-model-len", "128", "--speculative-config", spec],
         tmp_path / "serve.log",
-    )
-    try:
+    ) as server:
         server.wait_ready()
         client = openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0, timeout=120)
         for prompt, want in zip(cache.prompts, ref):
@@ -214,5 +213,3 @@ def test_serve_pp2_dspark(cache, tmp_path):
             assert got.get(f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{i}]", 0) == n
         assert accepted > 0
         assert server.stop(timeout=60) == 0, server.log_tail()
-    finally:
-        server.stop(timeout=10)

@@ -300,12 +300,11 @@ def test_serve_pp2_equals_p1(llama_dir, reference, tmp_path):
 
     from vllm.testing.remote_server import RemoteServer
 
-    server = RemoteServer(
+    with RemoteServer(
         llama_dir,
         ["-pp", "2", "--dtype", "float32", "--max-model-len", "128"],
         tmp_path / "serve.log",
-    )
-    try:
+    ) as server:
         server.wait_ready()
         stages = server.children()
         client = openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0, timeout=120)
@@ -326,5 +325,3 @@ def test_serve_pp2_equals_p1(llama_dir, reference, tmp_path):
         assert server.stop(timeout=60) == 0, server.log_tail()
         _, alive = psutil.wait_procs(stages, timeout=30)
         assert not alive, f"processes left behind by the server: {alive}"
-    finally:
-        server.stop(timeout=10)

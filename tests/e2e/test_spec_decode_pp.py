@@ -263,12 +263,11 @@ def test_serve_pp2_mtp_equals_p1(runs, tmp_path):
     target = runs.dirs("mtp1")[0]
     ref_tokens, _ = runs.get("mtp1", 1, 0)
     spec = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
-    server = RemoteServer(
+    with RemoteServer(
         target,
         ["-pp", "2", "--dtype", "float32", "--max-model-len", "128", "--speculative-config", spec],
         tmp_path / "serve.log",
-    )
-    try:
+    ) as server:
         server.wait_ready()
         client = openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0, timeout=120)
         texts = _TEXTS[(target, 1, json.dumps(None))]
@@ -285,5 +284,3 @@ def test_serve_pp2_mtp_equals_p1(runs, tmp_path):
             assert len(got) == len(want), server.log_tail()
             assert res.choices[0].text == want_text
         assert server.stop(timeout=60) == 0, server.log_tail()
-    finally:
-        server.stop(timeout=10)

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm import LLM, SamplingParams
-from vllm.testing.remote_server import RemoteServer
+from vllm.testing.remote_server import RemoteServer, serving
 
 MAX_MODEL_LEN = 128
 SERVE_ARGS = ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN)]
@@ -47,14 +47,11 @@ def servers(model_dir, tmp_path_factory, request):
             logs / "auth.log",
         ),
     }
-    try:
+    with serving(started):
         request.getfixturevalue("offline")
         for srv in started.values():
             srv.wait_ready()
         yield started
-    finally:
-        for srv in started.values():
-            srv.stop(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from vllm.config import DEFAULT_MODEL_DIR
 from vllm.testing.engine_utils import resume_and_kill
-from vllm.testing.remote_server import RemoteServer
+from vllm.testing.remote_server import RemoteServer, serving
 
 API_KEY = "sk-reliability"
 NAME = "tiny"
@@ -66,13 +66,10 @@ def servers(tmp_path_factory):
         "p1": RemoteServer("", [*COMMON, "--trust-request-chat-template"], logs / "p1.log", env),
         "p2": RemoteServer("", [*COMMON, "-pp", "2"], logs / "p2.log", env),
     }
-    try:
+    with serving(started):
         for srv in started.values():
             srv.wait_ready()
         yield started
-    finally:
-        for srv in started.values():
-            srv.stop(timeout=30)
 
 
 @pytest.fixture(scope="module", params=["p1", "p2"])

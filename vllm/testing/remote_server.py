@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -27,7 +29,8 @@ class RemoteServer:
     """`python -m vllm.entrypoints.cli.main serve MODEL ...`, its output in a log file.
 
     `stop()` sends SIGTERM and, if it does not exit in time, kills it and every process it
-    started (only those)."""
+    started (only those). As a context manager it stops on exit, whatever happened inside
+    (`wait_ready()` stays the caller's, so several servers can start at once)."""
 
     def __init__(
         self,
@@ -59,6 +62,12 @@ class RemoteServer:
         )
         self._children: list[psutil.Process] = []
         self._stage_pids: list[int] = []
+
+    def __enter__(self) -> RemoteServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop(timeout=30)
 
     @property
     def base_url(self) -> str:
@@ -138,3 +147,12 @@ class RemoteServer:
                 pass
         self._log.close()
         return rc
+
+
+@contextlib.contextmanager
+def serving(servers: dict[str, RemoteServer]) -> Iterator[dict[str, RemoteServer]]:
+    """Stop every server on exit (also when one of them failed to start)."""
+    with contextlib.ExitStack() as stack:
+        for srv in servers.values():
+            stack.enter_context(srv)
+        yield servers
