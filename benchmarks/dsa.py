@@ -15,8 +15,6 @@ checkpoint's random MTP layer: acceptance near 0, drafts do depend on the select
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -30,6 +28,7 @@ K = 3
 
 def _models(mtp_heads: str, index_topk: int) -> tuple[str, str]:
     """(sharing on, sharing off) folders of one V3.2 checkpoint with one MTP layer."""
+    from vllm.testing.checkpoints import copy_checkpoint
     from vllm.testing.dsa_checkpoints import make_deepseek_v32
     from vllm.testing.spec_checkpoints import make_mtp_self_draft
 
@@ -59,10 +58,7 @@ def _models(mtp_heads: str, index_topk: int) -> tuple[str, str]:
             make_mtp_self_draft(str(on), str(base), target_scale=0.2)
     off = CACHE / f"{on.name}-noshare"
     if not (off / "config.json").exists():
-        shutil.copytree(on, off)
-        cfg = json.loads((off / "config.json").read_text())
-        cfg["index_share_for_mtp_iteration"] = False
-        (off / "config.json").write_text(json.dumps(cfg))
+        copy_checkpoint(on, off, {"index_share_for_mtp_iteration": False})
     return str(on), str(off)
 
 

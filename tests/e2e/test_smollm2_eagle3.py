@@ -19,7 +19,6 @@ prompts held out from its training data.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ import torch
 
 from vllm import LLM, SamplingParams
 from vllm.model_zoo import SMOLLM2_EAGLE3_DIR
+from vllm.testing.checkpoints import copy_checkpoint
 
 HEAD = str(SMOLLM2_EAGLE3_DIR)
 NUM_PROMPTS = 3
@@ -157,13 +157,12 @@ def _max_logit_error(records, reference) -> float:
 
 
 def _shifted_head(dst: Path, shift: int) -> str:
-    shutil.copytree(HEAD, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg["eagle_aux_hidden_state_layer_ids"] = [
-        i + shift for i in cfg["eagle_aux_hidden_state_layer_ids"]
+    layers = json.loads((Path(HEAD) / "config.json").read_text())[
+        "eagle_aux_hidden_state_layer_ids"
     ]
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return str(dst)
+    return copy_checkpoint(
+        HEAD, dst, {"eagle_aux_hidden_state_layer_ids": [i + shift for i in layers]}
+    )
 
 
 def test_draft_logits_match_speculators_and_shifted_taps_do_not(

@@ -9,14 +9,13 @@ loading re-points its top-k buffers to the target's."""
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from vllm import LLM, SamplingParams
+from vllm.testing.checkpoints import copy_checkpoint
 from vllm.testing.dsa_checkpoints import make_deepseek_v32, make_glm_moe_dsa
 from vllm.testing.engine_utils import assert_logprobs_match_hf, hf_greedy, hf_logprobs, make_prompts
 
@@ -83,12 +82,7 @@ def family(request):
 
 def _dense_copy(path: str, tmp_path: Path) -> str:
     """The same checkpoint with index_topk beyond any context (HF then attends densely)."""
-    dense = tmp_path / "dense"
-    shutil.copytree(path, dense)
-    cfg = json.loads((dense / "config.json").read_text())
-    cfg["index_topk"] = 4096
-    (dense / "config.json").write_text(json.dumps(cfg))
-    return str(dense)
+    return copy_checkpoint(path, tmp_path / "dense", {"index_topk": 4096})
 
 
 @pytest.mark.parametrize("prompt_len", [6, 21], ids=["short", "long"])
@@ -128,11 +122,7 @@ MTP_COMMON = dict(dtype="float32", max_model_len=128, max_num_seqs=4)
 
 def _variant(src: str, dst: Path, **cfg) -> str:
     """A copy of checkpoint src with config.json fields replaced (same weights)."""
-    if not dst.exists():
-        shutil.copytree(src, dst)
-        path = dst / "config.json"
-        path.write_text(json.dumps({**json.loads(path.read_text()), **cfg}))
-    return str(dst)
+    return str(dst) if dst.exists() else copy_checkpoint(src, dst, cfg)
 
 
 @pytest.fixture(scope="module")

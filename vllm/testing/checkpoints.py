@@ -76,6 +76,7 @@ import copy
 import inspect
 import json
 import os
+import shutil
 import sysconfig
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -351,6 +352,20 @@ def update_config_json(
     cfg.update(updates)
     path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     return before
+
+
+def copy_checkpoint(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    updates: dict[str, Any] | None = None,
+    drop: tuple[str, ...] = (),
+) -> str:
+    """A copy of checkpoint folder src at dst (same weights), with config.json fields set
+    (``updates``) or deleted (``drop``). Returns dst."""
+    shutil.copytree(src, dst)
+    if updates or drop:
+        update_config_json(dst, updates or {}, drop)
+    return str(dst)
 
 
 def _read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:

@@ -12,15 +12,14 @@ previous tokens - must give the same logits (and DSpark the same confidence esti
 
 from __future__ import annotations
 
-import json
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from vllm import LLM, SamplingParams
+from vllm.testing.checkpoints import copy_checkpoint
 from vllm.testing.engine_utils import make_prompts
 from vllm.testing.speculators_dflash_heads import DFlashReference, make_speculators_dflash
 
@@ -185,15 +184,9 @@ def dspark_dir(llama_dir, tmp_path_factory) -> str:
 
 
 def _edited(src: str, dst: Path, **changes) -> str:
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    for k, v in changes.items():
-        if v is None:
-            cfg.pop(k, None)
-        else:
-            cfg[k] = v
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return str(dst)
+    """A copy of src with config.json fields set (None: deleted)."""
+    drop = tuple(k for k, v in changes.items() if v is None)
+    return copy_checkpoint(src, dst, {k: v for k, v in changes.items() if v is not None}, drop)
 
 
 @pytest.mark.parametrize(

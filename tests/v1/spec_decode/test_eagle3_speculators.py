@@ -15,13 +15,13 @@ position and to its own steps 1..k there).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from vllm import LLM, SamplingParams
+from vllm.testing.checkpoints import copy_checkpoint
 from vllm.testing.engine_utils import make_prompts
 from vllm.testing.speculators_heads import (
     SpeculatorsReference,
@@ -111,15 +111,16 @@ def test_speculators_head_infers_method_and_k(llama_dir, tmp_path):
 
 
 def _edited(head: str, dst: Path, **changes) -> str:
-    shutil.copytree(head, dst)
-    cfg = json.loads((dst / "config.json").read_text())
+    """A copy of head with config.json fields set ("layer.X": transformer_layer_config's X)."""
+    layer = json.loads((Path(head) / "config.json").read_text())["transformer_layer_config"]
+    updates: dict = {}
     for key, value in changes.items():
         if key.startswith("layer."):
-            cfg["transformer_layer_config"][key[len("layer.") :]] = value
+            layer[key[len("layer.") :]] = value
+            updates["transformer_layer_config"] = layer
         else:
-            cfg[key] = value
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return str(dst)
+            updates[key] = value
+    return copy_checkpoint(head, dst, updates)
 
 
 @pytest.mark.parametrize(

@@ -68,13 +68,9 @@ def test_more_steps_than_mtp_layers_warns(deepseek_v3_mtp1_dir, caplog):
 
 
 def _eagle_variant(src: str, dst, **cfg) -> str:
-    import json
-    import shutil
+    from vllm.testing.checkpoints import copy_checkpoint
 
-    shutil.copytree(src, dst)
-    path = dst / "config.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **cfg}))
-    return str(dst)
+    return copy_checkpoint(src, dst, cfg)
 
 
 def test_eagle1_config_maps_to_the_eagle_llama_draft(llama_dir, tmp_path):
