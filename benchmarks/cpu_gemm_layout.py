@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -62,20 +63,22 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=9)
     ap.add_argument("--kv-heads", type=int, default=3)
     ap.add_argument("--vocab", type=int, default=49152)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
-    dtype = getattr(torch, args.dtype)
+    if not torch.backends.mkl.is_available():
+        sys.exit("this torch build has no MKL (the packed method needs it)")
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), {args.dtype}")
+    # fp32 only: the engine's fp32 linears are these BLAS calls (bf16 has its own small-M
+    # kernel, layers/linear.py).
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), float32")
     print(f"{'shape':>8} {'out x in':>11} {'M':>3} {'NT us':>8} {'NN':>14} {'packed':>14}")
     per_m: dict[int, dict[str, float]] = {m: {} for m in args.rows}
     for name, (out_f, in_f) in shapes(
         args.hidden, args.intermediate, args.heads, args.kv_heads, args.vocab
     ).items():
         copies = 1 if name == "lm_head" else args.layers
-        run = methods([torch.randn(out_f, in_f, dtype=dtype) for _ in range(copies)])
+        run = methods([torch.randn(out_f, in_f) for _ in range(copies)])
         for m in args.rows:
-            x = torch.randn(m, in_f, dtype=dtype)
+            x = torch.randn(m, in_f)
             ref = run["NT"](x)[0]
             for f in run.values():  # same result, and a warm-up
                 torch.testing.assert_close(f(x)[0], ref, atol=1e-3, rtol=1e-3)
@@ -87,9 +90,8 @@ def main() -> None:
                     run[k](x)
                     times[k].append((time.perf_counter() - t0) / copies * 1e6)
             med = {k: statistics.median(v) for k, v in times.items()}
-            scale = 1 if name == "lm_head" else args.layers  # a whole forward's worth
-            for k, v in med.items():
-                per_m[m][k] = per_m[m].get(k, 0.0) + v * scale
+            for k, v in med.items():  # a whole forward's worth
+                per_m[m][k] = per_m[m].get(k, 0.0) + v * copies
             print(
                 f"{name:>8} {f'{out_f}x{in_f}':>11} {m:>3} {med['NT']:>8.0f} "
                 + " ".join(f"{med[k]:>7.0f} ({med['NT'] / med[k]:.2f}x)" for k in ("NN", "packed"))

@@ -43,9 +43,7 @@ def full_dist(entry: dict) -> torch.Tensor:
     return torch.tensor([entry[i].logprob for i in sorted(entry)])
 
 
-def assert_logprobs_match_hf(
-    model_dir: str, out, prompt: list[int], atol: float = 2e-4, rtol: float = 1e-4
-) -> torch.Tensor:
+def assert_logprobs_match_hf(model_dir: str, out, prompt: list[int]) -> torch.Tensor:
     """One RequestOutput generated with logprobs=-1, prompt_logprobs=-1 (greedy): every prompt
     and decode distribution equals HF's at the same position, and each generated token ranks
     first. Returns HF's [len(prompt) + len(gen), V] log-probs."""
@@ -57,10 +55,10 @@ def assert_logprobs_match_hf(
     for p in range(1, len(prompt)):
         ours = full_dist(out.prompt_logprobs[p])
         assert ours.shape[0] == vocab
-        torch.testing.assert_close(ours, ref[p - 1], atol=atol, rtol=rtol)
+        torch.testing.assert_close(ours, ref[p - 1], atol=2e-4, rtol=1e-4)
     # Decode: generated token j is sampled from the distribution at position len(prompt)-1+j.
     for j, entry in enumerate(out.outputs[0].logprobs):
-        torch.testing.assert_close(full_dist(entry), ref[len(prompt) - 1 + j], atol=atol, rtol=rtol)
+        torch.testing.assert_close(full_dist(entry), ref[len(prompt) - 1 + j], atol=2e-4, rtol=1e-4)
         assert entry[gen[j]].rank == 1
     return ref
 
