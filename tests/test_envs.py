@@ -26,6 +26,7 @@ BAD_VALUES = {
     "VLLM_LOGGING_LEVEL": "LOUD",
     "TRITON_INTERPRET": "maybe",
     "VLLM_CPU_KERNELS": "perhaps",
+    "VLLM_CPU_ONEDNN_CACHE_CAPACITY": "many",
 }
 FREE_TEXT = {
     "VLLM_PP_LAYER_PARTITION",  # checked against P and the layer count (test_pp_indices)
@@ -37,6 +38,8 @@ FREE_TEXT = {
     "XDG_CACHE_HOME",
     "RAY_ADDRESS",
     "OMP_NUM_THREADS",
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY",  # oneDNN's own
+    "LRU_CACHE_CAPACITY",  # PyTorch ideep's own
 }
 
 

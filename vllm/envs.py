@@ -56,6 +56,16 @@ def _choice(*choices: str, upper: bool = False) -> Callable[[str, str], str]:
     return parse
 
 
+def _positive_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {raw!r}")
+    return value
+
+
 def _text(name: str, raw: str) -> str:
     return raw.strip()
 
@@ -112,6 +122,27 @@ _VARS = [
         2.0,
         _positive_float("GiB"),
         "KV cache budget on CPU, in GiB, when kv_cache_memory_bytes is not given.",
+    ),
+    EnvVar(
+        "VLLM_CPU_ONEDNN_CACHE_CAPACITY",
+        16,
+        _positive_int,
+        "Entries of oneDNN's primitive cache and of PyTorch's ideep cache in each engine "
+        "process, unless ONEDNN_PRIMITIVE_CACHE_CAPACITY / LRU_CACHE_CAPACITY are set. Both "
+        "keep one entry per GEMM shape (each new batch size is a new shape), ~0.5 MiB each, up "
+        "to 1024 by default: unbounded, they grow resident memory for thousands of requests.",
+    ),
+    EnvVar(
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY",
+        None,
+        _text,
+        "oneDNN's own: entries of its primitive cache (default: VLLM_CPU_ONEDNN_CACHE_CAPACITY).",
+    ),
+    EnvVar(
+        "LRU_CACHE_CAPACITY",
+        None,
+        _text,
+        "PyTorch's ideep (oneDNN) op cache size (default: VLLM_CPU_ONEDNN_CACHE_CAPACITY).",
     ),
     EnvVar(
         "VLLM_FP8_DEQUANT",
@@ -218,6 +249,9 @@ if TYPE_CHECKING:  # the names this module provides
     VLLM_PP_LAYER_PARTITION: str | None
     VLLM_WORKER_MULTIPROC_METHOD: str
     VLLM_CPU_KVCACHE_SPACE: float
+    VLLM_CPU_ONEDNN_CACHE_CAPACITY: int
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY: str | None
+    LRU_CACHE_CAPACITY: str | None
     VLLM_FP8_DEQUANT: str
     VLLM_SPARSE_MLA_BACKEND: str | None
     VLLM_CHAT_TEMPLATE_TIMEOUT_S: float
@@ -258,3 +292,13 @@ def cache_root() -> Path:
     if root:
         return Path(root)
     return Path(__getattr__("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm"
+
+
+def bound_onednn_caches() -> None:
+    """Cap oneDNN's and ideep's per-shape caches in this process at
+    VLLM_CPU_ONEDNN_CACHE_CAPACITY, unless the user set them (both libraries read their
+    variable when they first run a primitive)."""
+    cap = str(__getattr__("VLLM_CPU_ONEDNN_CACHE_CAPACITY"))
+    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+        if __getattr__(name) is None:
+            os.environ[name] = cap

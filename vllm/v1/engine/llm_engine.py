@@ -16,6 +16,7 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.output_processor import ChildState, OutputProcessor, RequestState
+from vllm.v1.engine.warmup import warm_up
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from vllm.v1.metrics.reader import Metric, get_metrics_snapshot
@@ -94,6 +95,7 @@ class LLMEngine:
                 )
                 num_blocks = override
             self.executor.initialize_kv_cache(num_blocks)
+            warm_up(vllm_config, self.executor, num_blocks, num_state_slots(vllm_config))
         except BaseException:
             self.executor.shutdown()
             raise

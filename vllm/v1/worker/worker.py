@@ -23,6 +23,7 @@ from vllm.distributed.parallel_state import (
 from vllm.logger import init_logger
 from vllm.sequence import IntermediateTensors
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.worker.cpu_memory import configure_cpu_process_memory
 from vllm.v1.worker.gpu.model_runner import ModelRunner
 
 logger = init_logger(__name__)
@@ -35,6 +36,8 @@ class Worker:
         rank: int = 0,
         distributed_init_method: str | None = None,
     ) -> None:
+        if vllm_config.device_config.device == "cpu":
+            configure_cpu_process_memory()
         self.vllm_config = vllm_config
         self.rank = rank
         self.world_size = vllm_config.parallel_config.pipeline_parallel_size

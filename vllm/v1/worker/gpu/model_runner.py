@@ -124,6 +124,18 @@ class ModelRunner:
         self.num_blocks = num_blocks
         if self.linear_attn_states is not None:
             self.linear_attn_states.allocate()
+        # torch.zeros writes every page: the pools are resident from here on.
+        kv_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches.values())
+        logger.info(
+            "stage %d: KV cache pool %.1f MiB (%d blocks, %d layers), linear-attention states "
+            "%.1f MiB, request-state tables %.1f MiB",
+            self.pp.rank,
+            kv_bytes / 2**20,
+            num_blocks,
+            len(self.kv_caches),
+            self.state_cache_bytes() / 2**20,
+            self.states.nbytes() / 2**20,
+        )
         if self.speculator is not None:
             self.speculator.capture()
 

@@ -48,6 +48,14 @@ class RequestStates:
         self.num_prompt_logprobs = np.full(max_num_reqs, -2, dtype=np.int64)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.params: list[SamplingParams | None] = [None] * max_num_reqs
+        # np.zeros maps fresh pages that become resident only when written: write the big
+        # tables now, so a stage's memory after start-up is what it keeps.
+        self.token_ids.fill(0)
+        self.block_table.fill(0)
+
+    def nbytes(self) -> int:
+        """Memory of the per-slot arrays (the start-up log reports it)."""
+        return sum(v.nbytes for v in vars(self).values() if isinstance(v, np.ndarray))
 
     def slot(self, req_id: str) -> int:
         return self.req_id_to_slot[req_id]

@@ -1,0 +1,85 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Start-up warm-up: a few steps of dummy requests through every stage before serving.
+
+A full token budget of prefill (the last request chunked, so a later step mixes verify rows with
+a prefill chunk over its cached context), then short requests up to max_num_seqs, so a decode
+step runs with every request slot busy; then all are freed. The steps go through a throwaway
+scheduler over the same KV pool, so they take real blocks, state slots and the real PP /
+speculative path, and leave nothing behind in the serving scheduler (no cached prefixes, no
+metrics). What this buys: the memory a step's activations need, the allocator's pools, library
+caches and lazily built kernels are all in place when start-up ends, so a stage's resident
+memory after start-up is what it keeps (vLLM's profile run does the same), and the first real
+request does not pay for them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+
+def warm_up(vllm_config: VllmConfig, executor: Executor, num_blocks: int, num_slots: int) -> None:
+    """Run the dummy steps; raise what a stage raised (start-up then fails as a load would)."""
+    t0 = time.perf_counter()
+    sc = vllm_config.scheduler_config
+    max_model_len = vllm_config.model_config.max_model_len
+    assert max_model_len is not None  # resolved from the checkpoint by ModelConfig
+    bs = vllm_config.cache_config.block_size
+    k = vllm_config.num_speculative_tokens
+    # Room for the prompt, one sampled token and its drafts, within one request's length.
+    per_req = max(1, min(max_model_len - 2 - k, sc.max_num_batched_tokens))
+    # A full budget of prefill, plus half a request more: that one is chunked, so the second
+    # step mixes decode (verify) rows with a prefill chunk attending to its cached context.
+    budget = min(sc.max_num_batched_tokens + per_req // 2, sc.max_num_seqs * per_req)
+
+    # Blocks a request takes: prompt + the decode step's 1 + k tokens.
+    def blocks(n: int) -> int:
+        return -(-(n + 2 + k) // bs)
+
+    lens: list[int] = []
+    used = 0
+    while budget > 0 and used + blocks(per_req) <= num_blocks:
+        lens.append(min(per_req, budget))
+        budget -= lens[-1]
+        used += blocks(lens[-1])
+    # Then short requests up to max_num_seqs, so one decode step runs with every slot busy.
+    short = 4
+    while len(lens) < sc.max_num_seqs and used + blocks(short) <= num_blocks:
+        lens.append(short)
+        used += blocks(short)
+    if not lens:
+        return
+    sched = Scheduler(vllm_config, num_blocks, num_slots)
+    vocab = max(1, vllm_config.model_config.vocab_size)
+    for i, n in enumerate(lens):
+        # Greedy and seeded-random rows both, so both sampling paths run.
+        params = SamplingParams(max_tokens=2, temperature=0.0 if i % 2 == 0 else 1.0, seed=i)
+        ids = [(i * 7919 + j * 31) % vocab for j in range(n)]
+        sched.add_request(Request(f"warmup-{i}", ids, params, seed=i))
+    steps = 0
+    while sched.has_unfinished_requests() and steps < 64:
+        so = sched.schedule()
+        if so.total_num_scheduled_tokens == 0 and not so.finished_req_ids:
+            break
+        sched.update_from_output(so, executor.execute_model(so))
+        steps += 1
+    # Free the stages' request slots (the finished ids go out with the next step).
+    so = sched.schedule()
+    if so.finished_req_ids or so.total_num_scheduled_tokens:
+        executor.execute_model(so)
+    logger.info(
+        "Warm-up: %d dummy requests, %d prompt tokens, %d steps in %.2f s",
+        len(lens),
+        sum(lens),
+        steps,
+        time.perf_counter() - t0,
+    )
