@@ -90,7 +90,8 @@ _VARS = [
         _positive_float("seconds"),
         "A step (or an idle liveness ping) that no pipeline stage answers within this many "
         "seconds means a stage hangs (stopped, deadlocked, wedged device): the engine then "
-        "fails every request and stops all stages.",
+        "fails every request and stops all stages. Stages that used CPU time meanwhile are "
+        "slow, not hung (a loaded machine): the engine waits another period.",
     ),
     EnvVar(
         "VLLM_PP_COMM_TIMEOUT_S",

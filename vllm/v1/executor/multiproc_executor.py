@@ -264,6 +264,20 @@ class MultiprocExecutor(DistributedExecutorBase):
             f"(VLLM_PP_STEP_TIMEOUT_S): {detail}"
         )
 
+    def _stage_cpu_s(self) -> float | None:
+        """CPU seconds the stage processes used so far; None when one is stopped or gone."""
+        total = 0.0
+        for p in self._procs:
+            try:
+                proc = psutil.Process(p.pid)
+                if proc.status() == psutil.STATUS_STOPPED:
+                    return None
+                t = proc.cpu_times()
+            except psutil.Error:
+                return None
+            total += t.user + t.system
+        return total
+
     def _wait_for(self, rank: int, timeout: float | None = None, what: str = "") -> Any:
         """The next reply of stage rank; raises as soon as any stage reports an error or dies,
         or, with a timeout, when no stage said anything for that long (a hung stage)."""
@@ -271,10 +285,24 @@ class MultiprocExecutor(DistributedExecutorBase):
             return self._stash[rank].popleft()
         target = self._conns[rank]
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+        # A step on a loaded machine can outlast the timeout: stages still using CPU are slow,
+        # not hung (a stopped, deadlocked or blocked stage uses none).
+        cpu_seen = self._stage_cpu_s() if timeout is not None else None
         while True:
             ready = mp_connection.wait([*self._conns, *sentinels], timeout=timeout)
             if not ready:
                 assert timeout is not None  # wait() comes back empty only after a timeout
+                cpu_now = self._stage_cpu_s()
+                if cpu_seen is not None and cpu_now is not None:
+                    if cpu_now - cpu_seen >= 0.1 * timeout:
+                        logger.warning(
+                            "no pipeline stage answered %s within %.0f s "
+                            "(VLLM_PP_STEP_TIMEOUT_S), but they are computing: waiting on",
+                            what,
+                            timeout,
+                        )
+                        cpu_seen = cpu_now
+                        continue
                 self._hung(timeout, what)
             for r, c in enumerate(self._conns):
                 if c in ready and c is not target:
