@@ -32,29 +32,45 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
+        """Outputs in prompt order. `priority` (one per prompt, lower first) needs the engine's
+        scheduling_policy='priority'."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         elif isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
-        return self._run(prompts, params, use_tqdm)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+        return self._run(prompts, params, use_tqdm, priority)
 
-    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool):
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the defaults the model's generation_config.json sets."""
+        defaults = self.llm_engine.model_config.get_diff_sampling_param()
+        return SamplingParams(**{k: v for k, v in defaults.items() if hasattr(SamplingParams, k)})
+
+    def _run(
+        self,
+        prompts: list,
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        priority: list[int] | None = None,
+    ):
         engine = self.llm_engine
         ids = []
         try:
-            for p, sp in zip(prompts, params):
+            for i, (p, sp) in enumerate(zip(prompts, params)):
                 rid = engine.next_request_id()
-                engine.add_request(rid, p, sp)
+                engine.add_request(rid, p, sp, priority=priority[i] if priority else 0)
                 ids.append(rid)
         except BaseException:
             engine.abort_request(ids)
