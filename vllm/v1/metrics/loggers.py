@@ -173,6 +173,9 @@ class PrometheusStatLogger:
             "Accepted tokens per draft position.",
             ["position"],
         )
+        if num_spec_tokens:  # exported (as 0) from the start when speculation is on
+            for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
+                c.labels(**self.labels)
         for i in range(num_spec_tokens):
             self.spec_per_pos.labels(**self.labels, position=str(i))
         self._last_preemptions = 0
