@@ -197,3 +197,43 @@ class SamplingParams:
     @property
     def eos_token_id(self) -> int | None:
         return self._eos_token_id
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search (`LLM.beam_search`, `use_beam_search` in requests), as vLLM's."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool = False
+    """Stop a prompt once beam_width beams have finished (HF's early_stopping=True); by
+    default every beam runs to max_tokens or EOS, as vLLM does."""
+
+    def __post_init__(self) -> None:
+        for name, lo in (("beam_width", 1), ("max_tokens", 1)):
+            v = getattr(self, name)
+            if not _is_int(v):
+                raise VLLMTypeError(
+                    f"BeamSearchParams.{name} must be an integer, got {v!r}", parameter=name
+                )
+            if not lo <= v <= INT64_MAX:
+                raise VLLMValidationError(
+                    f"BeamSearchParams.{name} must be >= {lo}, got {v}", parameter=name
+                )
+        for name in ("temperature", "length_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v):
+                raise VLLMTypeError(
+                    f"BeamSearchParams.{name} must be a number, got {v!r}", parameter=name
+                )
+            if not math.isfinite(v) or (name == "temperature" and v < 0):
+                raise VLLMValidationError(
+                    f"BeamSearchParams.{name} must be finite"
+                    + (" and >= 0" if name == "temperature" else "")
+                    + f", got {v}",
+                    parameter=name,
+                )

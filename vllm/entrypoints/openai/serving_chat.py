@@ -30,7 +30,6 @@ from vllm.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
     ServingOptions,
-    final_outputs,
     final_usage,
     finite,
     prompt_logprobs_json,
@@ -194,10 +193,9 @@ class OpenAIServingChat(OpenAIServing):
         last = req.conversation()[-1]
         return str(last.get("content") or "") if last.get("role") == role else ""
 
-    async def _full(
-        self, req: ChatCompletionRequest, streams: list[RequestStream], rid: str, created: int
+    def _full(
+        self, req: ChatCompletionRequest, finals: list[RequestOutput], rid: str, created: int
     ) -> ChatCompletionResponse:
-        finals = await final_outputs(streams)
         top_n = req.top_logprobs or 0
         as_ids = self.tokens_as_ids(req)
         role = self._role(req)

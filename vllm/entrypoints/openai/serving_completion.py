@@ -21,7 +21,6 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
-    final_outputs,
     final_usage,
     finite,
     prompt_logprobs_json,
@@ -103,10 +102,9 @@ class OpenAIServingCompletion(OpenAIServing):
             logprobs = list(prompt_lps or [None] * len(ro.prompt_token_ids)) + logprobs
         return self._prompt_text(ro) + text, list(ro.prompt_token_ids) + ids, logprobs
 
-    async def _full(
-        self, req: CompletionRequest, streams: list[RequestStream], rid: str, created: int
+    def _full(
+        self, req: CompletionRequest, finals: list[RequestOutput], rid: str, created: int
     ) -> CompletionResponse:
-        finals = await final_outputs(streams)
         as_ids = self.tokens_as_ids(req)
         choices = []
         for i, ro in enumerate(finals):

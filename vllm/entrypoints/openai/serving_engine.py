@@ -9,7 +9,7 @@ import asyncio
 import json
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, TypeVar
@@ -439,25 +439,32 @@ class OpenAIServing:
         params: SamplingParams,
     ) -> Response:
         """Run the prompts and answer as a stream or, unless the client leaves, in full."""
-        if req.use_beam_search:
-            raise VLLMValidationError(
-                "use_beam_search is not supported by this server (LLM.beam_search is)",
-                parameter="use_beam_search",
-            )
         rid = (
             f"{self.request_id_prefix}-{req.request_id}"
             if req.request_id
             else random_id(self.request_id_prefix)
         )
-        streams = await self._add_all(prompts, params, rid, req.priority)
         created = int(time.time())
+        if req.use_beam_search:
+            from vllm.entrypoints.openai.serving_beam_search import beam_search_outputs
+
+            self._check_alive()
+            finals = beam_search_outputs(self, req, prompts, params, rid)
+            return await _unless_disconnected(raw, self._answer(req, finals, rid, created))
+        streams = await self._add_all(prompts, params, rid, req.priority)
         if req.stream:
             return _sse_response(self._stream(req, streams, rid, created), streams)
-        return await _unless_disconnected(raw, self._full(req, streams, rid, created))
+        return await _unless_disconnected(
+            raw, self._answer(req, final_outputs(streams), rid, created)
+        )
 
-    async def _full(
-        self, req: Any, streams: list[RequestStream], rid: str, created: int
+    async def _answer(
+        self, req: Any, finals: Awaitable[list[RequestOutput]], rid: str, created: int
     ) -> BaseModel:
+        return self._full(req, await finals, rid, created)
+
+    def _full(self, req: Any, finals: list[RequestOutput], rid: str, created: int) -> BaseModel:
+        """The whole answer from every prompt's finished output."""
         raise NotImplementedError
 
     def _stream(
