@@ -37,6 +37,7 @@ REFUSED: dict[str, str] = {
     "guided_decoding_backend": "guided_decoding_backend is not supported",
     "guided_whitespace_pattern": "guided_whitespace_pattern is not supported",
     "structural_tag": "structural_tag is not supported",
+    "response_format": "response_format is not supported",
     # inputs and transports this server does not have
     "prompt_embeds": "prompt_embeds is not supported",
     "media_io_kwargs": "media_io_kwargs is not supported (no multimodal inputs)",
@@ -52,13 +53,13 @@ REFUSED: dict[str, str] = {
 _DEFAULTS: dict[str, Any] = {"watermarking": False, "routed_experts_prompt_start": 0}
 
 
-def refuse_unsupported(data: Any) -> None:
+def refuse_unsupported(data: Any, declared: Any = ()) -> None:
     """Raise a 400-worthy error naming the first vLLM field the request uses that is not
-    implemented here."""
+    implemented here (a field the request model declares is its own to check)."""
     if not isinstance(data, dict):
         return
     for name, why in REFUSED.items():
-        if name not in data:
+        if name not in data or name in declared:
             continue
         value = data[name]
         if any(value is u or value == u for u in _UNUSED) or value == _DEFAULTS.get(name, None):

@@ -137,7 +137,7 @@ class _SamplingRequest(OpenAIBaseModel):
     @model_validator(mode="before")
     @classmethod
     def _drop_nulls(cls, data: Any) -> Any:
-        refuse_unsupported(data)
+        refuse_unsupported(data, cls.model_fields)
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None or k not in _NULL_MEANS_DEFAULT}
         return data

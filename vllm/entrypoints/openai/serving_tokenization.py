@@ -43,7 +43,7 @@ class TokenizeChatRequest(OpenAIBaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse(cls, data: Any) -> Any:
-        refuse_unsupported(data)
+        refuse_unsupported(data, cls.model_fields)
         return data
 
 
@@ -100,7 +100,9 @@ class OpenAIServingTokenization(OpenAIServing):
         bad = [t for t in req.tokens if t >= vocab]
         if bad:
             raise APIError(
-                f"token id {bad[0]} is out of vocabulary (vocab_size={vocab})", 400, "tokens"
+                f"tokens: token id {bad[0]} is out of vocabulary (vocab_size={vocab})",
+                400,
+                "tokens",
             )
         text = await self.llm.in_tokenizer_thread(self.tokenizer.decode, req.tokens)
         return DetokenizeResponse(prompt=text)
