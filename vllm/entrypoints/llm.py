@@ -49,6 +49,13 @@ class LLM:
             params = [sampling_params] * len(prompts)
         else:
             params = list(sampling_params)
+            if isinstance(sampling_params, (str, bytes)) or not all(
+                isinstance(p, SamplingParams) for p in params
+            ):
+                raise TypeError(
+                    "sampling_params must be a SamplingParams or a list of them, got "
+                    f"{type(sampling_params).__name__}"
+                )
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
         if priority is not None and len(priority) != len(prompts):
