@@ -83,6 +83,24 @@ def test_bench_serve_counts_the_servers_tokens_at_p1_and_p2(servers, tmp_path):
     )
 
 
+def test_bench_serve_chat_backend_with_a_custom_dataset(servers, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "import os"]))
+    out = tmp_path / "chat.json"
+    srv = servers[1]
+    before = counters(srv)
+    argv = ["bench", "serve", "--backend", "openai-chat", "--base-url", srv.base_url]
+    argv += ["--dataset-name", "custom", "--dataset-path", str(data), "--num-prompts", "2"]
+    argv += ["--custom-output-len", "5", "--ignore-eos", "--save-result"]
+    assert main([*argv, "--result-filename", str(out)]) == 0
+    res = json.loads(out.read_text())
+    after = counters(srv)
+    assert res["completed"] == 2 and res["total_output_tokens"] == 10
+    assert res["total_input_tokens"] == after["vllm:prompt_tokens_total"] - before.get(
+        "vllm:prompt_tokens_total", 0.0
+    )
+
+
 def test_fcfs_server_refuses_a_priority(servers):
     r = httpx.post(
         servers[1].url("/v1/completions"), json={"prompt": "a", "max_tokens": 1, "priority": 2}

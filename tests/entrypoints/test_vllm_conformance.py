@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
 from vllm.config import DEFAULT_MODEL_DIR
+from vllm.entrypoints.chat_utils import load_chat_template
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from vllm.testing.remote_server import RemoteServer
 
@@ -635,3 +636,11 @@ def test_metrics_names_types_labels_buckets_and_counts(server):
     assert d("vllm:request_max_num_generation_tokens_sum") == 4 + 3
     assert d("vllm:iteration_tokens_total_sum") == 11 + 10
     assert d("vllm:iteration_tokens_total_count") >= 4
+
+
+def test_chat_template_flag_takes_a_file_or_the_template_itself(template_file):
+    assert load_chat_template(template_file) == TEMPLATE
+    inline = "{% for m in messages %}{{ m['content'] }}\\n{% endfor %}"  # escapes decoded
+    assert load_chat_template(inline) == inline.replace("\\n", "\n")
+    with pytest.raises(ValueError, match="looks like a file path"):
+        load_chat_template("/no/such/chat_template.jinja")
