@@ -8,8 +8,11 @@ import copy
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+
+from vllm.exceptions import VLLMTypeError, VLLMValidationError
 
 
 class RequestOutputKind(enum.Enum):
@@ -69,15 +72,19 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
         else:
-            raise ValueError(
-                f"SamplingParams.stop must be a string or a list of strings, got {self.stop!r}"
+            raise VLLMTypeError(
+                f"SamplingParams.stop must be a string or a list of strings, got {self.stop!r}",
+                parameter="stop",
+                value=self.stop,
             )
         if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(
             self.stop_token_ids or [], (list, tuple)
         ):
-            raise ValueError(
+            raise VLLMTypeError(
                 f"SamplingParams.stop_token_ids must be a list of token ids, "
-                f"got {self.stop_token_ids!r}"
+                f"got {self.stop_token_ids!r}",
+                parameter="stop_token_ids",
+                value=self.stop_token_ids,
             )
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None or (_is_int(self.top_k) and self.top_k == -1):
@@ -92,22 +99,23 @@ class SamplingParams:
         """Check every field's type and range. Every number ends up in a 64-bit slot of a
         worker's per-request arrays, so nothing out of range may get past here."""
 
-        def bad(name: str, value: object, why: str) -> ValueError:
-            return ValueError(f"SamplingParams.{name} {why}, got {value!r}")
+        def bad(name: str, value: object, why: str, kind: type = VLLMValidationError):
+            # A value of the wrong type is also a TypeError, as Python would raise.
+            return kind(f"SamplingParams.{name} {why}, got {value!r}", parameter=name, value=value)
 
         def integer(name: str, lo: int, hi: int = INT64_MAX, why: str = "") -> None:
             v = getattr(self, name)
-            if not _is_int(v) or not lo <= v <= hi:
-                raise bad(name, v, why or f"must be an integer in [{lo}, {hi}]")
+            why = why or f"must be an integer in [{lo}, {hi}]"
+            if not _is_int(v):
+                raise bad(name, v, why, VLLMTypeError)
+            if not lo <= v <= hi:
+                raise bad(name, v, why)
 
         def real(name: str, lo: float, hi: float, why: str, lo_open: bool = False) -> None:
             v = getattr(self, name)
-            if (
-                not _is_real(v)
-                or not math.isfinite(v)
-                or not (lo < v if lo_open else lo <= v)
-                or not v <= hi
-            ):
+            if not _is_real(v):
+                raise bad(name, v, why, VLLMTypeError)
+            if not math.isfinite(v) or not (lo < v if lo_open else lo <= v) or not v <= hi:
                 raise bad(name, v, why)
 
         integer("n", 1)
@@ -125,10 +133,15 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 integer(name, -1, why="must be None, -1 (whole vocab) or a 64-bit integer >= 0")
-        if not all(isinstance(s, str) and s for s in self.stop or ()):
+        if not all(isinstance(s, str) for s in self.stop or ()):
+            raise bad("stop", self.stop, "must be non-empty strings", VLLMTypeError)
+        if not all(self.stop or ()):
             raise bad("stop", self.stop, "must be non-empty strings")
-        if not all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids or ()):
-            raise bad("stop_token_ids", self.stop_token_ids, "must be non-negative 64-bit integers")
+        ids_why = "must be non-negative 64-bit integers"
+        if not all(_is_int(t) for t in self.stop_token_ids or ()):
+            raise bad("stop_token_ids", self.stop_token_ids, ids_why, VLLMTypeError)
+        if not all(0 <= t <= INT64_MAX for t in self.stop_token_ids or ()):
+            raise bad("stop_token_ids", self.stop_token_ids, ids_why)
         for name in (
             "ignore_eos",
             "skip_special_tokens",
@@ -137,14 +150,14 @@ class SamplingParams:
             "detokenize",
         ):
             if not isinstance(getattr(self, name), bool):
-                raise bad(name, getattr(self, name), "must be a bool")
+                raise bad(name, getattr(self, name), "must be a bool", VLLMTypeError)
         if not isinstance(self.output_kind, RequestOutputKind):
-            raise bad("output_kind", self.output_kind, "must be a RequestOutputKind")
+            raise bad("output_kind", self.output_kind, "must be a RequestOutputKind", VLLMTypeError)
 
     def verify(self) -> None:
         """Re-check every field (the engine calls this: fields may be set after construction)."""
         if not isinstance(self.stop, list) or not isinstance(self.stop_token_ids, list):
-            raise ValueError(
+            raise VLLMTypeError(
                 "SamplingParams.stop and stop_token_ids must be lists when set after construction"
             )
         self._verify()
@@ -163,6 +176,20 @@ class SamplingParams:
         if eos_token_id is not None and not self.ignore_eos:
             self._all_stop_token_ids.add(eos_token_id)
 
+    def update_from_generation_config(
+        self, generation_config: dict[str, Any], eos_token_id: int | None = None
+    ) -> None:
+        """Stop on every EOS id of the model's generation_config.json besides the tokenizer's
+        (models such as Llama 3 end turns with several), as vLLM does; ignore_eos keeps going."""
+        eos_ids = generation_config.get("eos_token_id")
+        if eos_ids is None:
+            return
+        extra = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids)
+        extra.discard(eos_token_id)  # the tokenizer's own EOS is handled on its own
+        if extra and not self.ignore_eos:
+            self.stop_token_ids = list(dict.fromkeys([*(self.stop_token_ids or ()), *extra]))
+            self._all_stop_token_ids.update(extra)
+
     @property
     def all_stop_token_ids(self) -> set[int]:
         return self._all_stop_token_ids
@@ -170,3 +197,43 @@ class SamplingParams:
     @property
     def eos_token_id(self) -> int | None:
         return self._eos_token_id
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search (`LLM.beam_search`, `use_beam_search` in requests), as vLLM's."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    early_stopping: bool = False
+    """Stop a prompt once beam_width beams have finished (HF's early_stopping=True); by
+    default every beam runs to max_tokens or EOS, as vLLM does."""
+
+    def __post_init__(self) -> None:
+        for name, lo in (("beam_width", 1), ("max_tokens", 1)):
+            v = getattr(self, name)
+            if not _is_int(v):
+                raise VLLMTypeError(
+                    f"BeamSearchParams.{name} must be an integer, got {v!r}", parameter=name
+                )
+            if not lo <= v <= INT64_MAX:
+                raise VLLMValidationError(
+                    f"BeamSearchParams.{name} must be >= {lo}, got {v}", parameter=name
+                )
+        for name in ("temperature", "length_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v):
+                raise VLLMTypeError(
+                    f"BeamSearchParams.{name} must be a number, got {v!r}", parameter=name
+                )
+            if not math.isfinite(v) or (name == "temperature" and v < 0):
+                raise VLLMValidationError(
+                    f"BeamSearchParams.{name} must be finite"
+                    + (" and >= 0" if name == "temperature" else "")
+                    + f", got {v}",
+                    parameter=name,
+                )

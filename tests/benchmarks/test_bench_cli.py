@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from vllm.entrypoints.cli.main import main
 
 TINY = ["--input-len", "8", "--output-len", "4", "--num-iters", "2", "--num-iters-warmup", "1"]
@@ -18,6 +20,11 @@ def test_bench_throughput_with_hf_baseline(llama_dir, tmp_path, capsys):
     argv += ["--batch-size", "2", "--num-threads", "1", "--hf-baseline", "--output-json", str(out)]
     assert main(argv) == 0
     res = json.loads(out.read_text())
+    # vLLM's keys, which scripts parse: 3 requests of 8 prompt + 4 output tokens.
+    assert res["num_requests"] == 3 and res["total_num_tokens"] == 3 * (8 + 4)
+    assert res["elapsed_time"] > 0
+    assert res["requests_per_second"] == pytest.approx(3 / res["elapsed_time"])
+    assert res["tokens_per_second"] == pytest.approx(36 / res["elapsed_time"])
     # Greedy outputs of both engines on the same prompts are identical, every prompt.
     assert res["hf"]["outputs"] == {"identical": 3, "total": 3, "first_mismatch": None}
     assert res["batch_size"] == 2 and res["environment"]["intra_op_threads"] == 1
@@ -36,6 +43,8 @@ def test_bench_latency_reports_the_roofline(llama_dir, tmp_path):
     argv = ["bench", "latency", "--model", llama_dir, *TINY, "--batch-size", "1"]
     assert main([*argv, "--num-threads", "1", "--output-json", str(out)]) == 0
     res = json.loads(out.read_text())
+    assert set(res["percentiles"]) == {"10", "25", "50", "75", "90", "99"}  # vLLM's keys
+    assert res["avg_latency"] == pytest.approx(sum(res["latencies"]) / len(res["latencies"]))
     r = res["roofline"]
     # 4 layers of a tiny Llama: every parameter read once per decode token.
     assert r["weight_bytes_per_token"] > 0 and r["percent"] > 0

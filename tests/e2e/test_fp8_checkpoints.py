@@ -30,7 +30,8 @@ MAX_TOKENS = 6
 SP = SamplingParams(
     temperature=0, max_tokens=MAX_TOKENS, logprobs=-1, prompt_logprobs=-1, ignore_eos=True
 )
-COMMON = dict(dtype="float32", max_model_len=128, block_size=8, max_num_seqs=4)
+# max_logprobs=-1: the HF parity checks read every token's logprob (vLLM caps them at 20).
+COMMON = dict(dtype="float32", max_model_len=128, block_size=8, max_num_seqs=4, max_logprobs=-1)
 ACCEPTANCE = (
     "vllm:spec_decode_num_drafts",
     "vllm:spec_decode_num_draft_tokens",

@@ -23,7 +23,8 @@ FAMILIES = [
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
     path = request.getfixturevalue(request.param)
-    llm = LLM(model=path, dtype="float32", max_model_len=256, block_size=8)
+    # max_logprobs=-1: every token's logprob is compared (vLLM caps them at 20 by default).
+    llm = LLM(model=path, dtype="float32", max_model_len=256, block_size=8, max_logprobs=-1)
     yield path, llm
     llm.shutdown()
 

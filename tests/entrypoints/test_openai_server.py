@@ -419,6 +419,7 @@ def _serve_cli(args: list[str]) -> subprocess.CompletedProcess:
         (["--speculative-config", '{"method": "mtp", '], "speculative-config"),
         (["--speculative-config", "[1]"], "speculative-config"),
         (["/no/such/model/dir"], "/no/such/model/dir"),
+        (["--chat-template", "/no/such/chat.jinja"], "/no/such/chat.jinja"),
     ],
 )
 def test_bad_flags_exit_with_one_line(args, needle):

@@ -155,7 +155,7 @@ NUMERIC_CASES = [
         "min_tokens>max_tokens",
         {"min_tokens": 5, "max_tokens": 2},
         "SamplingParams.min_tokens must be <= max_tokens=2, got 5",
-        None,
+        "min_tokens",  # a VLLMValidationError names its field
     ),
 ]
 

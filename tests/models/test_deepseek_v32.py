@@ -74,7 +74,12 @@ def family(request):
     # A small token budget: the 40-token prompt is prefilled in chunks (the indexer then scores
     # against cached keys) and the top-k buffer has only 32 rows.
     llm = LLM(
-        model=path, dtype="float32", max_model_len=256, block_size=8, max_num_batched_tokens=32
+        model=path,
+        dtype="float32",
+        max_model_len=256,
+        block_size=8,
+        max_num_batched_tokens=32,
+        max_logprobs=-1,  # the HF parity checks read every token's logprob
     )
     yield path, llm
     llm.shutdown()

@@ -31,7 +31,8 @@ from vllm.testing.engine_utils import assert_logprobs_match_hf, hf_greedy, make_
 from vllm.v1.worker.gpu.linear_attn_states import LinearAttnStates
 
 FAMILIES = ["qwen3_5_dir", "qwen3_5_moe_dir"]
-COMMON = dict(dtype="float32", max_model_len=256, block_size=8)
+# max_logprobs=-1: the HF parity checks read every token's logprob (vLLM caps them at 20).
+COMMON = dict(dtype="float32", max_model_len=256, block_size=8, max_logprobs=-1)
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 # Prompt lengths: a 1-token prompt (padded path), short ones, and one above the chunk size (64).
 LENGTHS = [1, 5, 17, 70]

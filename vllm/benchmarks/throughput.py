@@ -10,6 +10,7 @@ side by side with HF transformers generate (--hf-baseline) in the same process.
 from __future__ import annotations
 
 import argparse
+import statistics
 from typing import Any
 
 from vllm.benchmarks.common import (
@@ -54,7 +55,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     n_out = sum(len(x) for x in runs.ours_ids)
     ours_tps = [n_out / s for s in runs.ours_s]
+    # vLLM's keys (scripts parse them), from the median run; our statistics sit beside them.
+    elapsed = statistics.median(runs.ours_s)
+    total_tokens = sum(len(p) for p in prompts) + n_out
     res: dict[str, Any] = {
+        "elapsed_time": elapsed,
+        "num_requests": args.num_prompts,
+        "total_num_tokens": total_tokens,
+        "requests_per_second": args.num_prompts / elapsed,
+        "tokens_per_second": total_tokens / elapsed,
         **session.result_header("throughput", args),
         "num_prompts": args.num_prompts,
         "batch_size": batch,
@@ -90,6 +99,11 @@ def report(res: dict[str, Any], ours_tps: list[float], hf_tps: list[float] | Non
         f"num_prompts={res['num_prompts']} batch_size={res['batch_size']}"
     )
     print(startup_lines(res))
+    print(
+        f"Throughput: {res['requests_per_second']:.2f} requests/s, "
+        f"{res['tokens_per_second']:.2f} total tokens/s, "
+        f"{res['output_tokens_per_s']['median']:.2f} output tokens/s"
+    )
     print(
         f"ours: {fmt(ours_tps)} output tok/s (median [min-max] of {n} runs); "
         f"{res['requests_per_s']['median']:.2f} req/s, "

@@ -14,7 +14,7 @@ from vllm.config.model import (
     load_hf_config,
 )
 from vllm.config.parallel import DistributedExecutorBackend, ParallelConfig
-from vllm.config.scheduler import SchedulerConfig
+from vllm.config.scheduler import SchedulerConfig, SchedulerPolicy
 from vllm.config.speculative import (
     DFLASH_FAMILY_METHODS,
     EAGLE1_DRAFT_ARCHITECTURES,
@@ -41,6 +41,7 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",
+    "SchedulerPolicy",
     "SpeculativeConfig",
     "VllmConfig",
     "default_model_path",

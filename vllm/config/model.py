@@ -18,6 +18,8 @@ logger = init_logger(__name__)
 
 
 _DTYPES = {"auto", "float32", "float", "float16", "half", "bfloat16"}
+# Sampling fields a generation_config.json may give defaults for (as vLLM reads them).
+_GENERATION_DEFAULTS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
 DEFAULT_MODEL_DIR = Path(__file__).parents[1] / "model_zoo" / "tiny-deepseek-mtp"
 
 
@@ -94,6 +96,14 @@ class ModelConfig:
     quantization: str | None = None
     """Weight quantization (vLLM's --quantization): None takes the checkpoint's
     quantization_config; 'fp8' = block-quantized e4m3 weights as DeepSeek / Qwen publish them."""
+    max_logprobs: int = 20
+    """Most logprobs a request may ask for per position (logprobs / prompt_logprobs); -1:
+    no limit (the whole vocabulary)."""
+    generation_config: str = "auto"
+    """Where sampling defaults come from: 'auto' reads the model folder's
+    generation_config.json (its EOS ids stop generation; its temperature / top_p / top_k /
+    min_p / max_new_tokens are the defaults of requests that leave them unset), 'vllm' uses
+    none, any other value is a folder holding a generation_config.json."""
     hf_config: Any = field(default=None, repr=False)
     """The checkpoint's config (filled in __post_init__)."""
 
@@ -108,6 +118,10 @@ class ModelConfig:
             self.hf_config = load_hf_config(self.model, self.trust_remote_code)
         # Parsed here so a checkpoint we cannot run fails at construction, naming the field.
         self.quantization = self._resolve_quantization()[0]
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int):
+            raise ValueError(f"max_logprobs must be an integer, got {self.max_logprobs!r}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no limit) or >= 0, got {self.max_logprobs}")
         text = self.hf_text_config
         max_pos = getattr(text, "max_position_embeddings", None) or 2048
         if self.max_model_len is None:
@@ -121,6 +135,33 @@ class ModelConfig:
                 f"max_model_len={self.max_model_len} exceeds the model's "
                 f"max_position_embeddings={max_pos}"
             )
+
+    def try_get_generation_config(self) -> dict[str, Any]:
+        """The generation_config.json fields ({} with generation_config='vllm' or no file)."""
+        if self.generation_config == "vllm":
+            return {}
+        folder = Path(self.model if self.generation_config == "auto" else self.generation_config)
+        path = folder / "generation_config.json"
+        if not path.is_file():
+            if self.generation_config != "auto":
+                raise ValueError(
+                    f"generation_config {self.generation_config!r} has no generation_config.json"
+                )
+            return {}
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path} is unreadable: {e}") from e
+        return data if isinstance(data, dict) else {}
+
+    def get_diff_sampling_param(self) -> dict[str, Any]:
+        """The sampling defaults generation_config.json sets (vLLM's names: max_new_tokens
+        becomes max_tokens); requests that leave a field unset take these."""
+        config = self.try_get_generation_config()
+        out = {k: config[k] for k in _GENERATION_DEFAULTS if config.get(k) is not None}
+        if config.get("max_new_tokens") is not None:
+            out["max_tokens"] = config["max_new_tokens"]
+        return out
 
     @property
     def served_model_names(self) -> list[str]:

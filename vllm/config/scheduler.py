@@ -5,6 +5,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+SchedulerPolicy = Literal["fcfs", "priority"]
 
 
 @dataclass
@@ -19,9 +22,14 @@ class SchedulerConfig:
     """Split long prompts across steps."""
     max_model_len: int = 2048
     """Copied from ModelConfig."""
+    policy: SchedulerPolicy = "fcfs"
+    """Order of waiting requests: 'fcfs' (arrival) or 'priority' (a request's priority,
+    lower first, then arrival; preemption takes the lowest-priority running request)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")

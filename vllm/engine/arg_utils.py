@@ -25,6 +25,7 @@ from vllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SchedulerPolicy,
     SpeculativeConfig,
     VllmConfig,
     get_attr_docs,
@@ -84,6 +85,11 @@ class EngineArgs:
     device: str = DeviceConfig.device
     served_model_name: str | list[str] | None = ModelConfig.served_model_name
     quantization: str | None = ModelConfig.quantization
+    max_logprobs: int = ModelConfig.max_logprobs
+    generation_config: str = ModelConfig.generation_config
+    scheduling_policy: SchedulerPolicy = SchedulerConfig.policy
+    """Order of waiting requests: 'fcfs' (arrival) or 'priority' (each request's priority,
+    lower first, then arrival; preemption takes the lowest-priority running request)."""
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -109,6 +115,8 @@ class EngineArgs:
             trust_remote_code=self.trust_remote_code,
             served_model_name=self.served_model_name,
             quantization=self.quantization,
+            max_logprobs=self.max_logprobs,
+            generation_config=self.generation_config,
         )
         spec = self.speculative_config
         if isinstance(spec, str):
@@ -136,6 +144,7 @@ class EngineArgs:
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=budget,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                policy=self.scheduling_policy,
             ),
             parallel_config=ParallelConfig(
                 pipeline_parallel_size=self.pipeline_parallel_size,

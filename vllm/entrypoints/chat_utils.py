@@ -64,14 +64,40 @@ def check_template_kwargs(kwargs: dict[str, Any] | None) -> dict[str, Any]:
     return kwargs
 
 
+_JINJA_CHARS = "{}\n"
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template as vLLM reads it: a file's contents, else the value itself when it looks
+    like a template (has braces or newlines; backslash escapes such as \\n are decoded),
+    else an error naming the path that could not be read."""
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        if not any(c in value for c in _JINJA_CHARS):
+            raise ValueError(
+                f"--chat-template {value!r} looks like a file path, but it could not be read: "
+                f"{e.strerror or e}"
+            ) from None
+    # Escapes only: characters beyond Latin-1 pass through unchanged.
+    return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+
+
 def render_trusted(
     tokenizer,
     conversation: list[dict[str, Any]],
     add_generation_prompt: bool,
     continue_final_message: bool,
     template_kwargs: dict[str, Any],
+    chat_template: str | None = None,
 ) -> str:
-    """Render with the tokenizer's own chat template (server configuration, trusted)."""
+    """Render with the server's chat template (--chat-template, else the tokenizer's own;
+    server configuration, trusted)."""
+    if chat_template is not None:
+        template_kwargs = {**template_kwargs, "chat_template": chat_template}
     try:
         text = tokenizer.apply_chat_template(
             conversation,

@@ -9,9 +9,11 @@ from typing import Any, cast
 
 from tqdm.auto import tqdm
 
+from vllm.beam_search import BeamSearch, BeamSearchOutput
 from vllm.engine.arg_utils import EngineArgs
+from vllm.exceptions import VLLMValidationError
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import BeamSearchParams, SamplingParams
 from vllm.v1.engine.llm_engine import LLMEngine, PromptType
 from vllm.v1.metrics.reader import Metric
 
@@ -32,29 +34,52 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
+        """Outputs in prompt order. `priority` (one per prompt, lower first) needs the engine's
+        scheduling_policy='priority'."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         elif isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:
             params = list(sampling_params)
+            if isinstance(sampling_params, (str, bytes)) or not all(
+                isinstance(p, SamplingParams) for p in params
+            ):
+                raise TypeError(
+                    "sampling_params must be a SamplingParams or a list of them, got "
+                    f"{type(sampling_params).__name__}"
+                )
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
-        return self._run(prompts, params, use_tqdm)
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+        return self._run(prompts, params, use_tqdm, priority)
 
-    def _run(self, prompts: list, params: list[SamplingParams], use_tqdm: bool):
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the defaults the model's generation_config.json sets."""
+        defaults = self.llm_engine.model_config.get_diff_sampling_param()
+        return SamplingParams(**{k: v for k, v in defaults.items() if hasattr(SamplingParams, k)})
+
+    def _run(
+        self,
+        prompts: list,
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        priority: list[int] | None = None,
+    ):
         engine = self.llm_engine
         ids = []
         try:
-            for p, sp in zip(prompts, params):
+            for i, (p, sp) in enumerate(zip(prompts, params)):
                 rid = engine.next_request_id()
-                engine.add_request(rid, p, sp)
+                engine.add_request(rid, p, sp, priority=priority[i] if priority else 0)
                 ids.append(rid)
         except BaseException:
             engine.abort_request(ids)
@@ -73,6 +98,46 @@ class LLM:
             raise
         finally:
             bar.close()
+        return results
+
+    def beam_search(
+        self,
+        prompts: Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """The beam_width best continuations of each prompt (vLLM's beam search: each step
+        extends every live beam by its top 2 * beam_width tokens and keeps the beam_width best
+        by cum_logprob / length ** length_penalty). A sequence's `tokens` and `text` include
+        the prompt, as vLLM's do."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        engine = self.llm_engine
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        ids = [engine.process_prompt(p)[1] for p in prompts]
+        limit = engine.model_config.max_model_len
+        assert limit is not None  # resolved by ModelConfig
+        if max(len(t) for t in ids) + params.max_tokens >= limit:
+            raise VLLMValidationError(
+                f"the longest prompt ({max(len(t) for t in ids)} tokens) plus max_tokens="
+                f"{params.max_tokens} exceed max_model_len={limit}",
+                parameter="max_tokens",
+            )
+        search = BeamSearch(ids, params, self.get_tokenizer().eos_token_id)
+        step = search.step_params()
+        while not search.done:
+            outs = self.generate(
+                [{"prompt_token_ids": t} for t in search.pending()], step, use_tqdm=False
+            )
+            search.advance(
+                [o.outputs[0].logprobs[0] if o.outputs[0].logprobs else {} for o in outs]
+            )
+        results = search.outputs()
+        tok = self.get_tokenizer()
+        for r in results:
+            for beam in r.sequences:
+                beam.text = tok.decode(beam.tokens)
         return results
 
     def chat(

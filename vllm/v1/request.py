@@ -42,11 +42,13 @@ class Request:
         arrival_time: float | None = None,
         seed: int | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time if arrival_time is not None else time.time()
+        self.priority = priority  # lower runs first under the 'priority' scheduling policy
         # Seed of the sampling noise: the request's own, or one drawn by the engine.
         self.seed = seed if seed is not None else sampling_params.seed
         self.status = RequestStatus.WAITING

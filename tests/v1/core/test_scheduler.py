@@ -67,6 +67,37 @@ def test_preemption_picks_the_newest_request():
     assert s.waiting[0] is b
 
 
+def test_priority_policy_orders_waiting_and_preempts_the_lowest_priority():
+    """Under --scheduling-policy priority the waiting queue runs by (priority, arrival) and
+    preemption takes the lowest-priority running request, not the newest."""
+    s = Scheduler(_config(max_num_seqs=1, budget=64, policy="priority"), num_blocks=64)
+    for rid, prio, t in [("late", 5, 1.0), ("urgent", -1, 3.0), ("mid", 0, 2.0), ("mid2", 0, 4.0)]:
+        s.add_request(make_request(rid, range(1, 4), priority=prio, arrival_time=t))
+    assert [r.request_id for r in s.waiting] == ["urgent", "mid", "mid2", "late"]
+    so = s.schedule()
+    assert list(so.num_scheduled_tokens) == ["urgent"]
+    # fcfs keeps arrival order whatever the priorities say.
+    f = Scheduler(_config(max_num_seqs=1, budget=64), num_blocks=64)
+    for rid, prio in [("a", 5), ("b", -1)]:
+        f.add_request(make_request(rid, range(1, 4), priority=prio))
+    assert list(f.schedule().num_scheduled_tokens) == ["a"]
+
+    # 6 blocks of 4 tokens: two 10-token prompts; the first added has the LOWER priority, so
+    # it is the one preempted (fcfs would preempt the newest).
+    s = Scheduler(_config(budget=64, block_size=4, policy="priority"), num_blocks=6)
+    low = make_request("low", range(1, 11), 8, priority=3, arrival_time=1.0)
+    high = make_request("high", range(1, 11), 8, priority=1, arrival_time=2.0)
+    s.add_request(low)
+    s.add_request(high)
+    for _ in range(10):
+        so = s.schedule()
+        if s.num_preemptions:
+            break
+        s.update_from_output(so, _answer(so))
+    assert s.num_preemptions == 1
+    assert low.status == RequestStatus.PREEMPTED and high.status == RequestStatus.RUNNING
+
+
 def test_preempted_request_resumes_with_all_tokens():
     s = Scheduler(_config(budget=64, block_size=4), num_blocks=5)
     a, b = _req("a", 8, max_tokens=12), _req("b", 8, max_tokens=12)

@@ -21,6 +21,7 @@ def sched_config(
     block_size: int = 4,
     k: int = 0,
     caching: bool = False,
+    policy: str = "fcfs",
 ) -> SimpleNamespace:
     """The fields of a VllmConfig the Scheduler reads."""
     return SimpleNamespace(
@@ -29,6 +30,7 @@ def sched_config(
             max_num_batched_tokens=budget,
             enable_chunked_prefill=True,
             max_model_len=max_model_len,
+            policy=policy,
         ),
         cache_config=SimpleNamespace(block_size=block_size, enable_prefix_caching=caching),
         num_speculative_tokens=k,
@@ -42,10 +44,14 @@ def make_request(
     max_tokens: int = 4,
     cache_salt: str | None = None,
     prompt_logprobs: int | None = None,
+    priority: int = 0,
+    arrival_time: float | None = None,
 ) -> Request:
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
     sp.update_from_tokenizer(None)
-    return Request(rid, list(tokens), sp, seed=0, cache_salt=cache_salt)
+    return Request(
+        rid, list(tokens), sp, arrival_time, seed=0, cache_salt=cache_salt, priority=priority
+    )
 
 
 def answer(

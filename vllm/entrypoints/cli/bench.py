@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""`vllm bench throughput|latency ...`: the offline benchmarks (vllm/benchmarks)."""
+"""`vllm bench throughput|latency|serve ...`: the offline benchmarks and the online one against
+a running server (vllm/benchmarks)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,21 @@ import argparse
 import sys
 
 from vllm.benchmarks.args import add_latency_args, add_throughput_args
+from vllm.benchmarks.serve import add_serve_args
 from vllm.entrypoints.cli.serve import _make_error, _one_line
 
 _SUBCOMMANDS = {
     "throughput": ("vllm.benchmarks.throughput", add_throughput_args, "Offline throughput"),
     "latency": ("vllm.benchmarks.latency", add_latency_args, "Latency of one batch"),
+    "serve": ("vllm.benchmarks.serve", add_serve_args, "Load a running server (online)"),
 }
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
-        "bench", help="Run a benchmark", description="Offline benchmarks (optionally vs HF)."
+        "bench",
+        help="Run a benchmark",
+        description="Offline benchmarks (optionally vs HF) and the online serving benchmark.",
     )
     parser.error = _make_error(parser.prog)
     sub = parser.add_subparsers(dest="bench_type")

@@ -80,6 +80,34 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "by VLLM_CHAT_TEMPLATE_TIMEOUT_S); by default such requests get 400",
     )
     parser.add_argument(
+        "--chat-template",
+        type=str,
+        default=None,
+        help="The chat template to render conversations with, instead of the tokenizer's: "
+        "a file, or the template itself",
+    )
+    parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="Report usage.prompt_tokens_details.cached_tokens (prompt tokens from the prefix "
+        "cache)",
+    )
+    parser.add_argument(
+        "--enable-server-load-tracking",
+        action="store_true",
+        help="Count requests in flight on the generation endpoints, served at GET /load",
+    )
+    parser.add_argument(
+        "--enable-tokenizer-info-endpoint",
+        action="store_true",
+        help="Serve GET /tokenizer_info (the tokenizer's configuration and chat template)",
+    )
+    parser.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="Show logprob tokens as 'token_id:N' unless a request says otherwise",
+    )
+    parser.add_argument(
         "--timeout-graceful-shutdown",
         type=float,
         default=None,

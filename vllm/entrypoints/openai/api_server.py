@@ -9,15 +9,18 @@ import argparse
 import secrets
 import signal
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm import envs
+from vllm.entrypoints.chat_utils import load_chat_template
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -28,9 +31,17 @@ from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import (
     APIError,
+    ServingOptions,
     client_message,
     error_response,
     validation_message,
+)
+from vllm.entrypoints.openai.serving_tokenization import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    OpenAIServingTokenization,
+    TokenizeRequest,
+    TokenizeResponse,
 )
 from vllm.logger import init_logger
 from vllm.v1.engine.async_llm import AsyncLLM, EngineDeadError
@@ -71,18 +82,24 @@ def build_app(
     async_llm: AsyncLLM,
     served_model_name: str | list[str],
     api_key: str | None = None,
-    trust_request_chat_template: bool = False,
+    options: ServingOptions | None = None,
+    enable_server_load_tracking: bool = False,
+    enable_tokenizer_info_endpoint: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving one engine under the given model name(s)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name must name at least one model")
-    serving_completion = OpenAIServingCompletion(async_llm, names)
-    serving_chat = OpenAIServingChat(async_llm, names, trust_request_chat_template)
+    options = options or ServingOptions()
+    serving_completion = OpenAIServingCompletion(async_llm, names, options)
+    serving_chat = OpenAIServingChat(async_llm, names, options)
+    serving_tokenization = OpenAIServingTokenization(serving_chat)
     app = FastAPI(title="vllm", version=__version__)
     app.state.serving_completion = serving_completion
     app.state.serving_chat = serving_chat
     app.state.async_llm = async_llm
+    load = ServerLoad(enable_server_load_tracking)
+    app.state.server_load = load
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
 
@@ -101,11 +118,11 @@ def build_app(
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return error_response(client_message(exc), 400)
+        return error_response(client_message(exc), 400, getattr(exc, "parameter", None))
 
     @app.exception_handler(TypeError)
     async def _type_error(_: Request, exc: TypeError) -> JSONResponse:
-        return error_response(client_message(exc), 400)
+        return error_response(client_message(exc), 400, getattr(exc, "parameter", None))
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
@@ -120,6 +137,51 @@ def build_app(
     async def health() -> Response:
         return Response(status_code=200 if async_llm.is_running else 503)
 
+    # SageMaker's health check and entry point.
+    app.add_api_route("/ping", health, methods=["GET", "POST"])
+
+    @app.post("/invocations")
+    async def invocations(raw_request: Request) -> Response:
+        """SageMaker-style: the body is routed to the first endpoint whose request it is
+        (chat completions, then completions), as vLLM does."""
+        try:
+            body = await raw_request.json()
+        except ValueError:
+            raise APIError("the request body is not valid JSON") from None
+        for model, handler in (
+            (ChatCompletionRequest, serving_chat.create_chat_completion),
+            (CompletionRequest, serving_completion.create_completion),
+        ):
+            try:
+                request = model.model_validate(body)
+            except ValidationError:
+                continue
+            return await load.tracked(handler(request, raw_request))  # type: ignore[arg-type]
+        raise APIError(
+            "Cannot find suitable handler for request. Expected one of: "
+            "['ChatCompletionRequest', 'CompletionRequest']"
+        )
+
+    @app.get("/load")
+    async def server_load() -> dict[str, int]:
+        """Requests in flight on the generation endpoints (0 unless the server runs with
+        --enable-server-load-tracking)."""
+        return {"server_load": load.value}
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        return await serving_tokenization.tokenize(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        return await serving_tokenization.detokenize(request)
+
+    if enable_tokenizer_info_endpoint:
+
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> JSONResponse:
+            return JSONResponse(serving_tokenization.tokenizer_info())
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
@@ -132,23 +194,58 @@ def build_app(
 
     v1 = APIRouter(prefix="/v1")
 
+    def model_card(name: str) -> ModelCard:
+        mc = async_llm.model_config
+        return ModelCard(id=name, root=mc.model, max_model_len=mc.max_model_len)
+
     @v1.get("/models")
     async def models() -> ModelList:
-        mc = async_llm.model_config
-        return ModelList(
-            data=[ModelCard(id=n, root=mc.model, max_model_len=mc.max_model_len) for n in names]
-        )
+        return ModelList(data=[model_card(n) for n in names])
+
+    @v1.get("/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> ModelCard:
+        if model_id not in names:
+            raise APIError(f"The model `{model_id}` does not exist.", 404, "model")
+        return model_card(model_id)
 
     @v1.post("/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
-        return await serving_completion.create_completion(request, raw_request)
+        return await load.tracked(serving_completion.create_completion(request, raw_request))
 
     @v1.post("/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await serving_chat.create_chat_completion(request, raw_request)
+        return await load.tracked(serving_chat.create_chat_completion(request, raw_request))
 
     app.include_router(v1)
     return app
+
+
+class ServerLoad:
+    """Requests in flight on the generation endpoints (vLLM's /load), counted only when
+    enabled; a streamed answer counts until its last byte is sent."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.value = 0
+
+    async def tracked(self, call: Awaitable[Response]) -> Response:
+        if not self.enabled:
+            return await call
+        self.value += 1
+        try:
+            response = await call
+        except BaseException:
+            self.value -= 1
+            raise
+        prev = response.background
+
+        async def release() -> None:
+            self.value -= 1
+            if prev is not None:
+                await prev()
+
+        response.background = BackgroundTask(release)
+        return response
 
 
 # ---- running it -----------------------------------------------------------------------------
@@ -204,6 +301,12 @@ def run_server(args: argparse.Namespace) -> int:
     api_key = getattr(args, "api_key", None) or envs.VLLM_API_KEY
     server: uvicorn.Server | None = None
     vllm_config = engine_args.create_engine_config()  # bad flags fail before anything else
+    options = ServingOptions(
+        enable_prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
+        return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
+        chat_template=load_chat_template(getattr(args, "chat_template", None)),
+        trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+    )
     sock = bind_socket(args.host, args.port)
 
     def on_dead(error: BaseException) -> None:
@@ -227,7 +330,9 @@ def run_server(args: argparse.Namespace) -> int:
             async_llm,
             names,
             api_key,
-            trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+            options=options,
+            enable_server_load_tracking=getattr(args, "enable_server_load_tracking", False),
+            enable_tokenizer_info_endpoint=getattr(args, "enable_tokenizer_info_endpoint", False),
         )
         serving_chat = app.state.serving_chat
         config = uvicorn.Config(

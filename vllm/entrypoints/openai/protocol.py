@@ -10,12 +10,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from vllm.entrypoints.openai.field_rules import refuse_unsupported, warn_unknown
+from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams
 
 MAX_N = 16
 """Most completions one request may ask for (`n`)."""
-MAX_LOGPROBS = 20
-"""Most alternatives per position in `logprobs` / `top_logprobs`."""
 
 
 def _not_bool(v: Any) -> Any:
@@ -30,7 +30,8 @@ def _not_bool(v: Any) -> Any:
 Int64 = Annotated[int, BeforeValidator(_not_bool), Field(ge=INT64_MIN, le=INT64_MAX)]
 NonNegInt64 = Annotated[int, BeforeValidator(_not_bool), Field(ge=0, le=INT64_MAX)]
 TopK = Annotated[int, BeforeValidator(_not_bool), Field(ge=-1, le=INT64_MAX)]
-NumLogprobs = Annotated[int, BeforeValidator(_not_bool), Field(ge=0, le=MAX_LOGPROBS)]
+# -1 = the whole vocabulary; the engine refuses more than its max_logprobs (--max-logprobs).
+NumLogprobs = Annotated[int, BeforeValidator(_not_bool), Field(ge=-1, le=INT64_MAX)]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 
 _PROMPT_SHAPES = (
@@ -51,8 +52,16 @@ def random_id(prefix: str) -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    # Clients send fields we do not model (user, metadata, ...); ignore them as vLLM does.
+    # Clients send fields nobody models (metadata, ...); ignore them with a warning, as vLLM.
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _warn_unknown_fields(cls, data: Any, handler: Any) -> Any:
+        result = handler(data)
+        if cls.model_config.get("extra") == "ignore":
+            warn_unknown(cls.__name__, data, set(cls.model_fields))
+        return result
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -89,10 +98,15 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class PromptTokenUsageInfo(OpenAIBaseModel):
+    cached_tokens: int | None = None
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
 
 
 # Clients send `null` for options they leave at the default; for these that means the default.
@@ -107,6 +121,13 @@ _NULL_MEANS_DEFAULT = (
     "include_stop_str_in_output",
     "add_generation_prompt",
     "continue_final_message",
+    "spaces_between_special_tokens",
+    "priority",
+    "use_beam_search",
+    "length_penalty",
+    "early_stopping",
+    "add_special_tokens",
+    "include_reasoning",
 )
 
 
@@ -116,6 +137,7 @@ class _SamplingRequest(OpenAIBaseModel):
     @model_validator(mode="before")
     @classmethod
     def _drop_nulls(cls, data: Any) -> Any:
+        refuse_unsupported(data, cls.model_fields)
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None or k not in _NULL_MEANS_DEFAULT}
         return data
@@ -141,6 +163,23 @@ class _SamplingRequest(OpenAIBaseModel):
     logit_bias: dict[str, FiniteFloat] | None = None
     best_of: Int64 | None = None
     user: str | None = None
+    # ---- vLLM's extra request fields, implemented here --------------------------------------
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: NumLogprobs | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    priority: Int64 = 0
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    session_id: str | None = None  # an identity for routing / tracing; it changes no output
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=1024)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1, le=INT64_MAX)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    use_beam_search: bool = False
+    length_penalty: FiniteFloat = 1.0
+    early_stopping: bool = False
+    # Only the /render endpoints read these; vLLM ignores them on generation too.
+    return_token_offsets: bool | None = None
+    return_mm_kwargs: bool = True
 
     def _check_unsupported(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
@@ -156,8 +195,23 @@ class _SamplingRequest(OpenAIBaseModel):
             raise ValueError(f"best_of != n is not supported (best_of={self.best_of}, n={self.n})")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        if self.stream and self.prompt_logprobs is not None and self.prompt_logprobs != 0:
+            raise VLLMValidationError(
+                "prompt_logprobs are not available when stream is true",
+                parameter="prompt_logprobs",
+            )
+        if not self.use_beam_search and (self.length_penalty != 1.0 or self.early_stopping):
+            name = "length_penalty" if self.length_penalty != 1.0 else "early_stopping"
+            raise VLLMValidationError(
+                f"{name} only applies to beam search (use_beam_search=true)", parameter=name
+            )
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
         self._check_unsupported()
         kwargs: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p"):
@@ -174,7 +228,9 @@ class _SamplingRequest(OpenAIBaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            prompt_logprobs=prompt_logprobs,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             **kwargs,
         )
@@ -187,6 +243,7 @@ class CompletionRequest(_SamplingRequest):
     logprobs: NumLogprobs | None = None
     echo: bool = False
     suffix: str | None = None
+    add_special_tokens: bool = True
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -209,11 +266,23 @@ class CompletionRequest(_SamplingRequest):
         return v
 
     def to_sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix:
-            raise ValueError("suffix is not supported")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+            raise VLLMValidationError("suffix is not supported", parameter="suffix")
+        # As vLLM: echo returns the prompt's logprobs too, and with max_tokens=0 only the
+        # prompt (the engine still runs one step).
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
+        max_tokens = 1 if self.echo and self.max_tokens == 0 else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+
+
+class PromptLogprob(OpenAIBaseModel):
+    """One entry of `prompt_logprobs` (vLLM's Logprob, as JSON)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class CompletionLogProbs(OpenAIBaseModel):
@@ -229,6 +298,9 @@ class CompletionResponseChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -246,6 +318,8 @@ class CompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # in the choice's first chunk
+    token_ids: list[int] | None = None
 
 
 class CompletionStreamResponse(OpenAIBaseModel):
@@ -279,6 +353,14 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    # ---- vLLM's chat extras implemented here -------------------------------------------------
+    echo: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: str | None = None  # handed to the chat template, as vLLM does
+    include_reasoning: bool = True  # no reasoning parser: all text is content either way
+    parallel_tool_calls: bool | None = None  # only meaningful with tools (refused)
+    return_prompt_text: bool | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         if self.tools:
@@ -287,13 +369,20 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError(
                 f"response_format {self.response_format.get('type')!r} is not supported"
             )
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.tool_choice not in (None, "none"):
+            raise VLLMValidationError(
+                f"tool_choice {self.tool_choice!r} is not supported", parameter="tool_choice"
+            )
+        if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self._sampling_params(max_tokens, logprobs)
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo and self.logprobs:
+            prompt_logprobs = self.top_logprobs or 0
+        return self._sampling_params(max_tokens, logprobs, prompt_logprobs)
 
     def conversation(self) -> list[dict[str, Any]]:
         """Messages as plain dicts for the chat template; text parts are joined."""
@@ -345,6 +434,7 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     logprobs: ChatChoiceLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(OpenAIBaseModel):
@@ -354,6 +444,9 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
@@ -367,6 +460,7 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     logprobs: ChatChoiceLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionStreamResponse(OpenAIBaseModel):
@@ -376,3 +470,5 @@ class ChatCompletionStreamResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # in the first chunk
+    prompt_text: str | None = None  # in the first chunk

@@ -29,24 +29,28 @@ from vllm.entrypoints.openai.protocol import (
 from vllm.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
-    final_outputs,
+    ServingOptions,
     final_usage,
     finite,
+    prompt_logprobs_json,
     stream_events,
     token_text,
+    usage_info,
 )
-from vllm.outputs import CompletionOutput
+from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 
 
-def chat_logprobs(out: CompletionOutput, tokenizer: Any, top_n: int) -> ChatChoiceLogProbs | None:
+def chat_logprobs(
+    out: CompletionOutput, tokenizer: Any, top_n: int, as_ids: bool = False
+) -> ChatChoiceLogProbs | None:
     """The chat logprobs of out's tokens, each with its `top_n` most likely alternatives."""
     if out.logprobs is None:
         return None
     content = []
     for tid, pos in zip(out.token_ids, out.logprobs):
         lp = pos.get(tid)
-        text = token_text(lp, tid, tokenizer)
+        text = token_text(lp, tid, tokenizer, as_ids)
         top = sorted(
             ((k, v) for k, v in pos.items() if v.rank is not None and 1 <= v.rank <= top_n),
             key=lambda kv: kv[1].rank or 0,  # every rank here is set (filtered above)
@@ -58,7 +62,7 @@ def chat_logprobs(out: CompletionOutput, tokenizer: Any, top_n: int) -> ChatChoi
                 bytes=list(text.encode("utf-8", "replace")),
                 top_logprobs=[
                     TopLogprob(
-                        token=(t := token_text(v, k, tokenizer)),
+                        token=(t := token_text(v, k, tokenizer, as_ids)),
                         logprob=finite(v.logprob),
                         bytes=list(t.encode("utf-8", "replace")),
                     )
@@ -93,11 +97,11 @@ class OpenAIServingChat(OpenAIServing):
         self,
         async_llm: AsyncLLM,
         served_model_names: list[str],
-        trust_request_chat_template: bool = False,
+        options: ServingOptions | None = None,
     ) -> None:
-        super().__init__(async_llm, served_model_names)
+        super().__init__(async_llm, served_model_names, options)
         self.sandbox: ChatTemplateSandbox | None = None
-        if trust_request_chat_template:
+        if self.options.trust_request_chat_template:
             self.sandbox = ChatTemplateSandbox(envs.VLLM_CHAT_TEMPLATE_TIMEOUT_S)
             self.sandbox.start()  # imports in the background, before the first request needs it
 
@@ -108,12 +112,14 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         params = req.to_sampling_params()
-        prompt = await self._chat_prompt(req)
+        text = await self.render(req)
+        prompt = await self.engine_prompt(req, text, None, req.add_special_tokens)
         return await self._generate(req, raw, [prompt], params)
 
-    async def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
-        """Render the conversation (off the event loop) and tokenise it (off the engine
-        thread); oversized input is refused by its size before either."""
+    async def render(self, req: ChatCompletionRequest) -> str:
+        """The conversation as prompt text: rendered off the event loop, with the request's
+        template (sandboxed), else the server's --chat-template, else the tokenizer's; input
+        too large to fit is refused by its size first."""
         conversation = req.conversation()
         tok = self.tokenizer
         if req.continue_final_message and req.add_generation_prompt:
@@ -122,6 +128,11 @@ class OpenAIServingChat(OpenAIServing):
             kwargs = check_template_kwargs(req.chat_template_kwargs)
         except ValueError as e:
             raise APIError(str(e), 400, "chat_template_kwargs") from None
+        # What vLLM hands every template besides the conversation.
+        if req.documents is not None:
+            kwargs["documents"] = req.documents
+        if req.reasoning_effort is not None:
+            kwargs["reasoning_effort"] = req.reasoning_effort
         limit = self.llm.max_prompt_bytes
         size = _text_bytes(conversation) + _text_bytes(kwargs)
         if size > limit:
@@ -141,7 +152,7 @@ class OpenAIServingChat(OpenAIServing):
                     "chat_template",
                 )
             variables = {**_special_tokens(tok), **kwargs}
-            text = await asyncio.get_running_loop().run_in_executor(
+            return await asyncio.get_running_loop().run_in_executor(
                 None,
                 functools.partial(
                     self.sandbox.render,
@@ -153,58 +164,125 @@ class OpenAIServingChat(OpenAIServing):
                     limit,
                 ),
             )
-        else:
-            if not getattr(tok, "chat_template", None):
-                raise APIError("the tokenizer has no chat template and the request gives none")
-            text = await self.llm.in_tokenizer_thread(
-                render_trusted,
-                tok,
-                conversation,
-                req.add_generation_prompt,
-                req.continue_final_message,
-                kwargs,
+        template = self.options.chat_template
+        if template is None and not getattr(tok, "chat_template", None):
+            raise APIError(
+                "the tokenizer has no chat template and the request gives none "
+                "(start the server with --chat-template)"
             )
-        # The template wrote the special tokens; encoding must not add a BOS a second time.
-        ids = await self.llm.in_tokenizer_thread(self.llm.encode, text, add_special_tokens=False)
-        return {"prompt": text, "prompt_token_ids": ids}
+        return await self.llm.in_tokenizer_thread(
+            render_trusted,
+            tok,
+            conversation,
+            req.add_generation_prompt,
+            req.continue_final_message,
+            kwargs,
+            template,
+        )
 
-    async def _full(
-        self, req: ChatCompletionRequest, streams: list[RequestStream], rid: str, created: int
+    @staticmethod
+    def _role(req: ChatCompletionRequest) -> str:
+        # As vLLM: the answer continues the last message's role unless a new turn is prompted.
+        return "assistant" if req.add_generation_prompt else req.messages[-1].role
+
+    @staticmethod
+    def _echo_text(req: ChatCompletionRequest, role: str) -> str:
+        """With echo, the last message's content when the answer continues its role."""
+        if not req.echo:
+            return ""
+        last = req.conversation()[-1]
+        return str(last.get("content") or "") if last.get("role") == role else ""
+
+    def _full(
+        self, req: ChatCompletionRequest, finals: list[RequestOutput], rid: str, created: int
     ) -> ChatCompletionResponse:
-        finals = await final_outputs(streams)
         top_n = req.top_logprobs or 0
+        as_ids = self.tokens_as_ids(req)
+        role = self._role(req)
+        echo = self._echo_text(req, role)
+        ro = finals[0]
         choices = [
             ChatCompletionResponseChoice(
                 index=c.index,
-                message=ChatMessageOut(role="assistant", content=c.text),
-                logprobs=chat_logprobs(c, self.tokenizer, top_n),
+                message=ChatMessageOut(role=role, content=echo + c.text),
+                logprobs=chat_logprobs(c, self.tokenizer, top_n, as_ids),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if req.return_token_ids else None,
             )
-            for c in finals[0].outputs
+            for c in ro.outputs
         ]
-        return self._response(ChatCompletionResponse, rid, created, choices, final_usage(finals))
+        res = self._response(
+            ChatCompletionResponse,
+            rid,
+            created,
+            choices,
+            final_usage(finals, self.options.enable_prompt_tokens_details),
+        )
+        if req.return_token_ids:
+            res.prompt_token_ids = list(ro.prompt_token_ids)
+        if req.prompt_logprobs is not None or (req.echo and req.logprobs):
+            res.prompt_logprobs = prompt_logprobs_json(ro.prompt_logprobs)
+        if req.return_prompt_text:
+            res.prompt_text = ro.prompt
+        return res
 
     def _stream(
         self, req: ChatCompletionRequest, streams: list[RequestStream], rid: str, created: int
     ) -> AsyncIterator[str]:
         top_n = req.top_logprobs or 0
+        as_ids = self.tokens_as_ids(req)
 
-        def choice(idx: int, c: CompletionOutput) -> ChatCompletionResponseStreamChoice:
+        def choice(
+            idx: int, ro: RequestOutput, c: CompletionOutput
+        ) -> ChatCompletionResponseStreamChoice:
             return ChatCompletionResponseStreamChoice(
                 index=idx,
                 delta=DeltaMessage(content=c.text),
-                logprobs=chat_logprobs(c, self.tokenizer, top_n),
+                logprobs=chat_logprobs(c, self.tokenizer, top_n, as_ids),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if req.return_token_ids else None,
             )
 
-        # The role comes first, in its own chunk per choice, as OpenAI sends it.
-        role = [
-            ChatCompletionResponseStreamChoice(
-                index=i, delta=DeltaMessage(role="assistant", content="")
-            )
-            for i in range(req.n)
-        ]
         chunk = functools.partial(self._response, ChatCompletionStreamResponse, rid, created)
-        return stream_events(streams, req.n, req.stream_options, choice, chunk, role)
+        role = self._role(req)
+        echo = self._echo_text(req, role)
+        # As vLLM: first one chunk per choice with the role, then (echo) one per choice with
+        # the continued message; prompt ids and text ride on the very first chunk.
+        first: list[ChatCompletionStreamResponse] = []
+        stream_options = req.stream_options
+        prompt_ids = streams[0].prompt_token_ids if streams else []
+        continuous = bool(
+            stream_options
+            and stream_options.include_usage
+            and stream_options.continuous_usage_stats
+        )
+        for i in range(req.n):
+            delta = DeltaMessage(role=role, content="")
+            first.append(
+                chunk(
+                    [ChatCompletionResponseStreamChoice(index=i, delta=delta)],
+                    usage_info(len(prompt_ids), 0) if continuous else None,
+                )
+            )
+        if first:
+            if req.return_token_ids:
+                first[0].prompt_token_ids = list(prompt_ids)
+            if req.return_prompt_text:
+                first[0].prompt_text = streams[0].prompt if streams else None
+        if echo:
+            for i in range(req.n):
+                delta = DeltaMessage(content=echo)
+                first.append(
+                    chunk([ChatCompletionResponseStreamChoice(index=i, delta=delta)], None)
+                )
+        return stream_events(
+            streams,
+            req.n,
+            stream_options,
+            choice,
+            chunk,
+            first,
+            details=self.options.enable_prompt_tokens_details,
+        )

@@ -9,7 +9,8 @@ import asyncio
 import json
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -23,10 +24,13 @@ from vllm.entrypoints.openai.protocol import (
     CompletionRequest,
     ErrorInfo,
     ErrorResponse,
+    PromptLogprob,
+    PromptTokenUsageInfo,
     StreamOptions,
     UsageInfo,
     random_id,
 )
+from vllm.exceptions import VLLMValidationError
 from vllm.logger import init_logger
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -88,8 +92,10 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     for err in exc.errors():
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         where = ".".join(loc)
-        if param is None and loc:
-            param = loc[0]
+        # A model-level check names its field on the error it raised.
+        named = getattr((err.get("ctx") or {}).get("error"), "parameter", None)
+        if param is None and (loc or named):
+            param = loc[0] if loc else named
         msg = str(err.get("msg")).removeprefix("Value error, ")
         if err.get("type") == "json_invalid":
             parts.append("the request body is not valid JSON")
@@ -119,11 +125,18 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def usage_info(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def usage_info(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> UsageInfo:
+    """Usage; with --enable-prompt-tokens-details (cached_tokens given) vLLM adds the prompt
+    tokens served from the prefix cache when there are any."""
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached_tokens)
+        if cached_tokens
+        else None,
     )
 
 
@@ -132,10 +145,33 @@ def finite(logprob: float) -> float:
     return logprob if logprob > -9999.0 else -9999.0
 
 
-def token_text(lp: Logprob | None, tid: int, tokenizer: Any) -> str:
+def token_text(lp: Logprob | None, tid: int, tokenizer: Any, as_id: bool = False) -> str:
+    """A token as logprobs show it: its text, or `token_id:N` (return_tokens_as_token_ids)."""
+    if as_id:
+        return f"token_id:{tid}"
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     return tokenizer.decode([tid])
+
+
+def prompt_logprobs_json(
+    entries: list[dict[int, Logprob] | None] | None,
+) -> list[dict[int, PromptLogprob] | None] | None:
+    """prompt_logprobs as vLLM answers them: per prompt position (the first is null) token id
+    -> {logprob, rank, decoded_token}, -inf clamped to a finite value."""
+    if entries is None:
+        return None
+    return [
+        None
+        if pos is None
+        else {
+            t: PromptLogprob(
+                logprob=finite(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
+            )
+            for t, lp in pos.items()
+        }
+        for pos in entries
+    ]
 
 
 # ---- streams --------------------------------------------------------------------------------
@@ -204,10 +240,11 @@ async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
     return done
 
 
-def final_usage(finals: list[RequestOutput]) -> UsageInfo:
+def final_usage(finals: list[RequestOutput], details: bool = False) -> UsageInfo:
     return usage_info(
         sum(len(ro.prompt_token_ids) for ro in finals),
         sum(len(c.token_ids) for ro in finals for c in ro.outputs),
+        sum(ro.num_cached_tokens for ro in finals) if details else None,
     )
 
 
@@ -227,41 +264,44 @@ async def stream_events(
     streams: list[RequestStream],
     n: int,
     stream_options: StreamOptions | None,
-    make_choice: Callable[[int, CompletionOutput], BaseModel],
+    make_choice: Callable[[int, RequestOutput, CompletionOutput], BaseModel],
     make_chunk: Callable[[Sequence[BaseModel], UsageInfo | None], BaseModel],
-    first_choices: Sequence[BaseModel] | None = None,
+    first_chunks: Sequence[BaseModel] = (),
+    details: bool = False,
 ) -> AsyncIterator[str]:
-    """The SSE body of a streamed answer, shared by both endpoints.
+    """The SSE body of a streamed answer, shared by both endpoints, laid out as vLLM's.
 
-    Choice `i * n + c.index` of prompt i gets one chunk per engine output that carries
-    something; a choice already sent with its finish_reason is not sent again (n > 1 outputs
-    repeat finished siblings). Usage is sent per chunk with `continuous_usage_stats`, and in a
-    last choice-less chunk with `include_usage`. An error after the headers went out is sent
-    in-band; `data: [DONE]` always ends the stream."""
+    Every chunk carries one choice (`i * n + c.index` for completion c of prompt i) with its
+    own finish_reason; a choice already sent with its finish_reason is not sent again (n > 1
+    outputs repeat finished siblings). With `include_usage` a last choice-less chunk carries
+    the usage, and with `continuous_usage_stats` too each chunk carries its choice's usage so
+    far. An error after the headers went out is sent in-band; `data: [DONE]` always ends it."""
     include_usage = bool(stream_options and stream_options.include_usage)
-    continuous = bool(stream_options and stream_options.continuous_usage_stats)
+    continuous = include_usage and bool(stream_options and stream_options.continuous_usage_stats)
     prompt_lens = [0] * len(streams)
-    num_tokens = 0
+    cached = [0] * len(streams)
+    choice_tokens: dict[int, int] = {}
     done: set[int] = set()
     try:
-        if first_choices:
-            yield sse(make_chunk(list(first_choices), None))
+        for chunk in first_chunks:
+            yield sse(chunk)
         async for i, ro in merge_streams(streams):
             prompt_lens[i] = len(ro.prompt_token_ids)
-            choices = []
+            cached[i] = ro.num_cached_tokens
             for c in ro.outputs:
                 idx = i * n + c.index
                 if idx in done or (not c.text and not c.token_ids and not c.finish_reason):
                     continue
                 if c.finish_reason is not None:
                     done.add(idx)
-                num_tokens += len(c.token_ids)
-                choices.append(make_choice(idx, c))
-            if choices:
-                usage = usage_info(sum(prompt_lens), num_tokens) if continuous else None
-                yield sse(make_chunk(choices, usage))
+                choice_tokens[idx] = choice_tokens.get(idx, 0) + len(c.token_ids)
+                usage = usage_info(prompt_lens[i], choice_tokens[idx]) if continuous else None
+                yield sse(make_chunk([make_choice(idx, ro, c)], usage))
         if include_usage:
-            yield sse(make_chunk([], usage_info(sum(prompt_lens), num_tokens)))
+            usage = usage_info(
+                sum(prompt_lens), sum(choice_tokens.values()), sum(cached) if details else None
+            )
+            yield sse(make_chunk([], usage))
     except Exception as e:  # noqa: BLE001 - reported in-band: the headers are sent
         yield sse(stream_error(e))
     finally:
@@ -270,16 +310,82 @@ async def stream_events(
 
 
 # ---- the serving base -----------------------------------------------------------------------
+@dataclass
+class ServingOptions:
+    """Server flags the endpoints read (vLLM's spellings in `vllm serve`)."""
+
+    enable_prompt_tokens_details: bool = False
+    """usage.prompt_tokens_details.cached_tokens in answers (--enable-prompt-tokens-details)."""
+    return_tokens_as_token_ids: bool = False
+    """Logprob tokens as `token_id:N` unless a request says otherwise."""
+    chat_template: str | None = None
+    """The chat template (--chat-template), instead of the tokenizer's own."""
+    trust_request_chat_template: bool = False
+    """Accept chat_template in requests (rendered in a sandbox)."""
+
+
+def truncate_prompt(
+    ids: list[int], n: int | None, side: str | None, max_model_len: int
+) -> list[int]:
+    """truncate_prompt_tokens as vLLM: keep the last n tokens (the first with side='right');
+    -1 means max_model_len."""
+    if n is None:
+        return ids
+    if n == -1:
+        n = max_model_len
+    if n > max_model_len:
+        raise VLLMValidationError(
+            f"truncate_prompt_tokens value ({n}) is greater than max_model_len ({max_model_len})",
+            parameter="truncate_prompt_tokens",
+        )
+    if len(ids) <= n:
+        return ids
+    return ids[:n] if side == "right" else ids[len(ids) - n :]
+
+
 class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into responses; one
     subclass per endpoint builds the prompts and formats the answer."""
 
     request_id_prefix = "cmpl"
 
-    def __init__(self, async_llm: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(
+        self,
+        async_llm: AsyncLLM,
+        served_model_names: list[str],
+        options: ServingOptions | None = None,
+    ) -> None:
         self.llm = async_llm
         self.names = served_model_names
         self.model_name = served_model_names[0]
+        self.options = options or ServingOptions()
+
+    def tokens_as_ids(self, req: CompletionRequest | ChatCompletionRequest) -> bool:
+        flag = req.return_tokens_as_token_ids
+        return self.options.return_tokens_as_token_ids if flag is None else flag
+
+    async def engine_prompt(
+        self,
+        req: CompletionRequest | ChatCompletionRequest,
+        text: str | None,
+        ids: list[int] | None,
+        add_special_tokens: bool,
+    ) -> dict[str, Any]:
+        """The engine prompt of text (tokenised on the tokenizer thread) or of token ids,
+        truncated as the request asks, with its cache_salt."""
+        if ids is None:
+            assert text is not None
+            ids = await self.llm.in_tokenizer_thread(
+                self.llm.encode, text, add_special_tokens=add_special_tokens
+            )
+        max_len = self.llm.model_config.max_model_len
+        kept = truncate_prompt(ids, req.truncate_prompt_tokens, req.truncation_side, max_len)
+        if len(kept) != len(ids):
+            text = self.tokenizer.decode(kept)
+        prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": kept}
+        if req.cache_salt is not None:
+            prompt["cache_salt"] = req.cache_salt
+        return prompt
 
     @property
     def tokenizer(self) -> Any:
@@ -311,7 +417,7 @@ class OpenAIServing:
             )
 
     async def _add_all(
-        self, prompts: list[Any], params: SamplingParams, base_id: str
+        self, prompts: list[Any], params: SamplingParams, base_id: str, priority: int = 0
     ) -> list[RequestStream]:
         """Add every prompt as its own engine request; on an error, abort the ones added."""
         self._check_alive()
@@ -319,7 +425,7 @@ class OpenAIServing:
         try:
             for i, prompt in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.llm.add_request(rid, prompt, params))
+                streams.append(await self.llm.add_request(rid, prompt, params, priority))
         except BaseException:
             _close_all(streams)
             raise
@@ -333,16 +439,32 @@ class OpenAIServing:
         params: SamplingParams,
     ) -> Response:
         """Run the prompts and answer as a stream or, unless the client leaves, in full."""
-        rid = random_id(self.request_id_prefix)
-        streams = await self._add_all(prompts, params, rid)
+        rid = (
+            f"{self.request_id_prefix}-{req.request_id}"
+            if req.request_id
+            else random_id(self.request_id_prefix)
+        )
         created = int(time.time())
+        if req.use_beam_search:
+            from vllm.entrypoints.openai.serving_beam_search import beam_search_outputs
+
+            self._check_alive()
+            finals = beam_search_outputs(self, req, prompts, params, rid)
+            return await _unless_disconnected(raw, self._answer(req, finals, rid, created))
+        streams = await self._add_all(prompts, params, rid, req.priority)
         if req.stream:
             return _sse_response(self._stream(req, streams, rid, created), streams)
-        return await _unless_disconnected(raw, self._full(req, streams, rid, created))
+        return await _unless_disconnected(
+            raw, self._answer(req, final_outputs(streams), rid, created)
+        )
 
-    async def _full(
-        self, req: Any, streams: list[RequestStream], rid: str, created: int
+    async def _answer(
+        self, req: Any, finals: Awaitable[list[RequestOutput]], rid: str, created: int
     ) -> BaseModel:
+        return self._full(req, await finals, rid, created)
+
+    def _full(self, req: Any, finals: list[RequestOutput], rid: str, created: int) -> BaseModel:
+        """The whole answer from every prompt's finished output."""
         raise NotImplementedError
 
     def _stream(

@@ -43,6 +43,8 @@ class RequestStream:
         self.kind = kind
         self.loop = asyncio.get_running_loop()
         self.finished = False
+        self.prompt: str | None = None  # the prompt as the engine got it (set when added)
+        self.prompt_token_ids: list[int] = []
         self._items: deque[RequestOutput | BaseException] = deque()
         self._event = asyncio.Event()
 
@@ -211,16 +213,19 @@ class AsyncLLM:
         request_id: str,
         prompt: PromptType,
         sampling_params: SamplingParams | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Add a request; errors in the prompt or params are raised here, to this caller only."""
         params = check_params(sampling_params)
+        self.engine.check_request(params, priority)
         self._check_running()
         # Tokenising and checking the prompt run on the tokenizer thread: neither the event
         # loop (other clients, /health) nor the engine thread (every running stream) waits.
         text, ids, salt = await self.in_tokenizer_thread(self.engine.preprocess, prompt)
         stream = RequestStream(self, request_id, params.output_kind)
+        stream.prompt, stream.prompt_token_ids = text, list(ids)
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._send(("add", request_id, text, ids, salt, params, stream, fut))
+        self._send(("add", request_id, text, ids, salt, params, priority, stream, fut))
         try:
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -250,10 +255,11 @@ class AsyncLLM:
         prompt: PromptType,
         sampling_params: SamplingParams | None,
         request_id: str,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as they come. Closing or cancelling the consumer aborts
         the request (its KV blocks are freed)."""
-        stream = await self.add_request(request_id, prompt, sampling_params)
+        stream = await self.add_request(request_id, prompt, sampling_params, priority)
         async for out in stream:
             yield out
 
@@ -309,11 +315,13 @@ class AsyncLLM:
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, text, ids, salt, params, stream, fut = cmd
+            _, rid, text, ids, salt, params, priority, stream, fut = cmd
             if not fut.set_running_or_notify_cancel():
                 return
             try:
-                self.engine.add_processed_request(rid, text, ids, params, cache_salt=salt)
+                self.engine.add_processed_request(
+                    rid, text, ids, params, cache_salt=salt, priority=priority
+                )
             except Exception as e:  # noqa: BLE001 - a bad request fails only its caller
                 fut.set_exception(e)
                 return

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections import deque
@@ -11,15 +12,17 @@ from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
+from vllm.exceptions import VLLMTypeError, VLLMValidationError
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.output_processor import ChildState, OutputProcessor, RequestState
 from vllm.v1.engine.warmup import warm_up
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from vllm.v1.metrics.reader import Metric, get_metrics_snapshot
+from vllm.v1.metrics.stats import IterationStats
 from vllm.v1.request import Request, RequestStatus
 
 logger = init_logger(__name__)
@@ -113,10 +116,20 @@ class LLMEngine:
         self.scheduler = Scheduler(vllm_config, num_blocks, num_state_slots(vllm_config))
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = self.tokenizer.eos_token_id
+        self.generation_config = mc.try_get_generation_config()
+        self.priority_policy = vllm_config.scheduler_config.policy == "priority"
         self._rng = random.Random(mc.seed)
         self.max_prompt_bytes = prompt_byte_limit(self.tokenizer, mc.max_model_len)
         k = vllm_config.num_speculative_tokens
-        self.prom = PrometheusStatLogger(mc.served_model_names[0], k)
+        self.prom = PrometheusStatLogger(
+            mc.served_model_names[0],
+            k,
+            max_model_len=mc.max_model_len,
+            cache_config_info={
+                f.name: str(getattr(vllm_config.cache_config, f.name))
+                for f in dataclasses.fields(vllm_config.cache_config)
+            },
+        )
         self.log_stats = not vllm_config.disable_log_stats
         self.stat_logger = LoggingStatLogger(k) if self.log_stats else None
         self._req_counter = 0
@@ -199,10 +212,55 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
         params = check_params(params)
+        self.check_request(params, priority)
         text, ids, cache_salt = self.preprocess(prompt)
-        self.add_processed_request(request_id, text, ids, params, arrival_time, cache_salt)
+        self.add_processed_request(
+            request_id, text, ids, params, arrival_time, cache_salt, priority
+        )
+
+    def check_request(self, params: SamplingParams, priority: int = 0) -> None:
+        """What the engine's configuration refuses in a request (vLLM's checks and wording):
+        token ids outside the vocabulary, more logprobs than max_logprobs, a priority without
+        the priority scheduling policy."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids or () if t >= vocab]
+        if bad:
+            raise VLLMValidationError(
+                f"stop_token_ids contains token id {bad[0]}, outside the vocabulary "
+                f"(vocab_size={vocab})",
+                parameter="stop_token_ids",
+                value=bad[0],
+            )
+        limit = self.model_config.max_logprobs
+        limit = vocab if limit == -1 else limit
+        for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+            n = getattr(params, name)
+            n = vocab if n == -1 else n
+            if n is not None and n > limit:
+                raise VLLMValidationError(
+                    f"Requested {kind} logprobs of {n}, which is greater than max allowed: "
+                    f"{limit} ({name}; the server's --max-logprobs)",
+                    parameter=name,
+                    value=n,
+                )
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise VLLMTypeError(
+                f"priority must be an integer, got {priority!r}", parameter="priority"
+            )
+        if not INT64_MIN <= priority <= INT64_MAX:
+            raise VLLMValidationError(
+                f"priority must be a 64-bit integer, got {priority}", parameter="priority"
+            )
+        if priority != 0 and not self.priority_policy:
+            raise VLLMValidationError(
+                f"Got priority {priority} but Priority scheduling is not enabled "
+                "(--scheduling-policy priority)",
+                parameter="priority",
+                value=priority,
+            )
 
     def preprocess(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
         """(text, checked token ids, cache_salt) of a prompt; thread-safe like process_prompt."""
@@ -218,10 +276,12 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Add a request whose prompt already went through preprocess (the server does that
         on a tokenizer thread, so a long prompt never holds up the engine thread)."""
         params = check_params(params)
+        self.check_request(params, priority)
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = prompt_token_ids
@@ -232,13 +292,16 @@ class LLMEngine:
             child_params = params.clone()
             child_params.n = 1
             child_params.update_from_tokenizer(self.eos_token_id)
+            child_params.update_from_generation_config(self.generation_config, self.eos_token_id)
             if params.seed is not None:
                 seed = child_seed(params.seed, i)
             else:
                 seed = self._rng.getrandbits(62)
             cid = request_id if params.n == 1 else f"{i}_{request_id}"
             children[cid] = ChildState(i, child_params)
-            requests.append(Request(cid, ids, child_params, arrival_time, seed, cache_salt))
+            requests.append(
+                Request(cid, ids, child_params, arrival_time, seed, cache_salt, priority)
+            )
         self.output_processor.add(
             RequestState(request_id, text, ids, params, children, arrival_time)
         )
@@ -262,13 +325,18 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         now = time.time()
+        stats = IterationStats()
         for rid in request_ids:
             st = self.output_processor.requests.get(rid)
             if st is None:
                 continue
             self.scheduler.finish_requests(list(st.children), RequestStatus.FINISHED_ABORTED)
+            for child in st.children.values():
+                if child.finish_reason is None:
+                    self.output_processor.record_finished(st, child, "abort", now, stats)
+                    child.finish_reason = "abort"
             self.output_processor.remove(rid)
-            self.prom.record_finished("abort", now - st.arrival_time)
+        self.prom.record_iteration(stats)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
@@ -287,7 +355,13 @@ class LLMEngine:
         so = self.scheduler.schedule()
         if so.total_num_scheduled_tokens == 0 and not so.finished_req_ids:
             return []
+        self._mark_scheduled(so)
         return self._process_output(so, self.executor.execute_model(so))
+
+    def _mark_scheduled(self, so) -> None:
+        if so.scheduled_new_reqs:
+            ids = [r.req_id for r in so.scheduled_new_reqs]
+            self.output_processor.mark_scheduled(ids, time.time())
 
     def _step_pipelined(self) -> list[RequestOutput]:
         """Keep up to max_concurrent_batches steps in flight so pipeline stages overlap: start
@@ -300,6 +374,7 @@ class LLMEngine:
             share = -(-min(sched.get_num_unfinished_requests(), sched.max_num_seqs) // limit)
             so = sched.schedule(max_num_reqs=max(1, share))
             if so.total_num_scheduled_tokens or so.finished_req_ids:
+                self._mark_scheduled(so)
                 self.executor.execute_model_async(so)
                 queue.append(so)
                 if so.total_num_scheduled_tokens and len(queue) < limit:
@@ -312,40 +387,22 @@ class LLMEngine:
     def _process_output(self, so, runner_out) -> list[RequestOutput]:
         result = self.scheduler.update_from_output(so, runner_out)
         now = time.time()
-        outputs, to_abort = self.output_processor.process(result.outputs, now)
+        iteration = IterationStats()
+        outputs, to_abort = self.output_processor.process(result.outputs, now, iteration)
         if to_abort:
             self.scheduler.finish_requests(to_abort, RequestStatus.FINISHED_STOPPED)
-        self._record_stats(so, result, outputs, now)
+        self._record_stats(so, result, iteration)
         for ro in outputs:
             if ro.finished:
                 self.output_processor.remove(ro.request_id)
         return outputs
 
-    def _record_stats(self, so, result, outputs: list[RequestOutput], now: float) -> None:
+    def _record_stats(self, so, result, iteration: IterationStats) -> None:
         num_prompt = so.num_prompt_tokens
-        num_gen = 0
-        for itl in self.output_processor.take_inter_token_latencies():
-            self.prom.record_itl(itl)
-        for out in result.outputs.values():
-            num_gen += len(out.new_token_ids)
-        stats = result.stats
-        self.prom.record(stats, num_prompt, num_gen)
-        # TTFT from every request that got tokens, not only those emitting an output now
-        # (FINAL_ONLY requests emit nothing until they finish).
-        op = self.output_processor
-        for rid in {op.child_to_parent.get(cid) for cid in result.outputs}:
-            st = op.requests.get(rid) if rid is not None else None
-            if st is not None and st.first_token_time == now and st.num_generation_tokens:
-                self.prom.record_ttft(now - st.arrival_time)
-        for ro in outputs:
-            st = self.output_processor.requests.get(ro.request_id)
-            if st is None:
-                continue
-            if ro.finished:
-                reason = ro.outputs[0].finish_reason or "abort"
-                self.prom.record_finished(reason, now - st.arrival_time)
+        num_gen = sum(len(out.new_token_ids) for out in result.outputs.values())
+        self.prom.record(result.stats, num_prompt, num_gen, iteration)
         if self.stat_logger is not None:
-            self.stat_logger.record(stats, num_prompt, num_gen)
+            self.stat_logger.record(result.stats, num_prompt, num_gen)
 
     def get_metrics(self) -> list[Metric]:
         return get_metrics_snapshot(self.prom.registry)

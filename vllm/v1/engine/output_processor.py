@@ -13,6 +13,7 @@ import tokenizers
 from vllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine import EngineCoreOutput
+from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats
 from vllm.v1.outputs import LogprobsLists
 
 
@@ -78,6 +79,10 @@ class ChildState:
     sent_text: int = 0  # characters already emitted (delta mode)
     sent_logprobs: int = 0
     final_sent: bool = False  # delta mode: the finished chunk went out
+    # For the per-request metrics: when it was first scheduled, got its first / last token.
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
 
 @dataclass
@@ -105,13 +110,41 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.requests: dict[str, RequestState] = {}
         self.child_to_parent: dict[str, str] = {}
-        self._itl: list[float] = []
         self._token_text_cache: dict[int, str] = {}
 
-    def take_inter_token_latencies(self) -> list[float]:
-        """Inter-token latencies observed since the last call."""
-        out, self._itl = self._itl, []
-        return out
+    def mark_scheduled(self, child_ids: list[str], now: float) -> None:
+        """Record when each sequence was first scheduled (its queue time ends there)."""
+        for cid in child_ids:
+            rid = self.child_to_parent.get(cid)
+            child = self.requests[rid].children.get(cid) if rid is not None else None
+            if child is not None and child.scheduled_time is None:
+                child.scheduled_time = now
+
+    def record_finished(
+        self, st: RequestState, child: ChildState, reason: str, now: float, stats: IterationStats
+    ) -> None:
+        """The finished-sequence stats of one child; the request's own once all finished."""
+        first = child.first_token_time
+        last = child.last_token_time if child.last_token_time is not None else now
+        sched = child.scheduled_time if child.scheduled_time is not None else now
+        stats.finished_requests.append(
+            FinishedRequestStats(
+                finish_reason=reason,
+                e2e_latency=now - st.arrival_time,
+                num_prompt_tokens=len(st.prompt_token_ids),
+                num_generation_tokens=len(child.token_ids),
+                max_tokens_param=child.params.max_tokens,
+                queued_time=sched - st.arrival_time,
+                prefill_time=(first if first is not None else now) - sched,
+                inference_time=last - sched,
+                decode_time=last - first if first is not None else 0.0,
+            )
+        )
+        if all(c.finish_reason is not None or c is child for c in st.children.values()):
+            stats.n_params_iter.append(st.params.n)
+            stats.max_num_generation_tokens_iter.append(
+                max(len(c.token_ids) for c in st.children.values())
+            )
 
     def add(self, state: RequestState) -> None:
         self.requests[state.request_id] = state
@@ -172,11 +205,16 @@ class OutputProcessor:
         return out
 
     def process(
-        self, outputs: dict[str, EngineCoreOutput], now: float | None = None
+        self,
+        outputs: dict[str, EngineCoreOutput],
+        now: float | None = None,
+        stats: IterationStats | None = None,
     ) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step's outputs. Returns (RequestOutputs to emit, child ids to abort
-        because a stop string ended them)."""
+        """Apply one step's outputs (their latencies and finished sequences go to `stats`).
+        Returns (RequestOutputs to emit, child ids to abort because a stop string ended
+        them)."""
         now = now if now is not None else time.time()
+        stats = stats if stats is not None else IterationStats()
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
         for cid, out in outputs.items():
@@ -202,12 +240,16 @@ class OutputProcessor:
             if out.new_token_ids:
                 if st.first_token_time is None:
                     st.first_token_time = now
-                elif st.last_token_time is not None:
-                    # Tokens of one step (accepted drafts) share the step's latency.
-                    gap = (now - st.last_token_time) / len(out.new_token_ids)
-                    self._itl.extend([gap] * len(out.new_token_ids))
                 st.last_token_time = now
                 st.num_generation_tokens += len(out.new_token_ids)
+                # As vLLM: one TTFT per sequence, then one latency per step that brought it
+                # tokens (a step's accepted drafts share it).
+                if child.first_token_time is None:
+                    child.first_token_time = now
+                    stats.time_to_first_tokens_iter.append(now - st.arrival_time)
+                elif child.last_token_time is not None:
+                    stats.inter_token_latencies_iter.append(now - child.last_token_time)
+                child.last_token_time = now
             child.token_ids.extend(out.new_token_ids)
             if out.new_logprobs is not None:
                 if child.logprobs is None:
@@ -218,13 +260,21 @@ class OutputProcessor:
                         continue
                     child.logprobs.append(self._to_logprob_dict(lp, texts))
                     child.cumulative_logprob = (child.cumulative_logprob or 0.0) + lp.logprobs[0]
+            old_len = len(child.text)
             if out.new_token_ids or out.finish_reason is not None:
                 self._detokenize(child, out.new_token_ids, out.finish_reason is not None)
             if out.finish_reason is not None:
                 child.finish_reason = out.finish_reason
                 child.stop_reason = out.stop_reason
-            elif child.params.stop and self._check_stop_strings(child, len(out.new_token_ids)):
+            elif (
+                child.params.stop
+                # As vLLM: stop strings count once more than min_tokens tokens are out.
+                and len(child.token_ids) > child.params.min_tokens
+                and self._check_stop_strings(child, len(child.text) - old_len)
+            ):
                 to_abort.append(cid)
+            if child.finish_reason is not None:
+                self.record_finished(st, child, child.finish_reason, now, stats)
         results = []
         for st in touched.values():
             ro = self._make_output(st)
@@ -234,15 +284,16 @@ class OutputProcessor:
                 st.finished_time = now
         return results, to_abort
 
-    def _check_stop_strings(self, child: ChildState, num_new: int) -> bool:
+    def _check_stop_strings(self, child: ChildState, num_new_chars: int) -> bool:
+        """Find the first stop string that ends in the text this step added (earlier text
+        was checked before, or came before min_tokens and does not count)."""
+        if num_new_chars <= 0:
+            return False
         text = child.text
-        # Only the tail can contain a new match.
         stops = child.params.stop or ()  # a list once SamplingParams is built
-        longest = max(len(s) for s in stops)
-        start = max(0, len(text) - num_new * 32 - longest)
         best = None
         for s in stops:
-            idx = text.find(s, start)
+            idx = text.find(s, max(0, len(text) - num_new_chars - len(s) + 1))
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:

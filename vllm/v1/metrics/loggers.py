@@ -14,95 +14,168 @@ from prometheus_client import Gauge as PGauge
 from prometheus_client import Histogram as PHistogram
 
 from vllm.logger import init_logger
-from vllm.v1.metrics.stats import SchedulerStats
+from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
 logger = init_logger(__name__)
 
-_LATENCY_BUCKETS = [
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-]
+# Bucket edges as vLLM's, so its Grafana dashboards and alert rules read ours unchanged.
+TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
+ITL_BUCKETS = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+]  # fmt: skip
+REQUEST_LATENCY_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0,
+    30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+]  # fmt: skip
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (the token-count histograms' edges)."""
+    out: list[int] = []
+    scale = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
 class PrometheusStatLogger:
-    """One registry per engine, so several engines in a process do not collide."""
+    """One registry per engine, so several engines in a process do not collide. Names, types,
+    labels (model_name, engine) and bucket edges are vLLM's."""
 
-    def __init__(self, model_name: str, num_spec_tokens: int) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        num_spec_tokens: int,
+        max_model_len: int = 2048,
+        cache_config_info: dict[str, str] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        self.labels = {"model_name": model_name}
+        labels = ["model_name", "engine"]
+        self.labels = {"model_name": model_name, "engine": "0"}
         self._children: dict[tuple, Any] = {}
         r = self.registry
 
         def counter(name: str, doc: str, extra: list[str] | None = None) -> PCounter:
             return PCounter(name, doc, labels + (extra or []), registry=r)
 
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Generation tokens produced.")
-        self.request_success = counter(
-            "vllm:request_success", "Finished requests.", ["finished_reason"]
+        def gauge(name: str, doc: str) -> PGauge:
+            return PGauge(name, doc, labels, registry=r)
+
+        def histogram(name: str, doc: str, buckets: list) -> PHistogram:
+            h = PHistogram(name, doc, labels, buckets=buckets, registry=r)
+            h.labels(**self.labels)  # exported (empty) before the first observation
+            return h
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter(
+            "vllm:generation_tokens", "Number of generation tokens processed."
         )
-        self.num_preemptions = counter("vllm:num_preemptions", "Preemptions.")
+        self.request_success = counter(
+            "vllm:request_success", "Count of successfully processed requests.", ["finished_reason"]
+        )
+        self.num_preemptions = counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        )
         self.prefix_cache_queries = counter(
-            "vllm:prefix_cache_queries", "Prompt tokens of new requests looked up in the cache."
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
         )
         self.prefix_cache_hits = counter(
-            "vllm:prefix_cache_hits", "Prompt tokens of new requests found in the cache."
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
         for c in (self.prefix_cache_queries, self.prefix_cache_hits):
             c.labels(**self.labels)  # exported (as 0) even when caching is off
-        self.running = PGauge("vllm:num_requests_running", "Running requests.", labels, registry=r)
-        self.waiting = PGauge("vllm:num_requests_waiting", "Waiting requests.", labels, registry=r)
-        self.kv_usage = PGauge("vllm:kv_cache_usage_perc", "KV cache usage.", labels, registry=r)
-        self.ttft = PHistogram(
+        self.running = gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches."
+        )
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting.")
+        self.kv_usage = gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+        self.ttft = histogram(
             "vllm:time_to_first_token_seconds",
-            "Time to first token.",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            "Histogram of time to first token in seconds.",
+            TTFT_BUCKETS,
         )
-        self.itl = PHistogram(
+        self.itl = histogram(
             "vllm:inter_token_latency_seconds",
-            "Inter-token latency.",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+            "Histogram of inter-token latency in seconds.",
+            ITL_BUCKETS,
         )
-        self.e2e = PHistogram(
-            "vllm:e2e_request_latency_seconds",
-            "End-to-end request latency.",
-            labels,
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            ITERATION_TOKENS_BUCKETS,
         )
+        per_request = {
+            "e2e": ("vllm:e2e_request_latency_seconds", "e2e request latency"),
+            "queue": ("vllm:request_queue_time_seconds", "time spent in WAITING phase"),
+            "inference": ("vllm:request_inference_time_seconds", "time spent in RUNNING phase"),
+            "prefill": ("vllm:request_prefill_time_seconds", "time spent in PREFILL phase"),
+            "decode": ("vllm:request_decode_time_seconds", "time spent in DECODE phase"),
+        }
+        self.latency = {
+            key: histogram(
+                name, f"Histogram of {doc} for request, in seconds.", REQUEST_LATENCY_BUCKETS
+            )
+            for key, (name, doc) in per_request.items()
+        }
+        token_buckets = build_1_2_5_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            token_buckets,
+        )
+        self.request_max_num_generation_tokens = histogram(
+            "vllm:request_max_num_generation_tokens",
+            "Histogram of maximum number of requested generation tokens.",
+            token_buckets,
+        )
+        self.request_params_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", PARAMS_N_BUCKETS
+        )
+        self.request_params_max_tokens = histogram(
+            "vllm:request_params_max_tokens",
+            "Histogram of the max_tokens request parameter.",
+            token_buckets,
+        )
+        if cache_config_info is not None:
+            # An info metric as vLLM exports it: a gauge at 1 whose labels carry the config.
+            info = {**cache_config_info, "engine": "0"}
+            PGauge(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                list(info),
+                registry=r,
+            ).labels(**info).set(1)
         # Spec-decode counters are always registered; they move once speculation runs.
-        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Draft proposals.")
-        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Draft tokens.")
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."
+        )
         self.spec_accepted = counter(
-            "vllm:spec_decode_num_accepted_tokens", "Accepted draft tokens."
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
         )
         self.spec_per_pos = counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
-            "Accepted draft tokens per draft position.",
+            "Accepted tokens per draft position.",
             ["position"],
         )
+        if num_spec_tokens:  # exported (as 0) from the start when speculation is on
+            for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
+                c.labels(**self.labels)
         for i in range(num_spec_tokens):
             self.spec_per_pos.labels(**self.labels, position=str(i))
         self._last_preemptions = 0
@@ -116,9 +189,23 @@ class PrometheusStatLogger:
             child = self._children[key] = metric.labels(**self.labels, **extra)
         return child
 
-    def record(self, stats: SchedulerStats, num_prompt: int, num_gen: int) -> None:
+    def record(
+        self,
+        stats: SchedulerStats | None,
+        num_prompt: int,
+        num_gen: int,
+        iteration: IterationStats | None = None,
+    ) -> None:
         self._child(self.prompt_tokens).inc(num_prompt)
         self._child(self.generation_tokens).inc(num_gen)
+        if num_prompt or num_gen:
+            self._child(self.iteration_tokens).observe(num_prompt + num_gen)
+        if stats is not None:
+            self._record_scheduler(stats)
+        if iteration is not None:
+            self.record_iteration(iteration)
+
+    def _record_scheduler(self, stats: SchedulerStats) -> None:
         self._child(self.running).set(stats.num_running_reqs)
         self._child(self.waiting).set(stats.num_waiting_reqs)
         self._child(self.kv_usage).set(stats.kv_cache_usage)
@@ -138,15 +225,28 @@ class PrometheusStatLogger:
                 if v:
                     self._child(self.spec_per_pos, position=str(i)).inc(v)
 
-    def record_finished(self, reason: str, e2e: float) -> None:
-        self._child(self.request_success, finished_reason=reason).inc()
-        self._child(self.e2e).observe(e2e)
-
-    def record_ttft(self, seconds: float) -> None:
-        self._child(self.ttft).observe(seconds)
-
-    def record_itl(self, seconds: float) -> None:
-        self._child(self.itl).observe(seconds)
+    def record_iteration(self, it: IterationStats) -> None:
+        """The per-request histograms: latencies, finished sequences, request parameters."""
+        for v in it.time_to_first_tokens_iter:
+            self._child(self.ttft).observe(v)
+        for v in it.inter_token_latencies_iter:
+            self._child(self.itl).observe(v)
+        for n in it.n_params_iter:
+            self._child(self.request_params_n).observe(n)
+        for n in it.max_num_generation_tokens_iter:
+            self._child(self.request_max_num_generation_tokens).observe(n)
+        for f in it.finished_requests:
+            self._child(self.request_success, finished_reason=f.finish_reason).inc()
+            lat = self.latency
+            self._child(lat["e2e"]).observe(f.e2e_latency)
+            self._child(lat["queue"]).observe(f.queued_time)
+            self._child(lat["prefill"]).observe(f.prefill_time)
+            self._child(lat["inference"]).observe(f.inference_time)
+            self._child(lat["decode"]).observe(f.decode_time)
+            self._child(self.request_prompt_tokens).observe(f.num_prompt_tokens)
+            self._child(self.request_generation_tokens).observe(f.num_generation_tokens)
+            if f.max_tokens_param:
+                self._child(self.request_params_max_tokens).observe(f.max_tokens_param)
 
 
 class PrefixCacheHitRate:

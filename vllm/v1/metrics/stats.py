@@ -60,3 +60,33 @@ class SchedulerStats:
     num_preemptions: int = 0
     spec_decoding_stats: SpecDecodingStats | None = None
     prefix_cache_stats: PrefixCacheStats | None = None
+
+
+@dataclass
+class FinishedRequestStats:
+    """One finished sequence (each of an n > 1 request's completions counts, as in vLLM).
+    Times in seconds: queued = arrival to first scheduled, prefill = first scheduled to first
+    token, decode = first to last token, inference = prefill + decode, e2e = arrival to end."""
+
+    finish_reason: str
+    e2e_latency: float = 0.0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    max_tokens_param: int | None = None
+    queued_time: float = 0.0
+    prefill_time: float = 0.0
+    inference_time: float = 0.0
+    decode_time: float = 0.0
+
+
+@dataclass
+class IterationStats:
+    """What one engine step observed for the per-request histograms."""
+
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    time_to_first_tokens_iter: list[float] = field(default_factory=list)
+    inter_token_latencies_iter: list[float] = field(default_factory=list)
+    finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    n_params_iter: list[int] = field(default_factory=list)
+    max_num_generation_tokens_iter: list[int] = field(default_factory=list)

@@ -54,6 +54,9 @@ class Scheduler:
                 else 0
             ),
         )
+        self.priority_policy = sc.policy == "priority"
+        self._num_added = 0  # ties in priority and arrival time go in the order added
+        self._add_order: dict[str, int] = {}
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -66,7 +69,23 @@ class Scheduler:
     # ---- request lifecycle -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._add_order[request.request_id] = self._num_added
+        self._num_added += 1
+        if self.priority_policy:
+            self._insert_by_priority(request)
+        else:
+            self.waiting.append(request)
+
+    def _priority_key(self, req: Request) -> tuple[int, float, int]:
+        return (req.priority, req.arrival_time, self._add_order.get(req.request_id, 0))
+
+    def _insert_by_priority(self, req: Request) -> None:
+        """Keep `waiting` sorted by (priority, arrival, order added): the front runs next."""
+        key = self._priority_key(req)
+        i = len(self.waiting)
+        while i > 0 and self._priority_key(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, req)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         for rid in request_ids:
@@ -86,6 +105,7 @@ class Scheduler:
         self.finished_req_ids.add(req.request_id)
         if not req.in_flight:
             self.requests.pop(req.request_id, None)
+            self._add_order.pop(req.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -103,14 +123,23 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.finished_req_ids.add(req.request_id)  # workers drop the slot; it comes back as new
-        self.waiting.appendleft(req)
+        if self.priority_policy:
+            self._insert_by_priority(req)
+        else:
+            self.waiting.appendleft(req)
 
     def _pick_victim(self) -> Request | None:
-        """The newest running request that is not in flight (its blocks are safe to free)."""
-        for j in range(len(self.running) - 1, -1, -1):
-            if not self.running[j].in_flight:
-                return self.running.pop(j)
-        return None
+        """A running request that is not in flight (its blocks are safe to free): the newest,
+        or under the priority policy the one with the lowest priority (largest value), the
+        later arrival among equals."""
+        candidates = [j for j, r in enumerate(self.running) if not r.in_flight]
+        if not candidates:
+            return None
+        if self.priority_policy:
+            j = max(candidates, key=lambda j: self._priority_key(self.running[j]))
+        else:
+            j = candidates[-1]
+        return self.running.pop(j)
 
     def schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
         """max_num_reqs caps the requests of this step (a pipeline spreads its requests over
@@ -246,6 +275,7 @@ class Scheduler:
             if req.is_finished():
                 if not req.in_flight:
                     self.requests.pop(rid, None)
+                    self._add_order.pop(rid, None)
                 continue
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted while this step was in flight; it will be recomputed
