@@ -16,7 +16,7 @@ from torch import nn
 import vllm.model_executor.models.llama as llama_mod
 from vllm.distributed.parallel_state import PPGroup, get_pp_group, set_pp_group
 from vllm.model_executor.models.interfaces import SupportsEagle3
-from vllm.model_executor.models.utils import PPMissingLayer, spec_decode_needs_target_embed
+from vllm.model_executor.models.utils import PPMissingLayer
 from vllm.sequence import IntermediateTensors
 from vllm.v1.worker.gpu.pp_utils import PPHandler
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
@@ -176,27 +176,27 @@ def test_model_without_opt_in_is_refused():
         verify_supports_aux_hidden_states_over_pp(_NoRelayTarget(), "eagle3")
 
 
-def _vcfg(method: str | None):
-    spec = None if method is None else SimpleNamespace(method=method)
-    return SimpleNamespace(speculative_config=spec)
-
-
 @pytest.mark.parametrize(
-    "method,world,rank,expected",
+    "method,world,expected",
     [
-        ("eagle3", 2, 1, True),
-        ("eagle", 2, 1, True),
-        ("eagle3", 4, 3, True),
-        ("eagle3", 2, 0, False),
-        ("eagle3", 4, 2, False),
-        ("eagle3", 1, 0, False),
-        ("mtp", 2, 1, False),
-        (None, 2, 1, False),
+        ("eagle3", 2, True),
+        ("eagle", 2, True),
+        ("dflash", 4, True),
+        ("eagle3", 1, False),
+        ("mtp", 2, False),
+        (None, 2, False),
     ],
 )
-def test_spec_decode_needs_target_embed_truth_table(method, world, rank, expected):
-    set_pp_group(PPGroup(rank=rank, world_size=world))
-    assert spec_decode_needs_target_embed(_vcfg(method)) is expected
+def test_target_embed_on_last_stage_truth_table(method, world, expected):
+    """EAGLE-family drafts may share the target's embedding: under PP the target keeps it on
+    the last stage (test_last_stage_builds_embed_for_eagle_draft: only there)."""
+    from vllm.config import SpeculativeConfig, VllmConfig
+
+    spec = None if method is None else SpeculativeConfig(method=method, model="draft")
+    cfg = SimpleNamespace(
+        speculative_config=spec, parallel_config=SimpleNamespace(pipeline_parallel_size=world)
+    )
+    assert VllmConfig.target_embed_on_last_stage.fget(cfg) is expected
 
 
 def test_maybe_share_target_embed_raises_without_target_table():

@@ -24,7 +24,6 @@ from vllm.model_executor.models.utils import (
     make_empty_intermediate_tensors_factory,
     make_layers,
     maybe_prefix,
-    spec_decode_needs_target_embed,
 )
 from vllm.sequence import IntermediateTensors
 
@@ -123,7 +122,7 @@ class DecoderModelBase(nn.Module, EagleModelMixin):
     ) -> None:
         """tied: lm_head shares embed_tokens (None: the config's tie_word_embeddings);
         keep_embed: build embed_tokens on the last stage for a draft that shares it (see
-        spec_decode_needs_target_embed)."""
+        VllmConfig.target_embed_on_last_stage)."""
         super().__init__()
         self.validate_config(config)
         self.config = config
@@ -242,7 +241,7 @@ class CausalLMBase(ModelBase, SupportsPP):
         self.model = self._init_model(
             vllm_config,
             maybe_prefix(prefix, "model"),
-            keep_embed=spec_decode_needs_target_embed(vllm_config),
+            keep_embed=vllm_config.target_embed_on_last_stage,
         )
         if get_pp_group().is_last_rank:
             self.lm_head = build_lm_head(

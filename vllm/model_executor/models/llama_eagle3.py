@@ -27,6 +27,11 @@ import torch
 from torch import nn
 
 from vllm.config import ModelConfig, VllmConfig
+from vllm.config.draft import (
+    eagle3_switch,
+    get_eagle3_aux_layers_from_config,
+    get_eagle3_use_aux_hidden_state_from_config,
+)
 from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.models.interfaces import SupportsEagleBase, SupportsPP
@@ -39,32 +44,6 @@ from vllm.model_executor.models.utils import (
 from vllm.sequence import IntermediateTensors
 
 logger = init_logger(__name__)
-
-
-def _eagle_config(config: Any) -> dict[str, Any]:
-    ec = getattr(config, "eagle_config", None) or {}
-    return ec if isinstance(ec, dict) else vars(ec)
-
-
-def get_eagle3_aux_layers_from_config(config: Any) -> tuple[int, ...] | None:
-    """Target layers the draft was trained on (tap L = the stream entering layer L)."""
-    ec = _eagle_config(config)
-    ids = ec.get("eagle_aux_hidden_state_layer_ids") or getattr(
-        config, "eagle_aux_hidden_state_layer_ids", None
-    )
-    return tuple(int(i) for i in ids) if ids else None
-
-
-def get_eagle3_use_aux_hidden_state_from_config(config: Any) -> bool:
-    return bool(_eagle_config(config).get("use_aux_hidden_state", True))
-
-
-def _switch(config: Any, name: str) -> bool:
-    """A boolean head switch, at the top level of the config or inside eagle_config."""
-    v = getattr(config, name, None)
-    if v is None:
-        v = _eagle_config(config).get(name)
-    return bool(v)
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -84,7 +63,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps)
         self.hidden_norm = RMSNorm(h, eps)
         self.post_attention_layernorm = RMSNorm(h, eps)
-        self.norm_before_residual = _switch(config, "norm_before_residual")
+        self.norm_before_residual = eagle3_switch(config, "norm_before_residual")
 
     def forward(
         self, positions: torch.Tensor, embeds: torch.Tensor, hidden_states: torch.Tensor
@@ -124,14 +103,14 @@ class Eagle3LlamaModel(nn.Module):
             target_h = int(getattr(config, "target_hidden_size", None) or h)
             num_aux = len(get_eagle3_aux_layers_from_config(config) or (0, 0, 0))
             self.fc = nn.Linear(num_aux * target_h, h, bias=False)
-            if _switch(config, "norm_before_fc"):
+            if eagle3_switch(config, "norm_before_fc"):
                 self.input_norm = RMSNorm(num_aux * target_h, eps)
-            if _switch(config, "fc_norm"):
+            if eagle3_switch(config, "fc_norm"):
                 self.fc_norm = nn.ModuleList([RMSNorm(target_h, eps) for _ in range(num_aux)])
             if self.input_norm is not None and self.fc_norm is not None:
                 raise ValueError("EAGLE3 config sets both norm_before_fc and fc_norm")
         self.norm = RMSNorm(h, eps)
-        self.norm_output = _switch(config, "norm_output")
+        self.norm_output = eagle3_switch(config, "norm_output")
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         if self.fc is None:

@@ -242,24 +242,6 @@ def check_all_loaded(model: nn.Module, loaded: set[str], shared: Iterable[str] =
         )
 
 
-EAGLE_FAMILY_METHODS = ("eagle", "eagle3", "dflash", "dspark")
-
-
-def spec_decode_needs_target_embed(vllm_config: Any) -> bool:
-    """Whether the target must keep `embed_tokens` on this stage for its draft.
-
-    An EAGLE-family draft that ships no embedding shares the target's; the draft lives on the
-    last stage, where the target's table is otherwise a PPMissingLayer (unless tied). True only
-    for P > 1, on the last rank, with method eagle / eagle3 / dflash / dspark (MTP drafts
-    load their own table).
-    """
-    spec = getattr(vllm_config, "speculative_config", None) if vllm_config is not None else None
-    if spec is None or getattr(spec, "method", None) not in EAGLE_FAMILY_METHODS:
-        return False
-    pp = get_pp_group()
-    return pp.world_size > 1 and pp.is_last_rank
-
-
 class DraftVocabModel(nn.Module):
     """A draft head with its own (possibly reduced) vocabulary: logits over draft_vocab_size
     ids, mapped to target ids by `d2t` (target id of draft id i is i + d2t[i]), and an

@@ -20,12 +20,9 @@ import torch
 from torch import nn
 
 from vllm.config import VllmConfig
+from vllm.config.draft import block_query_len, sample_from_anchor
 from vllm.logger import init_logger
-from vllm.model_executor.models.dflash import (
-    BlockAttentionMetadata,
-    block_query_len,
-    sample_from_anchor,
-)
+from vllm.model_executor.models.dflash import BlockAttentionMetadata
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import set_eagle3_aux_hidden_state_layers
 from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model

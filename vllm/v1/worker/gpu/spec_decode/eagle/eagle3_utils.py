@@ -8,16 +8,13 @@ from typing import Any, cast
 
 from torch import nn
 
+from vllm.config.draft import get_eagle3_aux_layers_from_config
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.logger import init_logger
 from vllm.model_executor.models.interfaces import (
     EagleModelMixin,
     SupportsEagle3,
     supports_eagle3,
-)
-from vllm.model_executor.models.llama_eagle3 import (
-    get_eagle3_aux_layers_from_config,
-    get_eagle3_use_aux_hidden_state_from_config,
 )
 
 logger = init_logger(__name__)
@@ -65,13 +62,6 @@ def set_eagle3_aux_hidden_state_layers(
     return taps
 
 
-def uses_aux_hidden_states(method: str, draft_hf_config: Any) -> bool:
-    # DFlash / DSpark always read taps (their context features are the fc of them).
-    if method in ("dflash", "dspark"):
-        return True
-    return method == "eagle3" and get_eagle3_use_aux_hidden_state_from_config(draft_hf_config)
-
-
 def _inner_decoder(model: nn.Module) -> nn.Module | None:
     """The decoder holding the taps: the language model's `.model`."""
     get_language_model = getattr(model, "get_language_model", None)
@@ -108,7 +98,7 @@ def configure_target_aux_taps(model: nn.Module, vllm_config: Any) -> tuple[int, 
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None or spec.draft_model_config is None:
         return ()
-    cfg = spec.draft_model_config.hf_text_config
-    if not uses_aux_hidden_states(spec.method, cfg):
+    if not spec.uses_aux_hidden_states:
         return ()
+    cfg = spec.draft_model_config.hf_text_config
     return set_eagle3_aux_hidden_state_layers(model, cfg, method=spec.method)

@@ -12,10 +12,7 @@ from torch import nn
 
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
 from vllm.v1.worker.gpu.spec_decode.autoregressive.speculator import AutoRegressiveSpeculator
-from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
-    set_eagle3_aux_hidden_state_layers,
-    uses_aux_hidden_states,
-)
+from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import set_eagle3_aux_hidden_state_layers
 from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 
 if TYPE_CHECKING:
@@ -34,7 +31,7 @@ class EagleSpeculator(AutoRegressiveSpeculator):
     ) -> nn.Module:
         draft = load_eagle_model(target_model, self.vllm_config, self.device)
         cfg = self.draft_model_config.hf_text_config
-        if uses_aux_hidden_states(self.method, cfg):
+        if self.speculative_config.uses_aux_hidden_states:
             self.aux_hidden_state_layers = set_eagle3_aux_hidden_state_layers(
                 target_model, cfg, draft
             )
