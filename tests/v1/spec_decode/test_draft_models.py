@@ -369,6 +369,43 @@ def test_last_stage_builds_the_mtp_draft_only_if_it_supports_pp(mtp_targets, fam
         _last_stage_draft(mtp_targets[family], spec)
 
 
+@pytest.mark.parametrize("broken", ["stub", "no_hidden_states"])
+def test_last_stage_refuses_a_draft_without_a_working_factory(
+    deepseek_v3_mtp1_dir, monkeypatch, broken
+):
+    """A class inheriting SupportsPP gets the Protocol's empty make_empty_intermediate_tensors:
+    flag and forward signature alone would pass it, and the draft would fail on first use."""
+    from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP
+    from vllm.model_executor.models.interfaces import SupportsPP
+    from vllm.sequence import IntermediateTensors
+
+    if broken == "stub":
+        factory = SupportsPP.make_empty_intermediate_tensors
+    else:
+
+        def factory(self, batch_size, dtype, device):
+            return IntermediateTensors({})
+
+    monkeypatch.setattr(DeepSeekMTP, "make_empty_intermediate_tensors", factory)
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    with pytest.raises(ValueError, match="DeepSeekMTP does not support pipeline parallelism"):
+        _last_stage_draft(deepseek_v3_mtp1_dir, spec)
+
+
+def test_pp_refuses_a_target_class_with_the_stub_factory(monkeypatch):
+    from vllm.model_executor.models.interfaces import SupportsPP, check_supports_pp
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    check_supports_pp(LlamaForCausalLM)
+    monkeypatch.setattr(
+        LlamaForCausalLM,
+        "make_empty_intermediate_tensors",
+        SupportsPP.make_empty_intermediate_tensors,
+    )
+    with pytest.raises(ValueError, match="LlamaForCausalLM does not support pipeline"):
+        check_supports_pp(LlamaForCausalLM)
+
+
 # ---- EAGLE3 ----------------------------------------------------------------------------------
 
 

@@ -24,17 +24,27 @@ class SupportsPP(Protocol):
     ) -> IntermediateTensors: ...
 
 
+# What a class inheriting SupportsPP without a factory of its own has (refused by supports_pp).
+_STUB_FACTORY = SupportsPP.make_empty_intermediate_tensors
+
+
 def supports_pp(model: object) -> bool:
-    """A class qualifies by its flag and forward signature; an instance must also have a
-    make_empty_intermediate_tensors."""
+    """A class qualifies by its flag, its forward signature and a factory of its own (not the
+    Protocol's empty stub, which a class inheriting SupportsPP gets for free); an instance must
+    also have a factory that works: it makes IntermediateTensors holding hidden_states."""
     cls: Any = model if isinstance(model, type) else type(model)
     if not getattr(cls, "supports_pp", False):
         return False
-    if not isinstance(model, type) and not callable(
-        getattr(model, "make_empty_intermediate_tensors", None)
-    ):
+    if "intermediate_tensors" not in inspect.signature(cls.forward).parameters:
         return False
-    return "intermediate_tensors" in inspect.signature(cls.forward).parameters
+    if isinstance(model, type):
+        return getattr(cls, "make_empty_intermediate_tensors", None) not in (None, _STUB_FACTORY)
+    factory = getattr(model, "make_empty_intermediate_tensors", None)
+    if not callable(factory) or getattr(factory, "__func__", None) is _STUB_FACTORY:
+        return False
+    # On the meta device: shapes only, nothing allocated.
+    made = factory(1, torch.float32, torch.device("meta"))
+    return isinstance(made, IntermediateTensors) and "hidden_states" in made
 
 
 def check_supports_pp(model: object) -> None:
@@ -43,7 +53,8 @@ def check_supports_pp(model: object) -> None:
         cls = model if isinstance(model, type) else type(model)
         raise ValueError(
             f"{cls.__name__} does not support pipeline parallelism "
-            "(Pipeline parallelism is not supported for this model)"
+            "(Pipeline parallelism is not supported for this model: it needs supports_pp, "
+            "forward(..., intermediate_tensors) and a make_empty_intermediate_tensors factory)"
         )
 
 
