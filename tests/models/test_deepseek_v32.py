@@ -230,18 +230,25 @@ def k2_llm(v32_dir):
     llm.shutdown()
 
 
-def test_draft_loading_repoints_topk_buffers_to_the_target(k2_llm) -> None:
+def test_binding_repoints_topk_buffers_to_the_target(k2_llm) -> None:
     from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLAAttention
 
     runner = k2_llm.llm_engine.executor.worker.model_runner
     target_buf = runner.model.model.topk_indices_buffer
     draft = runner.speculator.model
-    assert draft.model.topk_indices_buffer is target_buf
+    assert draft.bound_shares.topk_indices_buffer is target_buf
     indexers = _draft_indexers(runner.speculator)
     assert len(indexers) == 2  # one per MTP layer
     assert all(m.topk_indices_buffer is target_buf for m in indexers)
     attns = [m for m in draft.modules() if isinstance(m, SparseMLAAttention)]
     assert len(attns) == 2 and all(a.topk_indices_buffer is target_buf for a in attns)
+    # The binding re-pointed the owners (the indexers); the impls still resolve through them.
+    other = torch.zeros_like(target_buf)
+    indexers[0].topk_indices_buffer = other
+    try:
+        assert attns[0].topk_indices_buffer is other
+    finally:
+        indexers[0].topk_indices_buffer = target_buf
 
 
 def test_impls_read_the_target_buffer_through_their_indexers(
@@ -294,9 +301,9 @@ def test_the_draft_allocates_no_topk_buffer_of_its_own(
 def _record_sharing(spec) -> tuple[list, callable]:
     """Record set_skip_topk / compact_topk_indices calls on the real draft (calling through)
     and the skip_topk state every draft forward sees; returns (log, undo)."""
-    inner = spec.model.model
+    draft, inner = spec.model, spec.model.model
     log: list[tuple] = []
-    set_skip, compact, fwd = inner.set_skip_topk, inner.compact_topk_indices, spec.model.forward
+    set_skip, compact, fwd = draft.set_skip_topk, draft.compact_topk_indices, draft.forward
 
     def skip(flag):
         log.append(("skip", flag))
@@ -311,10 +318,10 @@ def _record_sharing(spec) -> tuple[list, callable]:
         log.append(("forward", kwargs.get("spec_step_idx"), states))
         return fwd(*args, **kwargs)
 
-    inner.set_skip_topk, inner.compact_topk_indices, spec.model.forward = skip, comp, forward
+    draft.set_skip_topk, draft.compact_topk_indices, draft.forward = skip, comp, forward
 
     def undo():
-        del inner.set_skip_topk, inner.compact_topk_indices, spec.model.forward
+        del draft.set_skip_topk, draft.compact_topk_indices, draft.forward
 
     return log, undo
 

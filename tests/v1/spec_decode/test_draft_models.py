@@ -287,7 +287,7 @@ def _last_stage_draft(model: str, spec: dict):
     from vllm.distributed.parallel_state import PPGroup, get_pp_group, set_pp_group
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model
-    from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
+    from vllm.v1.worker.gpu.spec_decode.speculator import load_draft_model
 
     config = EngineArgs(
         model=model,
@@ -300,7 +300,9 @@ def _last_stage_draft(model: str, spec: dict):
     set_pp_group(PPGroup(rank=1, world_size=2))
     try:
         target = get_model(config)
-        return target, load_eagle_model(target, config)
+        draft = load_draft_model(config, torch.device("cpu"))
+        draft.bind_target(target.draft_shares())
+        return target, draft
     finally:
         set_pp_group(old)
 

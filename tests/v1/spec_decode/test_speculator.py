@@ -10,7 +10,7 @@ import pytest
 
 from vllm import LLM, SamplingParams
 from vllm.distributed.parallel_state import PPGroup, get_pp_group, set_pp_group
-from vllm.model_executor.models.interfaces import EagleModelMixin
+from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsTopkSharing
 from vllm.sequence import IntermediateTensors
 from vllm.testing.engine_utils import make_prompts
 
@@ -116,21 +116,35 @@ def test_k1_skips_the_decode_pair(deepseek_v3_mtp1_dir, prompts):
         llm.shutdown()
 
 
+class _RecordingTopk(SupportsTopkSharing):
+    """A top-k sharing capability that records what the MTP speculator's hooks ask of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    @property
+    def shares_topk_across_steps(self) -> bool:
+        return True
+
+    def set_skip_topk(self, skip: bool) -> None:
+        self.calls.append(("skip", skip))
+
+    def compact_topk_indices(self, rows) -> None:
+        self.calls.append(("compact", rows.tolist()))
+
+
 def test_mtp_topk_sharing_hooks(k2, prompts):
     """With sharing on, the hooks switch the draft's top-k reuse exactly around the decode
     steps and compact the indices of each request's last prefill row."""
     llm, spec = k2
-    inner = spec.model.model
-    calls: list[tuple] = []
-    inner.set_skip_topk = lambda skip: calls.append(("skip", skip))
-    inner.compact_topk_indices = lambda idx: calls.append(("compact", idx.tolist()))
-    spec.share_mtp_topk_indices = True
+    topk = _RecordingTopk()
+    calls = topk.calls
+    spec.topk_sharing = topk
     try:
         spec.events.clear()
         llm.generate(prompts[:1], SP, use_tqdm=False)
     finally:
-        spec.share_mtp_topk_indices = False
-        del inner.set_skip_topk, inner.compact_topk_indices
+        spec.topk_sharing = None
     first = calls[:4]
     assert first[0] == ("skip", False)
     assert first[1][0] == "compact" and len(first[1][1]) == 1
@@ -142,11 +156,8 @@ def test_mtp_topk_sharing_hooks(k2, prompts):
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_exception_in_draft_forward_leaves_no_hook_state(k2, prompts, phase):
     llm, spec = k2
-    inner = spec.model.model
-    skips: list[bool] = []
-    inner.set_skip_topk = skips.append
-    inner.compact_topk_indices = lambda idx: None
-    spec.share_mtp_topk_indices = True
+    topk = _RecordingTopk()
+    spec.topk_sharing = topk
     orig = spec.model.forward
 
     def forward(*args, **kwargs):
@@ -161,10 +172,10 @@ def test_exception_in_draft_forward_leaves_no_hook_state(k2, prompts, phase):
             llm.generate(prompts[:1], SP, use_tqdm=False)
     finally:
         del spec.model.forward
-        spec.share_mtp_topk_indices = False
-        del inner.set_skip_topk, inner.compact_topk_indices
+        spec.topk_sharing = None
     assert spec.phase is None
     assert spec.events[-1][0] == f"{phase}_end"
+    skips = [c[1] for c in topk.calls if c[0] == "skip"]
     assert skips[-1] is False  # top-k reuse switched off again
     # The engine still serves afterwards.
     out = llm.generate(prompts[:1], SP, use_tqdm=False)

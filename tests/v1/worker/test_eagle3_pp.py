@@ -3,7 +3,8 @@
 """EAGLE3 aux hidden states across pipeline stages, simulated in one process: each stage of a
 real LlamaModel (with stub decoder layers that clobber their inputs in place) is built under a
 fake PP group and the stages are chained by hand; the last stage must return exactly the taps a
-single-stage run returns. Also: the target-embedding rule for EAGLE drafts under PP."""
+single-stage run returns. Also: the target keeps its embedding on the last stage for EAGLE
+drafts under PP."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
     set_eagle3_aux_hidden_state_layers,
     verify_supports_aux_hidden_states_over_pp,
 )
-from vllm.v1.worker.gpu.spec_decode.eagle.utils import maybe_share_target_embed
 
 H, V, N = 8, 32, 6
 CFG = SimpleNamespace(
@@ -199,51 +199,8 @@ def test_target_embed_on_last_stage_truth_table(method, world, expected):
     assert VllmConfig.target_embed_on_last_stage.fget(cfg) is expected
 
 
-def test_maybe_share_target_embed_raises_without_target_table():
-    set_pp_group(PPGroup(rank=1, world_size=2))
-    draft = nn.Module()
-    draft.has_own_embed_tokens = False
-    draft_inner = nn.Module()
-    draft_inner.embed_tokens = None
-    target_inner = nn.Module()
-    target_inner.embed_tokens = PPMissingLayer()
-    with pytest.raises(RuntimeError, match="nothing to embed its proposals with"):
-        maybe_share_target_embed(draft, draft_inner, target_inner)
-
-
 def test_last_stage_builds_embed_for_eagle_draft(monkeypatch):
     monkeypatch.setattr(llama_mod, "LlamaDecoderLayer", _StubLayer)
     set_pp_group(PPGroup(rank=1, world_size=2))
     assert isinstance(llama_mod.LlamaModel(CFG).embed_tokens, PPMissingLayer)
     assert isinstance(llama_mod.LlamaModel(CFG, keep_embed=True).embed_tokens, nn.Embedding)
-
-
-@pytest.mark.parametrize("multimodal", [False, True])
-@pytest.mark.parametrize("has_encoder_outputs", [False, True])
-def test_draft_gathers_mm_embeds_only_with_encoder_outputs_and_mm_input(
-    multimodal, has_encoder_outputs
-):
-    from vllm.v1.worker.gpu.spec_decode.eagle.utils import should_gather_mm_embeds_for_draft
-
-    target = _NoRelayTarget()
-    if multimodal:
-        target.supports_multimodal = True
-    got = should_gather_mm_embeds_for_draft(target, has_encoder_outputs=has_encoder_outputs)
-    # Never raises: a rank without encoder outputs (or a text-only target) skips the gather.
-    assert got is (multimodal and has_encoder_outputs)
-
-
-def test_text_only_speculators_skip_the_mm_gather(deepseek_v3_mtp1_dir):
-    from vllm import LLM
-
-    llm = LLM(
-        model=deepseek_v3_mtp1_dir,
-        dtype="float32",
-        max_model_len=64,
-        max_num_seqs=2,
-        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
-    )
-    try:
-        assert llm.llm_engine.executor.worker.model_runner.speculator.supports_mm_inputs is False
-    finally:
-        llm.shutdown()

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""Base classes of the models: a decoder's pipeline-stage skeleton (the inner `.model`), the
-causal LM around it (LM head, tying, logits, strict weight loading), and the speculative-decoding
-drafts that run next to a target on its last stage."""
+"""Base classes of the models: a decoder's pipeline-stage skeleton (the inner `.model`) and the
+causal LM around it (LM head, tying, logits, strict weight loading, what it offers a draft).
+The drafts' base is in draft.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from vllm.config import ModelConfig, VllmConfig
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import linear
-from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagleBase, SupportsPP
+from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsPP, TargetShares
 from vllm.model_executor.models.utils import (
     PPMissingLayer,
     check_all_loaded,
@@ -197,6 +197,11 @@ class DecoderModelBase(nn.Module, EagleModelMixin):
         return hidden
 
 
+def _present(module: nn.Module) -> nn.Module | None:
+    """The module, or None where another pipeline stage holds it."""
+    return None if isinstance(module, PPMissingLayer) else module
+
+
 class ModelBase(nn.Module):
     """What the loader builds: from the engine config and this model's own config (a draft's
     differs from its target's), with the name prefix of its parameters."""
@@ -222,6 +227,8 @@ class CausalLMBase(ModelBase, SupportsPP):
     """
 
     supports_pp: ClassVar[bool] = True
+    # Takes multimodal input (its encoder runs on the first stage, with the embedding).
+    supports_multimodal: ClassVar[bool] = False
     model_cls: ClassVar[type[DecoderModelBase]]
     # Checkpoint names held by other models (an MTP draft, a vision encoder) or derived.
     skip_prefixes: ClassVar[tuple[str, ...]] = ()
@@ -276,6 +283,17 @@ class CausalLMBase(ModelBase, SupportsPP):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states).float()
 
+    def draft_shares(self) -> TargetShares:
+        """What a draft running next to this stage of the model may take from it (after the
+        aux taps are set: set_aux_hidden_state_layers)."""
+        return TargetShares(
+            hidden_size=int(self.config.hidden_size),
+            embed_tokens=_present(self.model.embed_tokens),
+            lm_head=_present(self.lm_head),
+            aux_hidden_state_layers=self.model.aux_hidden_state_layers,
+            has_encoder_outputs=self.supports_multimodal and get_pp_group().is_first_rank,
+        )
+
     def skip_weight(self, name: str) -> bool:
         """Whether checkpoint weight `name` is not this model's to load: skip_prefixes,
         skip_substrs, and the copy a tied checkpoint may still carry of lm_head."""
@@ -299,29 +317,3 @@ class CausalLMBase(ModelBase, SupportsPP):
         check_all_loaded(self, loaded, {"lm_head.weight"} if self.tied else ())
         params = dict(self.named_parameters(remove_duplicate=False))
         return {n for n in loaded if n in params}
-
-
-class DraftModelBase(ModelBase, SupportsPP, SupportsEagleBase):
-    """A speculative-decoding draft (MTP, EAGLE) the speculator runs on the last pipeline
-    stage. It never runs split over stages, but implements SupportsPP so a pipeline-parallel
-    engine can build it there; its intermediate tensors are shaped like the hidden states it
-    consumes. Subclasses set `model` (holding embed_tokens) and `lm_head`."""
-
-    supports_pp: ClassVar[bool] = True
-
-    model: nn.Module
-    lm_head: nn.Module
-
-    def make_empty_intermediate_tensors(
-        self, batch_size: int, dtype: torch.dtype, device: torch.device
-    ) -> IntermediateTensors:
-        make = make_empty_intermediate_tensors_factory(
-            INTERMEDIATE_KEYS, int(self.config.hidden_size)
-        )
-        return make(batch_size, dtype, device)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.get_submodule("embed_tokens")(input_ids)
-
-    def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()

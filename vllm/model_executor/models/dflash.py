@@ -46,9 +46,10 @@ from vllm.config.draft import (
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params
-from vllm.model_executor.models.interfaces import SupportsEagleBase, SupportsPP
+from vllm.model_executor.models.draft import DraftVocabModel, check_combined_taps
+from vllm.model_executor.models.interfaces import CombinesHiddenStates, TargetShares
 from vllm.model_executor.models.llama import LlamaMLP
-from vllm.model_executor.models.utils import DraftVocabModel, load_params_strict
+from vllm.model_executor.models.utils import load_params_strict
 from vllm.sequence import IntermediateTensors
 
 
@@ -241,17 +242,16 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(input_dim, 1)
 
 
-class DFlashDraftModel(DraftVocabModel, SupportsPP, SupportsEagleBase):
+class DFlashDraftModel(DraftVocabModel, CombinesHiddenStates):
     """DFlash draft (speculators `dflash` folders and native DFlash configs)."""
 
-    supports_pp = True
+    model: DFlashModel
 
     def __init__(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
     ) -> None:
-        super().__init__()
-        config = model_config.hf_text_config
-        self.config = config
+        super().__init__(vllm_config, model_config, prefix)
+        config = self.config
         self.model = DFlashModel(config)
         self.mask_token_id = int(dflash_field(config, "mask_token_id"))
         self.block_size = int(dflash_field(config, "block_size"))
@@ -261,8 +261,9 @@ class DFlashDraftModel(DraftVocabModel, SupportsPP, SupportsEagleBase):
         self.confidence_head: ConfidenceHead | None = None
         self.confidence_with_markov = False
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.scatter_to_target(self.compute_draft_logits(hidden_states))
+    def bind_target(self, shares: TargetShares) -> None:
+        super().bind_target(shares)
+        check_combined_taps(self, self.model.fc, shares)
 
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[T, num_taps * target_hidden] -> the context features [T, hidden] every layer's
@@ -278,15 +279,16 @@ class DFlashDraftModel(DraftVocabModel, SupportsPP, SupportsEagleBase):
             # nn.ModuleList is untyped: DFlashModel fills it with DFlashDecoderLayer only.
             cast(DFlashDecoderLayer, layer).self_attn.write_context(positions, ctx, slot_mapping)
 
-    def forward(
+    def forward(  # type: ignore[override]
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: BlockAttentionMetadata,
         intermediate_tensors: IntermediateTensors | None = None,
     ) -> torch.Tensor:
-        """The normed hidden states [R * Q, hidden] of R blocks of Q slots."""
-        x = self.model.embed_tokens(input_ids)
+        """The normed hidden states [R * Q, hidden] of R blocks of Q slots (one block-parallel
+        pass, not the autoregressive draft step of the other drafts)."""
+        x = self.embed_input_ids(input_ids)
         for layer in self.model.layers:
             x = layer(positions, x, meta)
         return self.model.norm(x)

@@ -1,14 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""Model capability interfaces (pipeline parallelism, EAGLE3 aux hidden states)."""
+"""Model capability interfaces: pipeline parallelism, what a target offers its draft
+(TargetShares) and the optional draft capabilities speculators call, EAGLE3 aux hidden states."""
 
 from __future__ import annotations
 
 import inspect
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 from vllm.sequence import IntermediateTensors
 
@@ -61,12 +65,70 @@ def check_supports_pp(model: object) -> None:
 # ---- speculative decoding (EAGLE / EAGLE3 / MTP drafts and the targets that feed them) --------
 
 
-class SupportsEagleBase:
-    """Draft models say whether they carry their own embedding / LM head; a draft without its
-    own shares the target's (see spec_decode/eagle/utils.py)."""
+@dataclass(frozen=True)
+class TargetShares:
+    """What a target offers the draft that runs next to it on its (last) pipeline stage, built
+    once both are loaded (CausalLMBase.draft_shares) and handed to DraftModel.bind_target.
+    A module absent on this stage (a PPMissingLayer) is None."""
 
-    has_own_lm_head: bool = False
-    has_own_embed_tokens: bool = False
+    hidden_size: int
+    embed_tokens: nn.Module | None = None
+    """The input embedding, where a draft that ships none embeds its proposals with."""
+    lm_head: nn.Module | None = None
+    """The LM head (also what an MTP layer's identical shared_head.head aliases)."""
+    topk_indices_buffer: torch.Tensor | None = None
+    """DeepSeek-V3.2: the buffer the target's indexers write the selected positions to."""
+    aux_hidden_state_layers: tuple[int, ...] = ()
+    """The taps the target returns besides its last hidden states (EAGLE3), sorted."""
+    has_encoder_outputs: bool = False
+    """This stage holds the target's encoder (multimodal) outputs: the encoder runs with the
+    embedding, on the first stage, so a draft on the last of several stages has none."""
+
+
+# ---- optional draft capabilities: the speculators call these, they probe no attribute names --
+
+
+class SupportsTopkSharing(ABC):
+    """A draft (DeepSeek-V3.2 MTP) whose steps 1.. can reuse the sparse-attention top-k indices
+    its step 0 selected instead of running their indexers."""
+
+    @property
+    @abstractmethod
+    def shares_topk_across_steps(self) -> bool:
+        """Whether the draft's config asks for the reuse (index_share_for_mtp_iteration)."""
+
+    @abstractmethod
+    def set_skip_topk(self, skip: bool) -> None:
+        """skip=True: the indexers do not run; attention reads the top-k buffer as it is."""
+
+    @abstractmethod
+    def compact_topk_indices(self, rows: torch.Tensor) -> None:
+        """Move row rows[i] of the top-k buffer to row i (the rows the next draft step runs on
+        continue those rows of the step before)."""
+
+
+class CombinesHiddenStates(ABC):
+    """A draft whose first pass reads a combination (an fc) of the target's aux hidden states
+    (EAGLE3, DFlash) rather than its last hidden states."""
+
+    @abstractmethod
+    def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[T, num_taps * target_hidden] concatenated taps -> [T, hidden]."""
+
+
+class HasDraftVocab(ABC):
+    """A draft whose LM head covers its own (possibly reduced) vocabulary: draft id i is target
+    id draft_to_target[i] (None: the target's vocabulary)."""
+
+    draft_to_target: torch.Tensor | None
+
+    @abstractmethod
+    def compute_draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary [T, draft_vocab_size]."""
+
+    @abstractmethod
+    def scatter_to_target(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [N, Vd] -> target-vocabulary ones (-inf outside)."""
 
 
 AUX_HIDDEN_STATE_KEY = "aux_hidden_states_"
@@ -147,7 +209,7 @@ class EagleModelMixin:
         return out
 
 
-class SupportsEagle3(SupportsEagleBase):
+class SupportsEagle3:
     """A target whose decoder (`self.model`, an EagleModelMixin) can return aux hidden states."""
 
     supports_eagle3: ClassVar[bool] = True

@@ -34,14 +34,10 @@ from vllm.config.draft import (
 )
 from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.models.interfaces import SupportsEagleBase, SupportsPP
+from vllm.model_executor.models.draft import DraftVocabModel, check_combined_taps
+from vllm.model_executor.models.interfaces import CombinesHiddenStates, TargetShares
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
-from vllm.model_executor.models.utils import (
-    DraftVocabModel,
-    load_params_strict,
-    maybe_prefix,
-)
-from vllm.sequence import IntermediateTensors
+from vllm.model_executor.models.utils import load_params_strict, maybe_prefix
 
 logger = init_logger(__name__)
 
@@ -125,14 +121,12 @@ class Eagle3LlamaModel(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
         positions: torch.Tensor,
+        inputs_embeds: torch.Tensor,
         hidden_states: torch.Tensor,
-        inputs_embeds: torch.Tensor | None = None,
+        spec_step_idx: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(normed hidden for the LM head, stream fed back to the next draft step)."""
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
         hidden, residual = self.layers[0](positions, inputs_embeds, hidden_states)
         for layer in self.layers[1:]:
             hidden, residual = layer(positions, hidden, residual)
@@ -140,44 +134,24 @@ class Eagle3LlamaModel(nn.Module):
         return normed, (normed if self.norm_output else prenorm)
 
 
-class LlamaForCausalLMEagle3(DraftVocabModel, SupportsPP, SupportsEagleBase):
+class LlamaForCausalLMEagle3(DraftVocabModel, CombinesHiddenStates):
     """EAGLE3 draft (legacy `LlamaForCausalLMEagle3` folders and speculators `eagle3` ones)."""
 
-    supports_pp = True
+    model: Eagle3LlamaModel
 
     def __init__(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
     ) -> None:
-        super().__init__()
-        config = model_config.hf_text_config
-        self.config = config
-        self.model = Eagle3LlamaModel(config, prefix=maybe_prefix(prefix, "model"))
-        self.init_draft_vocab(config)
+        super().__init__(vllm_config, model_config, prefix)
+        self.model = Eagle3LlamaModel(self.config, prefix=maybe_prefix(prefix, "model"))
+        self.init_draft_vocab(self.config)
 
-    @property
-    def aux_hidden_state_layers(self) -> tuple[int, ...] | None:
-        return get_eagle3_aux_layers_from_config(self.config)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+    def bind_target(self, shares: TargetShares) -> None:
+        super().bind_target(shares)
+        check_combined_taps(self, self.model.fc, shares)
 
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[T, num_aux * target_hidden] concatenated aux states -> [T, hidden]."""
         return self.model.combine(hidden_states)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model(input_ids, positions, hidden_states, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits over the TARGET vocabulary (tokens outside the draft vocab get -inf)."""
-        return self.scatter_to_target(self.compute_draft_logits(hidden_states))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str) -> str | None:

@@ -77,12 +77,12 @@ class ModelRunner:
             check_supports_pp(resolve_model_cls(self.vllm_config.model_config.architecture))
         # Every registered target is a CausalLMBase (the decoder plus its LM head).
         self.model = cast("CausalLMBase", get_model(self.vllm_config, device=self.device))
-        if self.vllm_config.speculative_config is not None and self.pp.is_last_rank:
-            self.speculator = init_speculator(self.vllm_config, self.device)
-            self.speculator.load_model(self.model)
-        elif self.vllm_config.speculative_config is not None:
-            # EAGLE3: stages without the drafter still produce (and relay) its aux taps.
+        if self.vllm_config.speculative_config is not None:
+            # EAGLE3: every stage taps the layers the draft reads (and relays them on).
             configure_target_aux_taps(self.model, self.vllm_config)
+            if self.pp.is_last_rank:
+                self.speculator = init_speculator(self.vllm_config, self.device)
+                self.speculator.load_model(self.model)
         if self.pp_handler is not None:
             self.pp_handler.configure_aux_hidden_state_relay(self.model)
         self.attn_layers = {

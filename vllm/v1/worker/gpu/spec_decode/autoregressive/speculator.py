@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,13 +30,14 @@ import torch
 from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
+from vllm.model_executor.models.draft import DraftModel
+from vllm.model_executor.models.interfaces import CombinesHiddenStates, TargetShares
 from vllm.v1.attention.backends.torch_paged import AttentionMetadata, build_attn_metadata
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator, ProposeInputs
 
 if TYPE_CHECKING:
-    from vllm.model_executor.models.base import DraftModelBase
-    from vllm.model_executor.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from vllm.model_executor.models.base import CausalLMBase
 
 logger = init_logger(__name__)
 
@@ -91,9 +92,6 @@ class _Rows:
 
 
 class AutoRegressiveSpeculator(DraftModelSpeculator):
-    # Whether positions and sequence lengths advance between draft steps (False for drafts that
-    # only query the target's KV).
-    advance_draft_positions = True
     # Chained draft layers (MTP: the checkpoint's MTP layers); draft step s uses layer s mod n.
     num_draft_layers = 1
 
@@ -103,7 +101,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         self.last_token_indices = torch.zeros(self.max_num_reqs, dtype=torch.int64, device=device)
         # Rows of the previous draft step each row of the next one continues (DSA top-k reuse).
         self.topk_src_rows = torch.zeros(0, dtype=torch.int64, device=device)
-        self.current_draft_step = 0
+        # The draft's fc over the target's aux taps (EAGLE3), when it reads them.
+        self.combiner: CombinesHiddenStates | None = None
         # Chained layers only: per request slot and layer, how many leading positions hold
         # final KV (its rows before it were computed from known tokens), and one row of each
         # layer's output that the next layer's first recomputed row reads.
@@ -121,7 +120,11 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         token s + 1 positions ahead)."""
         return self.num_chained_layers
 
-    def load_model(self, target_model: torch.nn.Module) -> None:
+    def on_draft_bound(self, draft: DraftModel, shares: TargetShares) -> None:
+        if isinstance(draft, CombinesHiddenStates) and shares.aux_hidden_state_layers:
+            self.combiner = draft
+
+    def load_model(self, target_model: CausalLMBase) -> None:
         super().load_model(target_model)
         self.kv_final_len = np.zeros((self.num_chained_layers, self.max_num_reqs), np.int64)
 
@@ -158,26 +161,22 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             raise
         end(num_reqs)
 
-    # ---- model-specific pieces (overridden by MTP) -------------------------------------------
-    def _forward_kwargs(self, draft_step: int) -> dict[str, Any]:
-        return {}
-
+    # ---- model-specific pieces ----------------------------------------------------------------
     def _compute_logits(self, hidden: torch.Tensor, draft_step: int) -> torch.Tensor:
-        assert self.model is not None
-        return cast("DraftModelBase", self.model).compute_logits(hidden)
+        return self.draft.compute_logits(hidden, spec_step_idx=draft_step)
 
     def _prefill_hidden(
         self, last_hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor] | None
     ) -> torch.Tensor:
         """Hidden states the prefill pass reads: the target's last hidden states, or (EAGLE3)
         the draft's combination of the target's aux hidden states."""
-        if aux_hidden_states and hasattr(self.model, "combine_hidden_states"):
-            eagle3 = cast("LlamaForCausalLMEagle3", self.model)
-            return eagle3.combine_hidden_states(torch.cat(aux_hidden_states, dim=-1))
+        if self.combiner is not None and aux_hidden_states:
+            return self.combiner.combine_hidden_states(torch.cat(aux_hidden_states, dim=-1))
         return last_hidden_states
 
     def _num_aux_hidden_states(self) -> int:
-        return 0
+        bound = self.draft.bound_shares
+        return len(bound.aux_hidden_state_layers) if self.combiner and bound else 0
 
     def _run_model(
         self,
@@ -188,18 +187,13 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         draft_step: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden for the logits, hidden fed back to the next draft step)."""
-        assert self.model is not None
-        self.current_draft_step = draft_step
         with set_forward_context(attn_metadata):
-            out = self.model(
+            return self.draft(
                 input_ids=input_ids,
                 positions=positions,
                 hidden_states=hidden_states.to(self.dtype),
-                **self._forward_kwargs(draft_step),
+                spec_step_idx=draft_step,
             )
-        if isinstance(out, tuple):
-            return out[0], out[1]
-        return out, out
 
     # ---- the draft loop shared by capture() and propose() ------------------------------------
     def _step_rows(self, db: DraftBatch, step: int) -> _Rows:
@@ -366,7 +360,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         the model length)."""
         nl = self.num_draft_layers
         lap = step // nl if step >= self.num_chained_layers else 0
-        offset = lap * nl if self.advance_draft_positions else 0
+        offset = lap * nl
         end = np.minimum(db.last + offset, self.max_model_len - 1)
         positions = end[rows.req] - (db.last[rows.req] - rows.t)
         meta = build_attn_metadata(

@@ -21,12 +21,10 @@ logger = init_logger(__name__)
 
 
 def set_eagle3_aux_hidden_state_layers(
-    target_model: nn.Module,
-    draft_hf_config: Any,
-    draft_model: nn.Module | None = None,
-    method: str = "eagle3",
+    target_model: nn.Module, draft_hf_config: Any, method: str = "eagle3"
 ) -> tuple[int, ...]:
-    """Point the target's taps at the layers the draft was trained on; returns them sorted."""
+    """Point the target's taps at the layers the draft was trained on; returns them sorted
+    (the draft checks, when bound, that its fc reads that many)."""
     if not supports_eagle3(target_model):
         raise RuntimeError(
             f"Model does not support EAGLE3 interface ({type(target_model).__name__})"
@@ -48,14 +46,6 @@ def set_eagle3_aux_hidden_state_layers(
             "of the target"
         )
     taps = tuple(sorted({int(i) for i in ids}))
-    fc = getattr(getattr(draft_model, "model", None), "fc", None)
-    if fc is not None:
-        need = len(taps) * int(target.config.hidden_size)
-        if fc.in_features != need:
-            raise ValueError(
-                f"eagle_aux_hidden_state_layer_ids {list(ids)} gives {len(taps)} distinct taps "
-                f"({need} features) but the draft's fc expects {fc.in_features}"
-            )
     if get_pp_group().world_size > 1:
         verify_supports_aux_hidden_states_over_pp(target_model, method)
     target.set_aux_hidden_state_layers(taps)
@@ -92,9 +82,9 @@ def aux_hidden_state_relay_keys(model: nn.Module) -> tuple[str, ...]:
 
 
 def configure_target_aux_taps(model: nn.Module, vllm_config: Any) -> tuple[int, ...]:
-    """Every stage of an EAGLE3 target taps the layers the draft names (the last stage also
-    does this when its drafter loads). Non-last stages have no drafter but produce taps;
-    returns the taps, () when the method uses none."""
+    """Every stage of an EAGLE3 target taps the layers the draft's config names (stages
+    without the drafter produce and relay taps too); returns the taps, () when the method
+    uses none."""
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None or spec.draft_model_config is None:
         return ()
