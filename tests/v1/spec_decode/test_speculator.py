@@ -208,16 +208,23 @@ def test_aux_slots_under_pipeline_parallelism():
         set_pp_group(PPGroup(rank=1, world_size=2))
         d = _Decoder(3)
         d._set_aux_hidden_state_layers((5, 0, 3))
-        assert d._aux_slot_base_cached == 2
-        assert d.pack_local_aux_hidden_states([torch.ones(1)]).keys() == {"aux_hidden_states_2"}
+        layout = d.aux_layout
+        assert layout.base == 2 and layout.collects and not layout.relays
+        assert layout.upstream_keys() == ("aux_hidden_states_0", "aux_hidden_states_1")
+        assert layout.pack([torch.ones(1)]).keys() == {"aux_hidden_states_2"}
         it = IntermediateTensors({"aux_hidden_states_0": torch.zeros(1)})
         with pytest.raises(RuntimeError, match="Missing aux_hidden_states_1"):
-            d.collect_remote_aux_hidden_states(it)
+            layout.collect(it)
         it["aux_hidden_states_1"] = torch.ones(1)
-        assert len(d.collect_remote_aux_hidden_states(it)) == 2
+        assert len(layout.collect(it)) == 2
+        # A middle stage of 3 relays the upstream slots with its own.
+        set_pp_group(PPGroup(rank=1, world_size=3))
+        d._set_aux_hidden_state_layers((5, 0, 3))
+        assert d.aux_layout.relays and not d.aux_layout.collects
+        assert d.aux_layout.relay(it).keys() == {"aux_hidden_states_0", "aux_hidden_states_1"}
     finally:
         set_pp_group(prev)
     d = _Decoder(0)
     d._set_aux_hidden_state_layers((1, 2))
-    assert d._aux_slot_base_cached == 0
-    assert d.collect_remote_aux_hidden_states(None) == []
+    assert d.aux_layout.base == 0
+    assert d.aux_layout.collect(None) == []

@@ -96,8 +96,9 @@ class DecoderModelBase(nn.Module, EagleModelMixin):
     stages own, global indices kept), the final norm on the last stage. forward embeds (first
     stage) or takes the hidden_states / residual the previous stage sent, runs this stage's
     layers, and returns IntermediateTensors or, on the last stage, the normed hidden states.
-    EAGLE3 taps (EagleModelMixin) ride along: local taps in numbered slots of what a stage
-    sends, upstream slots collected on the last stage and reserved in the receive buffer.
+    EAGLE3 taps (EagleModelMixin) ride along, placed by the stage's AuxSlotLayout: local taps
+    in numbered slots of what a stage sends, upstream slots relayed by a middle stage,
+    collected by the last one, and reserved in every receiving stage's buffer.
 
     Subclasses build one layer in make_layer; a layer is called as
     layer(positions, hidden_states, residual) -> (hidden_states, residual).
@@ -156,7 +157,7 @@ class DecoderModelBase(nn.Module, EagleModelMixin):
     ) -> IntermediateTensors:
         """Zeros shaped like what the previous stage sends: hidden_states, residual and the
         EAGLE3 aux slots produced upstream."""
-        keys = INTERMEDIATE_KEYS + self.upstream_aux_hidden_state_keys()
+        keys = INTERMEDIATE_KEYS + self.aux_layout.upstream_keys()
         make = make_empty_intermediate_tensors_factory(keys, int(self.config.hidden_size))
         return make(batch_size, dtype, device)
 
@@ -168,27 +169,29 @@ class DecoderModelBase(nn.Module, EagleModelMixin):
         inputs_embeds: torch.Tensor | None = None,
     ) -> DecoderOutput:
         aux: list[torch.Tensor] = []
-        remote = self.collect_remote_aux_hidden_states(intermediate_tensors)
+        layout = self.aux_layout
+        remote = layout.collect(intermediate_tensors)
         residual: torch.Tensor | None
         if intermediate_tensors is None:
             if inputs_embeds is None:
                 assert input_ids is not None, "the first stage embeds input_ids"
                 inputs_embeds = self.embed_input_ids(input_ids)
             hidden, residual = inputs_embeds, None
-            self._maybe_add_hidden_state(aux, self.start_layer, hidden, residual)
+            layout.tap(aux, self.start_layer, hidden, residual)
         else:
             hidden = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
         for idx in range(self.start_layer, self.end_layer):
             hidden, residual = self.layers[idx](positions, hidden, residual)
-            self._maybe_add_hidden_state(aux, idx + 1, hidden, residual)
+            layout.tap(aux, idx + 1, hidden, residual)
         if not get_pp_group().is_last_rank:
             assert residual is not None, "a stage with no layers cannot send a residual"
             return IntermediateTensors(
                 {
                     "hidden_states": hidden,
                     "residual": residual,
-                    **self.pack_local_aux_hidden_states(aux),
+                    **layout.relay(intermediate_tensors),
+                    **layout.pack(aux),
                 }
             )
         hidden, _ = self.norm(hidden, residual)

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from vllm.model_executor.models.aux_hidden_states import AuxSlotLayout
 from vllm.sequence import IntermediateTensors
 
 
@@ -131,82 +132,20 @@ class HasDraftVocab(ABC):
         """Draft-vocabulary logits [N, Vd] -> target-vocabulary ones (-inf outside)."""
 
 
-AUX_HIDDEN_STATE_KEY = "aux_hidden_states_"
-
-
 class EagleModelMixin:
-    """Aux hidden-state taps of a decoder (the inner `.model` of a target).
+    """Aux hidden-state taps of a decoder (the inner `.model` of a target): which layers it
+    taps, and the slots of this pipeline stage (aux_hidden_states.AuxSlotLayout)."""
 
-    Tap L is the residual stream entering layer L (hidden + residual after layer L - 1; tap 0 is
-    the embedding output, tap num_layers the stream before the final norm). Under pipeline
-    parallelism each stage packs its local taps into IntermediateTensors slots numbered globally
-    in tap order, and the last stage collects the upstream slots before its own.
-    """
-
-    aux_hidden_state_layers: tuple[int, ...] = ()
     supports_aux_hidden_states_over_pp: bool = False
-    AUX_HIDDEN_STATE_KEY: str = AUX_HIDDEN_STATE_KEY
-    _aux_slot_base_cached: int = 0
-    _aux_upstream_total_cached: int = 0
+    aux_layout: AuxSlotLayout = AuxSlotLayout()
+    start_layer: int = 0
+
+    @property
+    def aux_hidden_state_layers(self) -> tuple[int, ...]:
+        return self.aux_layout.taps
 
     def _set_aux_hidden_state_layers(self, layers: Iterable[int]) -> None:
-        self.aux_hidden_state_layers = tuple(sorted({int(x) for x in layers}))
-        self._aux_slot_base_cached = 0
-        self._aux_upstream_total_cached = 0
-        self._cache_aux_pp_layout()
-
-    def _cache_aux_pp_layout(self) -> None:
-        """Slot base of this stage = taps produced upstream (a tap equal to this stage's first
-        layer is the stream the previous stage sends, so it counts as upstream)."""
-        from bisect import bisect_right
-
-        from vllm.distributed.parallel_state import get_pp_group
-
-        pp = get_pp_group()
-        if pp.world_size < 2 or pp.is_first_rank:
-            return
-        base = bisect_right(self.aux_hidden_state_layers, int(getattr(self, "start_layer", 0)))
-        self._aux_slot_base_cached = base
-        if pp.is_last_rank:
-            self._aux_upstream_total_cached = base
-
-    def _maybe_add_hidden_state(
-        self,
-        aux: list[torch.Tensor],
-        layer_idx: int,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-    ) -> None:
-        if layer_idx in self.aux_hidden_state_layers:
-            # A fresh tensor: later layers must not be able to change what was tapped.
-            aux.append(hidden + residual if residual is not None else hidden.clone())
-
-    def pack_local_aux_hidden_states(self, aux: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-        base = self._aux_slot_base_cached
-        return {f"{self.AUX_HIDDEN_STATE_KEY}{base + i}": t for i, t in enumerate(aux)}
-
-    def upstream_aux_hidden_state_keys(self) -> tuple[str, ...]:
-        """The aux slots this stage receives from the stages before it (a middle stage relays
-        them unchanged; its receive buffer must hold them): empty on the first stage."""
-        return tuple(f"{self.AUX_HIDDEN_STATE_KEY}{i}" for i in range(self._aux_slot_base_cached))
-
-    def collect_remote_aux_hidden_states(
-        self, intermediate_tensors: IntermediateTensors | None
-    ) -> list[torch.Tensor]:
-        total = self._aux_upstream_total_cached
-        if total == 0 or intermediate_tensors is None:
-            return []
-        out: list[torch.Tensor] = []
-        for i in range(total):
-            key = f"{self.AUX_HIDDEN_STATE_KEY}{i}"
-            if key not in intermediate_tensors:
-                raise RuntimeError(
-                    f"Missing {key} in the intermediate tensors from the previous stage "
-                    f"(expected {total} upstream aux hidden states for taps "
-                    f"{self.aux_hidden_state_layers})"
-                )
-            out.append(intermediate_tensors[key])
-        return out
+        self.aux_layout = AuxSlotLayout.for_stage(layers, int(self.start_layer))
 
 
 class SupportsEagle3:
@@ -217,8 +156,7 @@ class SupportsEagle3:
     model: Any
 
     def set_aux_hidden_state_layers(self, layers: Iterable[int]) -> None:
-        lm = getattr(self, "get_language_model", lambda: self)()
-        inner = lm.model
+        inner = self.model
         if not isinstance(inner, EagleModelMixin):
             raise RuntimeError(f"{type(inner).__name__} cannot tap aux hidden states")
         inner._set_aux_hidden_state_layers(layers)

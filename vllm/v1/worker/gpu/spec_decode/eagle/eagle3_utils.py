@@ -8,6 +8,7 @@ from typing import Any, cast
 
 from torch import nn
 
+from vllm.config import VllmConfig
 from vllm.config.draft import get_eagle3_aux_layers_from_config
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.logger import init_logger
@@ -52,40 +53,22 @@ def set_eagle3_aux_hidden_state_layers(
     return taps
 
 
-def _inner_decoder(model: nn.Module) -> nn.Module | None:
-    """The decoder holding the taps: the language model's `.model`."""
-    get_language_model = getattr(model, "get_language_model", None)
-    lm = get_language_model() if get_language_model is not None else model
-    return getattr(lm, "model", None)
-
-
 def verify_supports_aux_hidden_states_over_pp(model: nn.Module, method: str) -> None:
     """Under pipeline parallelism a target must relay its taps through IntermediateTensors;
     only decoders that opt in (`supports_aux_hidden_states_over_pp`) do."""
-    inner = _inner_decoder(model)
-    if not getattr(inner, "supports_aux_hidden_states_over_pp", False):
+    inner = getattr(model, "model", None)
+    if not (isinstance(inner, EagleModelMixin) and inner.supports_aux_hidden_states_over_pp):
         raise ValueError(
             f"{type(model).__name__} does not support {method} with pipeline parallelism "
             "(its decoder does not set supports_aux_hidden_states_over_pp)"
         )
 
 
-def aux_hidden_state_relay_keys(model: nn.Module) -> tuple[str, ...]:
-    """Keys a middle stage forwards unchanged: the slots produced by the stages before it."""
-    pp = get_pp_group()
-    if pp.world_size < 2 or pp.is_first_rank or pp.is_last_rank:
-        return ()
-    inner = _inner_decoder(model)
-    if not isinstance(inner, EagleModelMixin):
-        return ()
-    return inner.upstream_aux_hidden_state_keys()
-
-
-def configure_target_aux_taps(model: nn.Module, vllm_config: Any) -> tuple[int, ...]:
+def configure_target_aux_taps(model: nn.Module, vllm_config: VllmConfig) -> tuple[int, ...]:
     """Every stage of an EAGLE3 target taps the layers the draft's config names (stages
     without the drafter produce and relay taps too); returns the taps, () when the method
     uses none."""
-    spec = getattr(vllm_config, "speculative_config", None)
+    spec = vllm_config.speculative_config
     if spec is None or spec.draft_model_config is None:
         return ()
     if not spec.uses_aux_hidden_states:
