@@ -25,12 +25,16 @@ class _Draft(DraftModel):
     """The smallest DraftModel: an embedding and an LM head, own or not."""
 
     def __init__(self, own_embed: bool = True, own_head: bool = True, vocab: int = V) -> None:
+        self.vocab = vocab
         super().__init__(SimpleNamespace(), SimpleNamespace(hf_text_config=CFG))
-        self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(vocab, H)
-        self.lm_head = nn.Linear(H, vocab, bias=False)
         self.has_own_embed_tokens = own_embed
         self.has_own_lm_head = own_head
+
+    def build_model(self, vllm_config, model_config, prefix) -> nn.Module:
+        model = nn.Module()
+        model.embed_tokens = nn.Embedding(self.vocab, H)
+        self.lm_head = nn.Linear(H, self.vocab, bias=False)
+        return model
 
 
 class _MMDraft(_Draft):

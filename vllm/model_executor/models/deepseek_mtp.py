@@ -24,7 +24,6 @@ from vllm.model_executor.models.utils import (
     WeightLoadError,
     check_all_loaded,
     load_params_strict,
-    maybe_prefix,
 )
 
 # Weights of an MTP layer that sit next to (not inside) its decoder block.
@@ -83,7 +82,8 @@ class DeepSeekMultiTokenPredictorLayer(nn.Module):
 
 
 class DeepSeekMultiTokenPredictor(nn.Module):
-    """The MTP layers keyed by absolute layer index; draft step s uses layer start + s % n."""
+    """The MTP layers keyed by absolute layer index; draft step s uses layer start + s % n
+    (DeepSeekMTP runs that layer)."""
 
     def __init__(
         self,
@@ -117,16 +117,6 @@ class DeepSeekMultiTokenPredictor(nn.Module):
         assert isinstance(layer, DeepSeekMultiTokenPredictorLayer)
         return layer
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        inputs_embeds: torch.Tensor,
-        previous_hidden_states: torch.Tensor,
-        spec_step_idx: int = 0,
-    ) -> torch.Tensor:
-        layer = self.layer_for_step(spec_step_idx)
-        return layer(positions, inputs_embeds, previous_hidden_states)
-
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
         head = self.layer_for_step(spec_step_idx).shared_head
         return head.head(head(hidden_states)).float()
@@ -138,17 +128,10 @@ class DeepSeekMTP(DraftModel):
 
     model: DeepSeekMultiTokenPredictor
 
-    def __init__(
-        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
-    ) -> None:
-        super().__init__(vllm_config, model_config, prefix)
-        self.model = self._init_model(vllm_config, self.config, maybe_prefix(prefix, "model"))
-
-    def _init_model(
-        self, vllm_config: VllmConfig, config: Any, prefix: str
+    def build_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str
     ) -> DeepSeekMultiTokenPredictor:
-        """The predictor; subclasses with a different MTP block (V3.2) override this."""
-        return DeepSeekMultiTokenPredictor(config, prefix=prefix)
+        return DeepSeekMultiTokenPredictor(self.config, prefix=prefix)
 
     def shared_modules(self) -> list[SharedModule]:
         """Every MTP layer's embedding and shared_head.head (its own, aliased to the target's
@@ -161,6 +144,9 @@ class DeepSeekMTP(DraftModel):
 
     def embed_input_ids(self, input_ids: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
         return self.model.layer_for_step(spec_step_idx).embed_tokens(input_ids)
+
+    def step_network(self, spec_step_idx: int) -> DeepSeekMultiTokenPredictorLayer:
+        return self.model.layer_for_step(spec_step_idx)
 
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
         return self.model.compute_logits(hidden_states, spec_step_idx)

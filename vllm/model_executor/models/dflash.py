@@ -247,19 +247,19 @@ class DFlashDraftModel(DraftVocabModel, CombinesHiddenStates):
 
     model: DFlashModel
 
-    def __init__(
-        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
-    ) -> None:
-        super().__init__(vllm_config, model_config, prefix)
+    def build_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str
+    ) -> DFlashModel:
         config = self.config
-        self.model = DFlashModel(config)
+        # DSpark's heads (set after this by its __init__).
+        self.markov_head: MarkovHead | None = None
+        self.confidence_head: ConfidenceHead | None = None
+        self.confidence_with_markov = False
         self.mask_token_id = int(dflash_field(config, "mask_token_id"))
         self.block_size = int(dflash_field(config, "block_size"))
         self.sample_from_anchor = sample_from_anchor(config)
         self.init_draft_vocab(config)
-        self.markov_head: MarkovHead | None = None
-        self.confidence_head: ConfidenceHead | None = None
-        self.confidence_with_markov = False
+        return DFlashModel(config)
 
     def bind_target(self, shares: TargetShares) -> None:
         super().bind_target(shares)

@@ -7,6 +7,7 @@ the aux taps, the encoder outputs in subclasses) from the target's TargetShares.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -20,11 +21,14 @@ from vllm.model_executor.models.utils import (
     WeightLoadError,
     check_all_loaded,
     make_empty_intermediate_tensors_factory,
+    maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
 
 # (hidden states the logits are computed from, hidden states fed back to the next draft step)
 DraftOutput = tuple[torch.Tensor, torch.Tensor]
+# What a draft network returns: a DraftOutput, or one tensor that is both.
+DraftStepOutput = DraftOutput | torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -60,10 +64,11 @@ class DraftModel(ModelBase, SupportsPP):
     but implements SupportsPP so a pipeline-parallel engine can build it there; its
     intermediate tensors are shaped like the hidden states it consumes.
 
-    Subclasses build `model` (the draft network) in __init__. The forward of every draft
-    embeds its input ids (embed_input_ids, per draft step), runs
-    `model(positions, inputs_embeds, hidden_states, spec_step_idx)` and returns
-    (hidden for the logits, hidden fed back to the next draft step)."""
+    Subclasses build `model` (the draft network) and what sits next to it (the LM head) in
+    build_model. The forward of every draft embeds its input ids (embed_input_ids, per draft
+    step), runs the step's network (step_network: `model` unless the steps differ) on
+    (positions, inputs_embeds, hidden_states) and returns (hidden for the logits, hidden fed
+    back to the next draft step); a network returning one tensor gives both."""
 
     supports_pp: ClassVar[bool] = True
     # Whether the draft's first pass can take the target's encoder (multimodal) embeddings.
@@ -82,6 +87,14 @@ class DraftModel(ModelBase, SupportsPP):
         # What bind_target decided (set once, after both models are loaded).
         self.bound_shares: TargetShares | None = None
         self.gather_mm_embeds = False
+        self.model = self.build_model(vllm_config, model_config, maybe_prefix(prefix, "model"))
+
+    def build_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str
+    ) -> nn.Module:
+        """The draft network (from self.config, its parameters named under prefix); also
+        builds what the draft holds next to it (lm_head, ...)."""
+        raise NotImplementedError
 
     # ---- the binding ----------------------------------------------------------------------
     def shared_modules(self) -> list[SharedModule]:
@@ -132,6 +145,11 @@ class DraftModel(ModelBase, SupportsPP):
     def embed_input_ids(self, input_ids: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
         return self.model.get_submodule("embed_tokens")(input_ids)
 
+    def step_network(self, spec_step_idx: int) -> Callable[..., DraftStepOutput]:
+        """What runs draft step spec_step_idx: (positions, inputs_embeds, hidden_states) ->
+        its output (MTP: the step's layer)."""
+        return self.model
+
     def forward(
         self,
         input_ids: torch.Tensor | None,
@@ -144,7 +162,7 @@ class DraftModel(ModelBase, SupportsPP):
         if inputs_embeds is None:
             assert input_ids is not None, "the draft embeds input_ids"
             inputs_embeds = self.embed_input_ids(input_ids, spec_step_idx)
-        out = self.model(positions, inputs_embeds, hidden_states, spec_step_idx)
+        out = self.step_network(spec_step_idx)(positions, inputs_embeds, hidden_states)
         return out if isinstance(out, tuple) else (out, out)
 
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:

@@ -27,7 +27,7 @@ from vllm.model_executor.model_loader.weight_utils import safetensors_weight_nam
 from vllm.model_executor.models.base import build_lm_head
 from vllm.model_executor.models.draft import DraftModel
 from vllm.model_executor.models.llama import LlamaDecoderLayer
-from vllm.model_executor.models.utils import check_all_loaded, load_params_strict, maybe_prefix
+from vllm.model_executor.models.utils import check_all_loaded, load_params_strict
 
 
 def _checkpoint_name(name: str) -> str:
@@ -54,11 +54,7 @@ class EagleLlamaModel(nn.Module):
             self.hidden_states_layernorm = RMSNorm(h, eps)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        inputs_embeds: torch.Tensor,
-        hidden_states: torch.Tensor,
-        spec_step_idx: int = 0,
+        self, positions: torch.Tensor, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor
     ) -> torch.Tensor:
         """The output stream (hidden + residual of the last layer): the predicted feature, for
         the LM head and fed back alike."""
@@ -77,10 +73,9 @@ class EagleLlamaForCausalLM(DraftModel):
 
     model: EagleLlamaModel
 
-    def __init__(
-        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
-    ) -> None:
-        super().__init__(vllm_config, model_config, prefix)
+    def build_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str
+    ) -> EagleLlamaModel:
         config = self.config
         if int(getattr(config, "num_hidden_layers", 0) or 0) < 1:
             raise ValueError(
@@ -88,13 +83,11 @@ class EagleLlamaForCausalLM(DraftModel):
                 f"{getattr(config, 'num_hidden_layers', None)!r}"
             )
         names = {_checkpoint_name(n) for n in safetensors_weight_names(model_config.model)}
-        self.model = EagleLlamaModel(
-            config, fc_bias="fc.bias" in names, prefix=maybe_prefix(prefix, "model")
-        )
         self.lm_head = build_lm_head(config)
         # Set from the checkpoint by load_weights; what it lacks is shared from the target.
         self.has_own_embed_tokens = False
         self.has_own_lm_head = False
+        return EagleLlamaModel(config, fc_bias="fc.bias" in names, prefix=prefix)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str) -> str | None:

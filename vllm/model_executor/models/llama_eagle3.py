@@ -37,7 +37,7 @@ from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.models.draft import DraftVocabModel, check_combined_taps
 from vllm.model_executor.models.interfaces import CombinesHiddenStates, TargetShares
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
-from vllm.model_executor.models.utils import load_params_strict, maybe_prefix
+from vllm.model_executor.models.utils import load_params_strict
 
 logger = init_logger(__name__)
 
@@ -120,11 +120,7 @@ class Eagle3LlamaModel(nn.Module):
         return self.fc(aux)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        inputs_embeds: torch.Tensor,
-        hidden_states: torch.Tensor,
-        spec_step_idx: int = 0,
+        self, positions: torch.Tensor, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(normed hidden for the LM head, stream fed back to the next draft step)."""
         hidden, residual = self.layers[0](positions, inputs_embeds, hidden_states)
@@ -139,12 +135,11 @@ class LlamaForCausalLMEagle3(DraftVocabModel, CombinesHiddenStates):
 
     model: Eagle3LlamaModel
 
-    def __init__(
-        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
-    ) -> None:
-        super().__init__(vllm_config, model_config, prefix)
-        self.model = Eagle3LlamaModel(self.config, prefix=maybe_prefix(prefix, "model"))
+    def build_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str
+    ) -> Eagle3LlamaModel:
         self.init_draft_vocab(self.config)
+        return Eagle3LlamaModel(self.config, prefix=prefix)
 
     def bind_target(self, shares: TargetShares) -> None:
         super().bind_target(shares)

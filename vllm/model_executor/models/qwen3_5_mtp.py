@@ -10,7 +10,8 @@ normed hidden gives the logits (through the target's lm_head) and feeds the next
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -29,7 +30,6 @@ from vllm.model_executor.models.utils import (
     WeightLoadError,
     check_all_loaded,
     load_params_strict,
-    maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
 
@@ -93,14 +93,16 @@ class Qwen3_5MTP(DraftModel):
     predictor_cls: ClassVar[type[Qwen3_5MultiTokenPredictor]] = Qwen3_5MultiTokenPredictor
     model: Qwen3_5MultiTokenPredictor
 
-    def __init__(
-        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
-    ) -> None:
-        super().__init__(vllm_config, model_config, prefix)
-        config = self.config
+    def build_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str
+    ) -> Qwen3_5MultiTokenPredictor:
+        model = self.predictor_cls(self.config, prefix=prefix)
         self.tied = tie_word_embeddings(model_config)
-        self.model = self.predictor_cls(config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = build_lm_head(config, self.model.embed_tokens if self.tied else None)
+        self.lm_head = build_lm_head(self.config, model.embed_tokens if self.tied else None)
+        return model
+
+    def step_network(self, spec_step_idx: int) -> Callable[..., torch.Tensor]:
+        return functools.partial(self.model, spec_step_idx=spec_step_idx)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """`mtp.*` -> `model.*`; the embedding and LM head come from the target's names

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from vllm.config import VllmConfig
+from vllm.config import ModelConfig, VllmConfig
 from vllm.model_executor.models.deepseek_mtp import (
     DeepSeekMTP,
     DeepSeekMultiTokenPredictor,
@@ -61,10 +61,10 @@ class DeepseekV32MTP(DeepSeekMTP, SupportsTopkSharing):
 
     model: DeepseekV32MultiTokenPredictor
 
-    def _init_model(
-        self, vllm_config: VllmConfig, config: Any, prefix: str
+    def build_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str
     ) -> DeepseekV32MultiTokenPredictor:
-        return DeepseekV32MultiTokenPredictor(config, prefix)
+        return DeepseekV32MultiTokenPredictor(self.config, prefix)
 
     def bind_target(self, shares: TargetShares) -> None:
         """Also select into and attend from the target's top-k buffer (the draft has none)."""
