@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -35,8 +35,8 @@ DraftStepOutput = DraftOutput | torch.Tensor
 class SharedModule:
     """A module of the draft that the target's module of the same kind may stand in for."""
 
-    kind: str
-    """embed_tokens | lm_head: which of TargetShares' modules fits here."""
+    kind: Literal["embed_tokens", "lm_head"]
+    """Which of TargetShares' modules fits here."""
     owner: nn.Module
     name: str
     """The attribute of owner holding it."""
@@ -115,7 +115,7 @@ class DraftModel(ModelBase, SupportsPP):
         if self.bound_shares is not None:
             raise RuntimeError(f"{type(self).__name__} is already bound to its target")
         for slot in self.shared_modules():
-            offered = getattr(shares, slot.kind)
+            offered = shares.embed_tokens if slot.kind == "embed_tokens" else shares.lm_head
             if offered is None:
                 if not slot.own:
                     raise RuntimeError(_nothing_to_share(self, slot.kind))
