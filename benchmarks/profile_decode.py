@@ -29,7 +29,8 @@ def main() -> None:
         torch.set_num_threads(args.num_threads)
 
     from vllm import LLM, SamplingParams
-    from vllm.benchmarks.common import EngineProbe, random_prompts, resolve_model
+    from vllm.benchmarks.common import random_prompts, resolve_model
+    from vllm.benchmarks.probe import EngineProbe
 
     path = resolve_model(args.model)
     t0 = time.perf_counter()

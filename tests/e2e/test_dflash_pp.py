@@ -29,7 +29,12 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
-from vllm.testing.engine_utils import make_prompts, spec_decode_counts
+from vllm.testing.engine_utils import (
+    chain,
+    make_prompts,
+    simulate_spec_decode,
+    spec_decode_counts,
+)
 from vllm.testing.spec_checkpoints import make_llama_bigram_target
 from vllm.testing.speculators_dflash_heads import MASK, bigram_map, make_bigram_head
 
@@ -44,23 +49,14 @@ COMMON = dict(dtype="float32", max_model_len=128, max_num_seqs=4, disable_log_st
 def expected_counts(ref: list[list[int]], b: torch.Tensor, dspark: bool, k: int) -> tuple:
     """Metrics of speculative decoding over the greedy outputs ref (each at least
     MAX_TOKENS + k + 1 long) with the constructed head's drafts."""
-    drafts = draft_tokens = accepted = 0
-    per_pos = [0] * k
-    for out in ref:
-        n = 1  # the prefill samples the first output token
-        while n < MAX_TOKENS:
-            anchor = out[n - 1]
-            prop = [int(b[anchor])]
-            for _ in range(k - 1):
-                prop.append(int(b[prop[-1]]) if dspark else int(b[MASK]))
-            acc = 0
-            while acc < k and prop[acc] == out[n + acc]:
-                acc += 1
-            drafts, draft_tokens, accepted = drafts + 1, draft_tokens + k, accepted + acc
-            for i in range(acc):
-                per_pos[i] += 1
-            n += acc + 1
-    return drafts, draft_tokens, accepted, per_pos
+    if dspark:
+        propose = chain(lambda t: int(b[t]), k)
+    else:
+
+        def propose(anchor: int) -> list[int]:
+            return [int(b[anchor])] + [int(b[MASK])] * (k - 1)
+
+    return simulate_spec_decode(ref, propose, k, MAX_TOKENS)
 
 
 def _run(target: str, prompts, params, spec=None, pp: int = 1):

@@ -8,6 +8,11 @@ boundaries, all on the first / last stage, and relayed through two middle stages
 MTP self-draft keeps 100% acceptance at P = 2 (its own embedding is loaded on the last stage);
 one case on Ray; `vllm serve -pp 2 --speculative-config ...` answers like P = 1.
 
+The EAGLE3 heads of the P = 1 / 2 / 4 comparison accept: they are constructed
+(make_eagle3_bigram_head) to draft what a near-bigram target predicts after their input token,
+so their metrics are known without running them (the simulation over the target's greedy
+output) and the acceptance is partial; the Qwen2 one over a reduced draft vocabulary.
+
 The default run covers P = 2 fully and a representative P = 4 subset; the rest of the P = 4
 matrix is marked slow."""
 
@@ -19,8 +24,10 @@ import pytest
 
 from vllm import LLM, SamplingParams
 from vllm.testing import checkpoints
-from vllm.testing.engine_utils import make_prompts, spec_decode_counts
+from vllm.testing.engine_utils import chain, make_prompts, simulate_spec_decode, spec_decode_counts
 from vllm.testing.spec_checkpoints import (
+    eagle3_head_drafts,
+    make_eagle3_bigram_head,
     make_eagle3_draft,
     make_eagle_draft,
     make_llama_bigram_target,
@@ -61,30 +68,36 @@ def deepseek_v3_mtp2_4l_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def eagle3_llama_dir(llama_dir, tmp_path_factory) -> str:
-    # 4 layers: P = 2 splits [0,2) [2,4) (tap 2 on the boundary); P = 4 one layer per stage
-    # (taps 1, 2, 3 all on boundaries, 1 relayed through both middle stages).
-    return make_eagle3_draft(
-        tmp_path_factory.mktemp("e3_llama"), llama_dir, aux_layers=(1, 2, 3), own_embed=False
-    )
-
-
-@pytest.fixture(scope="module")
-def eagle3_qwen2_dir(qwen2_dir, tmp_path_factory) -> str:
-    return make_eagle3_draft(
-        tmp_path_factory.mktemp("e3_qwen2"),
-        qwen2_dir,
-        aux_layers=(0, 2, 4),
-        own_embed=False,
-        draft_vocab_size=300,
-        seed=2,
-    )
-
-
-@pytest.fixture(scope="module")
 def llama_near_bigram_dir(llama_dir, tmp_path_factory) -> str:
     return make_llama_bigram_target(
         tmp_path_factory.mktemp("llama_near_bigram"), llama_dir, target_scale=0.3
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen2_near_bigram_dir(qwen2_dir, tmp_path_factory) -> str:
+    return make_llama_bigram_target(
+        tmp_path_factory.mktemp("qwen2_near_bigram"), qwen2_dir, target_scale=0.3
+    )
+
+
+@pytest.fixture(scope="module")
+def eagle3_llama_dir(llama_near_bigram_dir, tmp_path_factory) -> str:
+    # 4 layers: P = 2 splits [0,2) [2,4) (tap 2 on the boundary); P = 4 one layer per stage
+    # (taps 1, 2, 3 all on boundaries, 1 relayed through both middle stages).
+    return make_eagle3_bigram_head(
+        tmp_path_factory.mktemp("e3_llama"), llama_near_bigram_dir, aux_layers=(1, 2, 3)
+    )
+
+
+@pytest.fixture(scope="module")
+def eagle3_qwen2_dir(qwen2_near_bigram_dir, tmp_path_factory) -> str:
+    return make_eagle3_bigram_head(
+        tmp_path_factory.mktemp("e3_qwen2"),
+        qwen2_near_bigram_dir,
+        aux_layers=(0, 2, 4),
+        draft_vocab_size=300,
+        seed=2,
     )
 
 
@@ -99,8 +112,8 @@ def eagle_self_dir(llama_dir, tmp_path_factory) -> str:
 MODELS = {
     "mtp1": ("deepseek_v3_mtp1_4l_dir", None, "mtp"),
     "mtp2": ("deepseek_v3_mtp2_4l_dir", None, "mtp"),
-    "eagle3_llama": ("llama_dir", "eagle3_llama_dir", "eagle3"),
-    "eagle3_qwen2": ("qwen2_dir", "eagle3_qwen2_dir", "eagle3"),
+    "eagle3_llama": ("llama_near_bigram_dir", "eagle3_llama_dir", "eagle3"),
+    "eagle3_qwen2": ("qwen2_near_bigram_dir", "eagle3_qwen2_dir", "eagle3"),
     "eagle_llama": ("llama_near_bigram_dir", "eagle_self_dir", "eagle"),
 }
 P4_DEFAULT = {("eagle3_llama", 3), ("mtp1", 1)}
@@ -121,12 +134,12 @@ def _cases():
 _TEXTS: dict = {}  # (model, P, spec) -> generated texts (for the server test)
 
 
-def _run(model_dir: str, prompts, spec: dict | None = None, pp: int = 1, **kw):
+def _run(model_dir: str, prompts, spec: dict | None = None, pp: int = 1, params=GREEDY, **kw):
     llm = LLM(
         model=model_dir, pipeline_parallel_size=pp, speculative_config=spec, **{**COMMON, **kw}
     )
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         _TEXTS[(model_dir, pp, json.dumps(spec))] = [o.outputs[0].text for o in outs]
         return [list(o.outputs[0].token_ids) for o in outs], spec_decode_counts(llm)
     finally:
@@ -176,20 +189,37 @@ def test_spec_decode_pp_equals_p1(runs, model, pp, k):
     assert tokens == ref_tokens
     assert counts[0] > 0, "the drafter never fired"
     assert counts == ref_counts
+    if model.startswith("eagle3"):
+        assert counts[2] > 0, "the constructed EAGLE3 head accepts"
     print(f"{model} P={pp} K={k}: drafts, draft tokens, accepted, per position = {counts}")
 
 
-def test_eagle3_taps_first_and_last_stage(llama_dir, tmp_path_factory, runs):
+@pytest.mark.parametrize("model", ["eagle3_llama", "eagle3_qwen2"])
+def test_eagle3_heads_accept_what_the_simulation_predicts(runs, model):
+    """P = 1 (and so, by the test above, P = 2 and 4): the metrics of the constructed heads are
+    those of the simulation over the target's greedy output, with partial acceptance."""
+    k = 3
+    target, draft, _ = runs.dirs(model)
+    long = SamplingParams(temperature=0, max_tokens=MAX_TOKENS + k + 1, ignore_eos=True)
+    ref, _ = _run(target, runs.prompts, params=long)
+    d = eagle3_head_drafts(draft)
+    want = simulate_spec_decode(ref, chain(lambda t: int(d[t]), k), k, MAX_TOKENS)
+    _, counts = runs.get(model, 1, k)
+    assert counts == want
+    assert 0 < want[2] < want[1] and want[3][0] > 0
+
+
+def test_eagle3_taps_first_and_last_stage(llama_near_bigram_dir, tmp_path_factory, runs):
     """P = 2 over [0,2) / [2,4): taps all on the first stage (0, 1, 2 - 2 is the boundary, the
     stream the first stage sends) and all on the last (3, 4)."""
     ref_tokens, _ = runs.get("eagle3_llama", 1, 0)
     for name, taps in (("first", (0, 1, 2)), ("last", (3, 4))):
         draft = make_eagle3_draft(
-            tmp_path_factory.mktemp(f"e3_{name}"), llama_dir, aux_layers=taps, seed=7
+            tmp_path_factory.mktemp(f"e3_{name}"), llama_near_bigram_dir, aux_layers=taps, seed=7
         )
         spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": 2}
-        tokens1, counts1 = _run(llama_dir, runs.prompts, spec, 1)
-        tokens2, counts2 = _run(llama_dir, runs.prompts, spec, 2)
+        tokens1, counts1 = _run(llama_near_bigram_dir, runs.prompts, spec, 1)
+        tokens2, counts2 = _run(llama_near_bigram_dir, runs.prompts, spec, 2)
         assert tokens1 == tokens2 == ref_tokens, name
         assert counts2 == counts1 and counts1[0] > 0, name
 

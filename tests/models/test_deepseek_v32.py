@@ -235,18 +235,25 @@ def k2_llm(v32_dir):
     llm.shutdown()
 
 
-def test_draft_loading_repoints_topk_buffers_to_the_target(k2_llm) -> None:
+def test_binding_repoints_topk_buffers_to_the_target(k2_llm) -> None:
     from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLAAttention
 
     runner = k2_llm.llm_engine.executor.worker.model_runner
     target_buf = runner.model.model.topk_indices_buffer
     draft = runner.speculator.model
-    assert draft.model.topk_indices_buffer is target_buf
+    assert draft.bound_shares.topk_indices_buffer is target_buf
     indexers = _draft_indexers(runner.speculator)
     assert len(indexers) == 2  # one per MTP layer
     assert all(m.topk_indices_buffer is target_buf for m in indexers)
     attns = [m for m in draft.modules() if isinstance(m, SparseMLAAttention)]
     assert len(attns) == 2 and all(a.topk_indices_buffer is target_buf for a in attns)
+    # The binding re-pointed the owners (the indexers); the impls still resolve through them.
+    other = torch.zeros_like(target_buf)
+    indexers[0].topk_indices_buffer = other
+    try:
+        assert attns[0].topk_indices_buffer is other
+    finally:
+        indexers[0].topk_indices_buffer = target_buf
 
 
 def test_impls_read_the_target_buffer_through_their_indexers(
@@ -303,9 +310,9 @@ def test_the_draft_allocates_no_topk_buffer_of_its_own(
 def _record_sharing(spec) -> tuple[list, callable]:
     """Record set_skip_topk / compact_topk_indices calls on the real draft (calling through)
     and the skip_topk state every draft forward sees; returns (log, undo)."""
-    inner = spec.model.model
+    draft, inner = spec.model, spec.model.model
     log: list[tuple] = []
-    set_skip, compact, fwd = inner.set_skip_topk, inner.compact_topk_indices, spec.model.forward
+    set_skip, compact, fwd = draft.set_skip_topk, draft.compact_topk_indices, draft.forward
 
     def skip(flag):
         log.append(("skip", flag))
@@ -320,10 +327,10 @@ def _record_sharing(spec) -> tuple[list, callable]:
         log.append(("forward", kwargs.get("spec_step_idx"), states))
         return fwd(*args, **kwargs)
 
-    inner.set_skip_topk, inner.compact_topk_indices, spec.model.forward = skip, comp, forward
+    draft.set_skip_topk, draft.compact_topk_indices, draft.forward = skip, comp, forward
 
     def undo():
-        del inner.set_skip_topk, inner.compact_topk_indices, spec.model.forward
+        del draft.set_skip_topk, draft.compact_topk_indices, draft.forward
 
     return log, undo
 
@@ -435,6 +442,75 @@ def test_mtp_greedy_lossless_pp2(variants, no_spec, name) -> None:
         assert _generate_ids(llm) == no_spec(path)
     finally:
         llm.shutdown()
+
+
+def test_draft_steps_read_the_step0_selection_of_each_requests_last_token(
+    v32_two_index_heads_dir,
+) -> None:
+    """With sharing on and index_topk (8) narrower than the context, the selection every
+    sparse attention of draft steps 1.. reads is, row for row, what the draft's step-0 indexer
+    selected at each request's last valid token: the rows the prefill pass left, taken at the
+    rows an independent reading of the batch names (query start + scheduled - rejected - 1).
+    Without compact_topk_indices the decode rows would read the step-0 rows 0 .. R-1."""
+    from vllm.model_executor.layers.attention.sparse_mla_attention import SparseMLAAttention
+
+    llm = _mtp_llm(v32_two_index_heads_dir, K)
+    try:
+        spec = llm.llm_engine.executor.worker.model_runner.speculator
+        assert spec.share_mtp_topk_indices
+        draft = spec.model
+        buf = draft.bound_shares.topk_indices_buffer
+        state: dict = {"step": None}
+        log: list[tuple] = []
+        orig_propose, orig_forward = spec.propose, draft.forward
+
+        def propose(inputs):
+            b = inputs.input_batch
+            last = b.query_start_loc_np[:-1] + b.num_scheduled_tokens - inputs.num_rejected - 1
+            log.append(("propose", torch.from_numpy(last.astype("int64"))))
+            return orig_propose(inputs)
+
+        def forward(*args, **kwargs):
+            state["step"] = kwargs["spec_step_idx"]
+            out = orig_forward(*args, **kwargs)
+            if state["step"] == 0:
+                log.append(("step0", buf.clone()))
+            return out
+
+        def reading(impl):
+            orig = impl.topk_slots
+
+            def topk_slots(meta):
+                log.append(("read", state["step"], buf[: meta.num_tokens].clone()))
+                return orig(meta)
+
+            return topk_slots
+
+        impls = [m.impl for m in draft.modules() if isinstance(m, SparseMLAAttention)]
+        for impl in impls:
+            impl.topk_slots = reading(impl)
+        spec.propose, draft.forward = propose, forward
+        try:
+            _generate_ids(llm)
+        finally:
+            del spec.propose, draft.forward
+            for impl in impls:
+                del impl.topk_slots
+    finally:
+        llm.shutdown()
+    checked = moved = 0
+    last = step0 = None
+    for entry in log:
+        if entry[0] == "propose":
+            last, step0 = entry[1], None
+        elif entry[0] == "step0":
+            step0 = entry[1]
+        elif entry[1] >= 1:
+            assert step0 is not None and len(entry[2]) == len(last)
+            assert torch.equal(entry[2], step0[last])
+            checked += 1
+            moved += int(not torch.equal(last, torch.arange(len(last))))
+    assert checked > 0 and moved > 0, (checked, moved)
 
 
 # ---- top-k ties: the selection must not depend on the batch layout ------------------------------

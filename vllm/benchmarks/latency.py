@@ -19,7 +19,6 @@ import numpy as np
 from vllm.benchmarks.common import (
     BenchSession,
     check_lengths,
-    compare_outputs,
     fmt,
     ratio_text,
     roofline_line,
@@ -29,6 +28,7 @@ from vllm.benchmarks.common import (
     summary,
     write_json,
 )
+from vllm.benchmarks.probe import compare_outputs
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 

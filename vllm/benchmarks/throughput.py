@@ -16,7 +16,6 @@ from typing import Any
 from vllm.benchmarks.common import (
     BenchSession,
     check_lengths,
-    compare_outputs,
     fmt,
     ratio_text,
     roofline_line,
@@ -26,6 +25,7 @@ from vllm.benchmarks.common import (
     summary,
     write_json,
 )
+from vllm.benchmarks.probe import compare_outputs
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

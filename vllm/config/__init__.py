@@ -16,11 +16,11 @@ from vllm.config.model import (
 from vllm.config.parallel import DistributedExecutorBackend, ParallelConfig
 from vllm.config.scheduler import SchedulerConfig, SchedulerPolicy
 from vllm.config.speculative import (
-    DFLASH_FAMILY_METHODS,
     EAGLE1_DRAFT_ARCHITECTURES,
     EAGLE1_TARGET_ARCHITECTURES,
     MTP_DRAFT_ARCHITECTURES,
     SPEC_METHODS,
+    SpecMethod,
     SpeculativeConfig,
     num_mtp_layers,
 )
@@ -28,7 +28,6 @@ from vllm.config.utils import get_attr_docs
 from vllm.config.vllm import VllmConfig
 
 __all__ = [
-    "DFLASH_FAMILY_METHODS",
     "DEFAULT_MODEL_DIR",
     "EAGLE1_DRAFT_ARCHITECTURES",
     "EAGLE1_TARGET_ARCHITECTURES",
@@ -42,6 +41,7 @@ __all__ = [
     "ParallelConfig",
     "SchedulerConfig",
     "SchedulerPolicy",
+    "SpecMethod",
     "SpeculativeConfig",
     "VllmConfig",
     "default_model_path",

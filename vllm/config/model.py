@@ -213,10 +213,10 @@ class ModelConfig:
 
     @property
     def is_hybrid(self) -> bool:
-        """Whether the model mixes attention with linear-attention (per-request state) layers."""
-        from vllm.model_executor.models.registry import resolve_model_cls
-
-        return bool(getattr(resolve_model_cls(self.architecture), "is_hybrid", False))
+        """Whether the model mixes attention with linear-attention (per-request state) layers:
+        its config's layer_types name some (read here, so the config imports no model)."""
+        layer_types = getattr(self.hf_text_config, "layer_types", None) or ()
+        return "linear_attention" in layer_types
 
     @property
     def num_hidden_layers(self) -> int:

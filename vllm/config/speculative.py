@@ -9,15 +9,44 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.config.draft import get_eagle3_use_aux_hidden_state_from_config, verify_dflash_draft
 from vllm.config.model import ModelConfig
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
 
-SPEC_METHODS = ("mtp", "eagle", "eagle3", "dflash", "dspark")
-# Block-parallel drafts: one forward proposes the whole block from the anchor token.
-DFLASH_FAMILY_METHODS = ("dflash", "dspark")
+@dataclass(frozen=True)
+class SpecMethod:
+    """What one speculative method needs and what runs it (the one list of methods)."""
+
+    family: str
+    """mtp | eagle | eagle3 | dflash: the draft layout the config checks."""
+    speculator: str
+    """`module:Class` of the speculator that runs it (imported by init_speculator, so the
+    config imports no model or worker module)."""
+    needs_draft_model: bool
+    """speculative_config.model is required (else the draft is in the target checkpoint)."""
+    draft_shares_target_embed: bool
+    """A draft of this method may ship no input embedding and share the target's, which the
+    target then keeps on the last pipeline stage, where the draft runs."""
+    aux_hidden_states: str
+    """never | config | always: whether the draft reads the target's aux hidden states
+    ("config": unless the draft config's eagle_config sets use_aux_hidden_state false)."""
+
+
+_SPEC = "vllm.v1.worker.gpu.spec_decode"
+_MTP = SpecMethod("mtp", f"{_SPEC}.mtp.speculator:MTPSpeculator", False, False, "never")
+_EAGLE = f"{_SPEC}.eagle.speculator:EagleSpeculator"
+_DFLASH = f"{_SPEC}.dflash.speculator:DFlashSpeculator"
+SPEC_METHODS: dict[str, SpecMethod] = {
+    "mtp": _MTP,
+    "eagle": SpecMethod("eagle", _EAGLE, True, True, "never"),
+    "eagle3": SpecMethod("eagle3", _EAGLE, True, True, "config"),
+    # Block-parallel drafts: one forward proposes the whole block from the anchor token.
+    "dflash": SpecMethod("dflash", _DFLASH, True, True, "always"),
+    "dspark": SpecMethod("dflash", _DFLASH, True, True, "always"),
+}
 # Target architecture -> the architecture of its in-checkpoint MTP draft.
 MTP_DRAFT_ARCHITECTURES = {
     "DeepseekV2ForCausalLM": "DeepSeekMTPModel",
@@ -149,19 +178,28 @@ class SpeculativeConfig:
                 "speculative_config.draft_sample_method must be 'greedy' or 'probabilistic', "
                 f"got {self.draft_sample_method!r}"
             )
-        if self.method in ("eagle", "eagle3", *DFLASH_FAMILY_METHODS) and not self.model:
+        if self.method_info.needs_draft_model and not self.model:
             raise ValueError(f"speculative_config.model is required for method {self.method!r}")
 
     @property
-    def use_eagle(self) -> bool:
-        return self.method in ("eagle", "eagle3")
+    def method_info(self) -> SpecMethod:
+        return SPEC_METHODS[self.method]
+
+    @property
+    def uses_aux_hidden_states(self) -> bool:
+        """Whether the draft reads the target's aux hidden states (EAGLE3 taps)."""
+        need = self.method_info.aux_hidden_states
+        if need == "config":
+            cfg = self.draft_model_config.hf_text_config
+            return get_eagle3_use_aux_hidden_state_from_config(cfg)
+        return need == "always"
 
     @property
     def num_lookahead_tokens(self) -> int:
         """How many tokens after a position the draft's KV at that position depends on: 1 for
         a draft that reads the next token there (EAGLE, one MTP layer); with n chained MTP
         layers, layer s at position t reads token t + s + 1, so min(K, n)."""
-        if self.method == "mtp" and self.draft_model_config is not None:
+        if self.method_info.family == "mtp" and self.draft_model_config is not None:
             n = num_mtp_layers(self.draft_model_config.hf_text_config)
             return max(1, min(self.num_speculative_tokens, n))
         return 1
@@ -171,7 +209,7 @@ class SpeculativeConfig:
         architecture (the MTP head of the target checkpoint, or the EAGLE head class)."""
         draft = self.draft_model_config
         k = self.num_speculative_tokens
-        if self.method == "mtp":
+        if self.method_info.family == "mtp":
             n = num_mtp_layers(target.hf_text_config)
             if n <= 0:
                 raise ValueError(
@@ -195,15 +233,15 @@ class SpeculativeConfig:
                     n,
                 )
         else:
-            if self.method == "eagle":
+            family = self.method_info.family
+            if family == "eagle":
                 _verify_eagle1_draft(draft, target)
-            if draft.architecture in ("LlamaForCausalLM", "Qwen2ForCausalLM") and (
-                self.method == "eagle3"
+            if family == "eagle3" and draft.architecture in (
+                "LlamaForCausalLM",
+                "Qwen2ForCausalLM",
             ):
                 draft.hf_config.architectures = ["LlamaForCausalLMEagle3"]
-            if self.method in DFLASH_FAMILY_METHODS:
-                from vllm.model_executor.models.dflash import verify_dflash_draft
-
+            if family == "dflash":
                 verify_dflash_draft(draft.hf_text_config, self.method, k, target, draft.model)
             _check_speculators_head(draft, target)
             if draft.vocab_size != target.vocab_size:

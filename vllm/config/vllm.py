@@ -98,6 +98,18 @@ class VllmConfig:
             )
 
     @property
+    def target_embed_on_last_stage(self) -> bool:
+        """Whether the target also builds its input embedding on the last pipeline stage: the
+        draft runs there, and one that ships no embedding shares the target's (the method's
+        registry entry says whether its drafts may)."""
+        spec = self.speculative_config
+        return (
+            spec is not None
+            and spec.method_info.draft_shares_target_embed
+            and self.parallel_config.pipeline_parallel_size > 1
+        )
+
+    @property
     def num_speculative_tokens(self) -> int:
         return self.speculative_config.num_speculative_tokens if self.speculative_config else 0
 

@@ -147,8 +147,8 @@ def send_tensor_dict(
 ) -> PendingSend:
     """Post (non-blocking) the metadata (keys, shapes, dtypes), then each tensor, to rank dst.
 
-    The receiver sizes its buffers from the metadata: gloo corrupts or aborts on a size
-    mismatch, so sizes are never guessed.
+    The receiver checks the metadata against its buffers before posting its receives: gloo
+    corrupts or aborts on a size mismatch, so sizes are never guessed.
     """
     pp = get_pp_group()
     device_group = device_group if device_group is not None else pp.device_group
@@ -166,13 +166,15 @@ def send_tensor_dict(
 
 def recv_tensor_dict(
     src: int,
-    device: torch.device | str = "cpu",
+    buffers: dict[str, torch.Tensor],
     device_group: Any = None,
     cpu_group: Any = None,
     on_metadata: Callable[[], None] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Receive what send_tensor_dict posted from rank src (blocking). on_metadata is called
-    once the metadata arrived (the sender has finished computing), for timing."""
+    """Receive what send_tensor_dict posted from rank src (blocking) into views of `buffers`:
+    the receiving stage's persistent tensors, made once by its model's
+    make_empty_intermediate_tensors. on_metadata is called once the metadata arrived (the
+    sender has finished computing), for timing. Returns the views of what arrived."""
     pp = get_pp_group()
     device_group = device_group if device_group is not None else pp.device_group
     cpu_group = cpu_group if cpu_group is not None else (pp.cpu_group or device_group)
@@ -183,12 +185,32 @@ def recv_tensor_dict(
     meta = pickle.loads(payload.numpy().tobytes())
     if on_metadata is not None:
         on_metadata()
-    out: dict[str, torch.Tensor] = {}
-    works = []
-    for key, shape, dtype in meta:
-        t = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-        works.append(device_group.recv([t], src, _TAG))
-        out[key] = t
+    out = receive_views(meta, buffers)
+    works = [device_group.recv([t], src, _TAG) for t in out.values()]
     for w in works:
         w.wait()
+    return out
+
+
+def receive_views(
+    meta: list[tuple[str, tuple[int, ...], str]], buffers: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The views of `buffers` the announced tensors (key, shape, dtype) land in. What the
+    buffers cannot hold is refused, naming it, before any receive is posted: gloo corrupts or
+    aborts the process on a size mismatch."""
+    out: dict[str, torch.Tensor] = {}
+    for key, shape, dtype in meta:
+        buf = buffers.get(key)
+        if buf is None:
+            raise RuntimeError(
+                f"the previous stage sent {key!r}, for which this stage's receive buffer (from "
+                f"its model's make_empty_intermediate_tensors) has no slot: {sorted(buffers)}"
+            )
+        have = str(buf.dtype).removeprefix("torch.")
+        if have != dtype or tuple(buf.shape[1:]) != tuple(shape[1:]) or shape[0] > buf.shape[0]:
+            raise RuntimeError(
+                f"the previous stage sent {key!r} as {dtype} {tuple(shape)}, which this "
+                f"stage's receive buffer, {have} {tuple(buf.shape)}, cannot hold"
+            )
+        out[key] = buf[: shape[0]]
     return out

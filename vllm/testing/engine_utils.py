@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -98,3 +99,39 @@ def spec_decode_counts(llm) -> tuple:
         return (0, 0, 0, [])
     per_pos = list(m["vllm:spec_decode_num_accepted_tokens_per_pos"].values)
     return tuple(m[n].value for n in SPEC_DECODE_METRICS) + (per_pos,)
+
+
+def simulate_spec_decode(
+    ref: list[list[int]], propose: Callable[[int], list[int]], k: int, max_tokens: int
+) -> tuple:
+    """(drafts, draft tokens, accepted, accepted per position) of greedy speculative decoding
+    over the greedy outputs ref (each at least max_tokens + k + 1 long) by a drafter whose K
+    drafts depend only on the last token (propose(anchor)): every step verifies them from the
+    last token, accepting the longest matching prefix plus one. What spec_decode_counts must
+    report for such a drafter."""
+    drafts = draft_tokens = accepted = 0
+    per_pos = [0] * k
+    for out in ref:
+        n = 1  # the prefill samples the first output token
+        while n < max_tokens:
+            prop = propose(out[n - 1])
+            acc = 0
+            while acc < k and prop[acc] == out[n + acc]:
+                acc += 1
+            drafts, draft_tokens, accepted = drafts + 1, draft_tokens + k, accepted + acc
+            for i in range(acc):
+                per_pos[i] += 1
+            n += acc + 1
+    return drafts, draft_tokens, accepted, per_pos
+
+
+def chain(step: Callable[[int], int], k: int) -> Callable[[int], list[int]]:
+    """propose(anchor) = [step(anchor), step(step(anchor)), ...] (k drafts)."""
+
+    def propose(anchor: int) -> list[int]:
+        out = [step(anchor)]
+        while len(out) < k:
+            out.append(step(out[-1]))
+        return out
+
+    return propose

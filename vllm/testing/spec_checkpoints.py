@@ -10,6 +10,10 @@
   layers.{i}.* Llama decoder layers, layer 0 without input_layernorm; optionally embed_tokens /
   lm_head), random or "self" (fc = [I | 0], attention and MLP outputs 0: the draft's output is
   the embedding of its input token).
+- make_eagle3_bigram_head: an EAGLE3 head built to accept (no training): from its input token v
+  alone it drafts what a "bigram" target predicts after v (see make_llama_bigram_target), so
+  its drafts are known without running it (eagle3_head_drafts) and acceptance is partial on a
+  near-bigram target.
 - make_llama_bigram_target: a copy of a Llama checkpoint whose attention/MLP outputs are scaled
   by target_scale, embedding rows rescaled to RMS 1 and final norm weight 1; with
   target_scale = 0 its last hidden state at a token is that token's embedding, so the "self"
@@ -38,6 +42,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 __all__ = [
+    "eagle3_head_drafts",
+    "make_eagle3_bigram_head",
     "make_eagle3_draft",
     "make_eagle_draft",
     "make_llama_bigram_target",
@@ -175,6 +181,125 @@ def make_eagle3_draft(
             "use_aux_hidden_state": True,
         },
     )
+
+
+# The bigram EAGLE3 head: its width is the target's plus a constant block, and the attention
+# logit of a position with itself exceeds that with any other position by at least this much.
+_BIGRAM_HEAD_EXTRA = 16
+_BIGRAM_SELF_MARGIN = 40.0
+
+
+def _rope_self_query(head_dim: int, theta: float, max_pos: int) -> torch.Tensor:
+    """A query q (= key) whose RoPE attention logit q . R(d) q / sqrt(head_dim) is highest at
+    distance d = 0, by _BIGRAM_SELF_MARGIN over every 0 < d < max_pos: its energy sits on the
+    8 highest-frequency rotary pairs (neox layout), whose cosines never all come close to 1."""
+    half = head_dim // 2
+    freqs = theta ** (-2 * torch.arange(half, dtype=torch.float64) / head_dim)
+    pairs = 8
+    d = torch.arange(1, max_pos, dtype=torch.float64)
+    worst = float(torch.cos(d[:, None] * freqs[None, :pairs]).mean(1).max())
+    # logit(0) = pairs * a / sqrt(head_dim); logit(d) <= worst * logit(0).
+    a = _BIGRAM_SELF_MARGIN * head_dim**0.5 / (pairs * (1.0 - worst))
+    q = torch.zeros(head_dim, dtype=torch.float64)
+    q[:pairs] = q[half : half + pairs] = (a / 2) ** 0.5
+    return q.float()
+
+
+@torch.no_grad()
+def make_eagle3_bigram_head(
+    out_dir: str | os.PathLike,
+    target_dir: str | os.PathLike,
+    *,
+    aux_layers: tuple[int, ...] = (1, 2, 3),
+    draft_vocab_size: int | None = None,
+    seed: int = 0,
+) -> str:
+    """Write an EAGLE3 head (legacy layout, own embedding and LM head) whose draft from input
+    token v is argmax over its vocabulary of lm_head_target(e_v), e_v the target's embedding row
+    scaled to RMS 1: for a bigram target (make_llama_bigram_target) the target's next token.
+
+    Width H + 16: embed_tokens[v] = [e_v ; 1 ... 1] (RMS 1 for every v). One head of that
+    width: q and k read only the constant block (the same vector at every position, rotated by
+    RoPE; _rope_self_query makes each position attend to itself alone), v the e_v block, o_proj
+    the identity; fc, hidden_norm (norm_before_residual: no residual) and the MLP output are
+    zero, so nothing but the token reaches the output h = [e_v ; 0], and the LM head is
+    [lm_head_target ; 0] over the draft vocabulary (a random subset of target ids with
+    draft_vocab_size, mapped by d2t)."""
+    d = _DraftInit(target_dir, seed)
+    h, vocab, extra = d.h, d.vocab, _BIGRAM_HEAD_EXTRA
+    width = h + extra
+    target = {}
+    for path in _shards(Path(target_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            target.update({k: f.get_tensor(k).float() for k in f.keys()})
+    embed = target["model.embed_tokens.weight"]
+    head = target.get("lm_head.weight", embed)
+    e = embed / embed.pow(2).mean(-1, keepdim=True).sqrt()
+    dv = int(draft_vocab_size or vocab)
+    ids = torch.arange(vocab)
+    if dv < vocab:
+        ids = torch.randperm(vocab, generator=d.gen)[:dv].sort().values
+    rope = d.target.get("rope_parameters") or {}
+    q = _rope_self_query(
+        width, float(rope.get("rope_theta", 1e4)), d.target["max_position_embeddings"]
+    )
+    qk = torch.zeros(width, 2 * width)
+    qk[:, h] = q  # reads the first constant entry (1 for every token)
+    v_proj = torch.zeros(width, 2 * width)
+    v_proj[:h, :h] = torch.eye(h)
+    inter = 16
+    w: dict[str, torch.Tensor] = {
+        "fc.weight": torch.zeros(width, len(aux_layers) * h),
+        "midlayer.input_layernorm.weight": torch.ones(width),
+        "midlayer.hidden_norm.weight": torch.zeros(width),
+        "midlayer.post_attention_layernorm.weight": torch.ones(width),
+        "midlayer.self_attn.q_proj.weight": qk,
+        "midlayer.self_attn.k_proj.weight": qk.clone(),
+        "midlayer.self_attn.v_proj.weight": v_proj,
+        "midlayer.self_attn.o_proj.weight": torch.eye(width),
+        "midlayer.mlp.gate_proj.weight": d.mat(inter, width),
+        "midlayer.mlp.up_proj.weight": d.mat(inter, width),
+        "midlayer.mlp.down_proj.weight": torch.zeros(width, inter),
+        "norm.weight": torch.ones(width),
+        "lm_head.weight": torch.cat([head[ids], torch.zeros(dv, extra)], dim=1),
+        "embed_tokens.weight": torch.cat([e, torch.ones(vocab, extra)], dim=1),
+    }
+    if dv < vocab:
+        w["d2t"] = ids - torch.arange(dv)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[ids] = True
+        w["t2d"] = t2d
+    return d.write(
+        out_dir,
+        w,
+        "LlamaForCausalLMEagle3",
+        1,
+        hidden_size=width,
+        intermediate_size=inter,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=width,
+        draft_vocab_size=dv,
+        target_hidden_size=h,
+        norm_before_residual=True,
+        eagle_config={
+            "eagle_aux_hidden_state_layer_ids": list(aux_layers),
+            "use_aux_hidden_state": True,
+        },
+    )
+
+
+def eagle3_head_drafts(head_dir: str | os.PathLike) -> torch.Tensor:
+    """[vocab] the token make_eagle3_bigram_head's head drafts after each input token, from
+    its own weights: the target id of argmax_j lm_head[j] . embed_tokens[v] over the token
+    block."""
+    with safe_open(str(Path(head_dir) / "model.safetensors"), framework="pt") as f:
+        w = {k: f.get_tensor(k).double() for k in f.keys()}
+    h = int(_read_config(head_dir)["target_hidden_size"])
+    best = (w["embed_tokens.weight"][:, :h] @ w["lm_head.weight"][:, :h].T).argmax(-1)
+    dv = w["lm_head.weight"].shape[0]
+    d2t = w["d2t"].long() if "d2t" in w else torch.zeros(dv, dtype=torch.long)
+    return (torch.arange(dv) + d2t)[best]
 
 
 def make_eagle_draft(

@@ -129,48 +129,6 @@ def test_every_registered_sparse_impl_resolves_lazily(name: str) -> None:
     assert impl.topk_indices_buffer is explicit
 
 
-def test_sharing_repoints_owners_and_assigns_only_indexerless_layers() -> None:
-    from torch import nn
-
-    from vllm.model_executor.layers.attention.sparse_mla_attention import (
-        SparseMLAAttention,
-        share_topk_indices_buffer,
-    )
-
-    own, target, later = (torch.zeros(4, 2, dtype=torch.int32) for _ in range(3))
-
-    class Indexer(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.topk_indices_buffer = own
-
-    def attn(indexer):
-        kv_b = nn.Linear(RANK, H * (NOPE + V), bias=False)
-        return SparseMLAAttention(
-            DIMS,
-            kv_b,
-            2,
-            indexer=indexer,
-            topk_indices_buffer=own,
-            backend="TORCH_MLA_SPARSE",
-        )
-
-    model = nn.Module()
-    model.indexer = Indexer()
-    model.with_indexer = attn(model.indexer)
-    model.without_indexer = attn(None)
-    model.topk_indices_buffer = own  # the model-wide attribute, an owner too
-    assert share_topk_indices_buffer(model, target) == 2
-    assert model.indexer.topk_indices_buffer is target
-    assert model.topk_indices_buffer is target
-    assert model.with_indexer.topk_indices_buffer is target
-    assert model.without_indexer.topk_indices_buffer is target
-    # The layer with an indexer still resolves through it (it was not given the buffer).
-    model.indexer.topk_indices_buffer = later
-    assert model.with_indexer.topk_indices_buffer is later
-    assert model.without_indexer.topk_indices_buffer is target
-
-
 def test_registry_lists_both_backends_and_rejects_unknown() -> None:
     assert {"TORCH_MLA_SPARSE", "TRITON_MLA_SPARSE"} <= set(sparse_mla_impl_names())
     with pytest.raises(ValueError, match="NOPE"):

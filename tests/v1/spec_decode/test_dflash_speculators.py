@@ -225,8 +225,7 @@ def test_native_dflash_taps_shift_by_one():
     .target_layer_ids); the engine taps the stream entering layer i + 1."""
     from types import SimpleNamespace
 
-    from vllm.model_executor.models.dflash import verify_dflash_draft
-    from vllm.model_executor.models.llama_eagle3 import get_eagle3_aux_layers_from_config
+    from vllm.config.draft import get_eagle3_aux_layers_from_config, verify_dflash_draft
 
     cfg = SimpleNamespace(
         architectures=["DFlashDraftModel"],

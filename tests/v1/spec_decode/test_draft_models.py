@@ -287,7 +287,7 @@ def _last_stage_draft(model: str, spec: dict):
     from vllm.distributed.parallel_state import PPGroup, get_pp_group, set_pp_group
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model
-    from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
+    from vllm.v1.worker.gpu.spec_decode.speculator import load_draft_model
 
     config = EngineArgs(
         model=model,
@@ -300,7 +300,9 @@ def _last_stage_draft(model: str, spec: dict):
     set_pp_group(PPGroup(rank=1, world_size=2))
     try:
         target = get_model(config)
-        return target, load_eagle_model(target, config)
+        draft = load_draft_model(config, torch.device("cpu"))
+        draft.bind_target(target.draft_shares())
+        return target, draft
     finally:
         set_pp_group(old)
 
@@ -367,6 +369,43 @@ def test_last_stage_builds_the_mtp_draft_only_if_it_supports_pp(mtp_targets, fam
     monkeypatch.setattr(cls, "supports_pp", False)
     with pytest.raises(ValueError, match=f"{name} does not support pipeline parallelism"):
         _last_stage_draft(mtp_targets[family], spec)
+
+
+@pytest.mark.parametrize("broken", ["stub", "no_hidden_states"])
+def test_last_stage_refuses_a_draft_without_a_working_factory(
+    deepseek_v3_mtp1_dir, monkeypatch, broken
+):
+    """A class inheriting SupportsPP gets the Protocol's empty make_empty_intermediate_tensors:
+    flag and forward signature alone would pass it, and the draft would fail on first use."""
+    from vllm.model_executor.models.deepseek_mtp import DeepSeekMTP
+    from vllm.model_executor.models.interfaces import SupportsPP
+    from vllm.sequence import IntermediateTensors
+
+    if broken == "stub":
+        factory = SupportsPP.make_empty_intermediate_tensors
+    else:
+
+        def factory(self, batch_size, dtype, device):
+            return IntermediateTensors({})
+
+    monkeypatch.setattr(DeepSeekMTP, "make_empty_intermediate_tensors", factory)
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    with pytest.raises(ValueError, match="DeepSeekMTP does not support pipeline parallelism"):
+        _last_stage_draft(deepseek_v3_mtp1_dir, spec)
+
+
+def test_pp_refuses_a_target_class_with_the_stub_factory(monkeypatch):
+    from vllm.model_executor.models.interfaces import SupportsPP, check_supports_pp
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    check_supports_pp(LlamaForCausalLM)
+    monkeypatch.setattr(
+        LlamaForCausalLM,
+        "make_empty_intermediate_tensors",
+        SupportsPP.make_empty_intermediate_tensors,
+    )
+    with pytest.raises(ValueError, match="LlamaForCausalLM does not support pipeline"):
+        check_supports_pp(LlamaForCausalLM)
 
 
 # ---- EAGLE3 ----------------------------------------------------------------------------------

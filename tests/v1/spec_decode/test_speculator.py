@@ -10,7 +10,7 @@ import pytest
 
 from vllm import LLM, SamplingParams
 from vllm.distributed.parallel_state import PPGroup, get_pp_group, set_pp_group
-from vllm.model_executor.models.interfaces import EagleModelMixin
+from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsTopkSharing
 from vllm.sequence import IntermediateTensors
 from vllm.testing.engine_utils import make_prompts
 
@@ -116,21 +116,35 @@ def test_k1_skips_the_decode_pair(deepseek_v3_mtp1_dir, prompts):
         llm.shutdown()
 
 
+class _RecordingTopk(SupportsTopkSharing):
+    """A top-k sharing capability that records what the MTP speculator's hooks ask of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    @property
+    def shares_topk_across_steps(self) -> bool:
+        return True
+
+    def set_skip_topk(self, skip: bool) -> None:
+        self.calls.append(("skip", skip))
+
+    def compact_topk_indices(self, rows) -> None:
+        self.calls.append(("compact", rows.tolist()))
+
+
 def test_mtp_topk_sharing_hooks(k2, prompts):
     """With sharing on, the hooks switch the draft's top-k reuse exactly around the decode
     steps and compact the indices of each request's last prefill row."""
     llm, spec = k2
-    inner = spec.model.model
-    calls: list[tuple] = []
-    inner.set_skip_topk = lambda skip: calls.append(("skip", skip))
-    inner.compact_topk_indices = lambda idx: calls.append(("compact", idx.tolist()))
-    spec.share_mtp_topk_indices = True
+    topk = _RecordingTopk()
+    calls = topk.calls
+    spec.topk_sharing = topk
     try:
         spec.events.clear()
         llm.generate(prompts[:1], SP, use_tqdm=False)
     finally:
-        spec.share_mtp_topk_indices = False
-        del inner.set_skip_topk, inner.compact_topk_indices
+        spec.topk_sharing = None
     first = calls[:4]
     assert first[0] == ("skip", False)
     assert first[1][0] == "compact" and len(first[1][1]) == 1
@@ -142,11 +156,8 @@ def test_mtp_topk_sharing_hooks(k2, prompts):
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_exception_in_draft_forward_leaves_no_hook_state(k2, prompts, phase):
     llm, spec = k2
-    inner = spec.model.model
-    skips: list[bool] = []
-    inner.set_skip_topk = skips.append
-    inner.compact_topk_indices = lambda idx: None
-    spec.share_mtp_topk_indices = True
+    topk = _RecordingTopk()
+    spec.topk_sharing = topk
     orig = spec.model.forward
 
     def forward(*args, **kwargs):
@@ -161,10 +172,10 @@ def test_exception_in_draft_forward_leaves_no_hook_state(k2, prompts, phase):
             llm.generate(prompts[:1], SP, use_tqdm=False)
     finally:
         del spec.model.forward
-        spec.share_mtp_topk_indices = False
-        del inner.set_skip_topk, inner.compact_topk_indices
+        spec.topk_sharing = None
     assert spec.phase is None
     assert spec.events[-1][0] == f"{phase}_end"
+    skips = [c[1] for c in topk.calls if c[0] == "skip"]
     assert skips[-1] is False  # top-k reuse switched off again
     # The engine still serves afterwards.
     out = llm.generate(prompts[:1], SP, use_tqdm=False)
@@ -197,16 +208,23 @@ def test_aux_slots_under_pipeline_parallelism():
         set_pp_group(PPGroup(rank=1, world_size=2))
         d = _Decoder(3)
         d._set_aux_hidden_state_layers((5, 0, 3))
-        assert d._aux_slot_base_cached == 2
-        assert d.pack_local_aux_hidden_states([torch.ones(1)]).keys() == {"aux_hidden_states_2"}
+        layout = d.aux_layout
+        assert layout.base == 2 and layout.collects and not layout.relays
+        assert layout.upstream_keys() == ("aux_hidden_states_0", "aux_hidden_states_1")
+        assert layout.pack([torch.ones(1)]).keys() == {"aux_hidden_states_2"}
         it = IntermediateTensors({"aux_hidden_states_0": torch.zeros(1)})
         with pytest.raises(RuntimeError, match="Missing aux_hidden_states_1"):
-            d.collect_remote_aux_hidden_states(it)
+            layout.collect(it)
         it["aux_hidden_states_1"] = torch.ones(1)
-        assert len(d.collect_remote_aux_hidden_states(it)) == 2
+        assert len(layout.collect(it)) == 2
+        # A middle stage of 3 relays the upstream slots with its own.
+        set_pp_group(PPGroup(rank=1, world_size=3))
+        d._set_aux_hidden_state_layers((5, 0, 3))
+        assert d.aux_layout.relays and not d.aux_layout.collects
+        assert d.aux_layout.relay(it).keys() == {"aux_hidden_states_0", "aux_hidden_states_1"}
     finally:
         set_pp_group(prev)
     d = _Decoder(0)
     d._set_aux_hidden_state_layers((1, 2))
-    assert d._aux_slot_base_cached == 0
-    assert d.collect_remote_aux_hidden_states(None) == []
+    assert d.aux_layout.base == 0
+    assert d.aux_layout.collect(None) == []

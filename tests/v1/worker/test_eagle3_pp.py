@@ -2,8 +2,10 @@
 # Copyright 2026 The vllm-pp-spec contributors
 """EAGLE3 aux hidden states across pipeline stages, simulated in one process: each stage of a
 real LlamaModel (with stub decoder layers that clobber their inputs in place) is built under a
-fake PP group and the stages are chained by hand; the last stage must return exactly the taps a
-single-stage run returns. Also: the target-embedding rule for EAGLE drafts under PP."""
+fake PP group, and each stage's output reaches the next over gloo into the buffers the next
+stage's own factory made; the last stage must return exactly the taps a single-stage run
+returns. Also: the target keeps its embedding on the last stage for EAGLE
+drafts under PP."""
 
 from __future__ import annotations
 
@@ -14,17 +16,21 @@ import torch
 from torch import nn
 
 import vllm.model_executor.models.llama as llama_mod
-from vllm.distributed.parallel_state import PPGroup, get_pp_group, set_pp_group
+from tests.v1.worker.test_pp_utils import _gloo_pair, _run_ranks
+from vllm.distributed.parallel_state import (
+    PPGroup,
+    get_pp_group,
+    recv_tensor_dict,
+    send_tensor_dict,
+    set_pp_group,
+)
 from vllm.model_executor.models.interfaces import SupportsEagle3
-from vllm.model_executor.models.utils import PPMissingLayer, spec_decode_needs_target_embed
+from vllm.model_executor.models.utils import PPMissingLayer
 from vllm.sequence import IntermediateTensors
-from vllm.v1.worker.gpu.pp_utils import PPHandler
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
-    aux_hidden_state_relay_keys,
     set_eagle3_aux_hidden_state_layers,
     verify_supports_aux_hidden_states_over_pp,
 )
-from vllm.v1.worker.gpu.spec_decode.eagle.utils import maybe_share_target_embed
 
 H, V, N = 8, 32, 6
 CFG = SimpleNamespace(
@@ -91,37 +97,58 @@ def _build(rank: int, world: int, taps, embed: torch.Tensor, monkeypatch) -> _Ta
     return target
 
 
+ROWS = 16  # the receive buffers' rows (max_num_batched_tokens in the engine)
+
+
 def _aux_keys(it: IntermediateTensors) -> set[str]:
     return {k for k in it.keys() if k.startswith(KEY)}
 
 
+def _receive(groups, sent: IntermediateTensors, buffers: dict) -> IntermediateTensors:
+    """What the next stage gets of `sent`: a real transfer (gloo, two threads) into its
+    buffers, as the worker receives."""
+    got: dict = {}
+
+    def sender() -> None:
+        send_tensor_dict(sent.tensors, 1, device_group=groups[0], cpu_group=groups[0]).wait()
+
+    def receiver() -> None:
+        got.update(recv_tensor_dict(0, buffers, device_group=groups[1], cpu_group=groups[1]))
+
+    _run_ranks([sender, receiver])
+    return IntermediateTensors(got)
+
+
 def _run_staged(taps, world: int, monkeypatch, drop: str | None = None):
+    """(P = 1 output, P = world output, aux keys each non-last stage sent, per receiving stage
+    (its receive buffers, what it received))."""
     torch.manual_seed(0)
     embed = torch.randn(V, H)
     ids = torch.randint(0, V, (5,))
     pos = torch.arange(5)
     ref = _build(0, 1, taps, embed, monkeypatch)
     ref_out = ref.model(ids, pos)
+    groups = _gloo_pair()
     it = None
-    stage_keys = []
+    stage_keys, received = [], []
     for rank in range(world):
         target = _build(rank, world, taps, embed, monkeypatch)
-        handler = PPHandler(4, 1, "cpu", pp_group=get_pp_group())
-        relay = handler.configure_aux_hidden_state_relay(target)
-        assert relay == aux_hidden_state_relay_keys(target)
         if rank > 0:
-            # The receive buffer reserves exactly the slots the previous stage sends.
-            reserved = target.make_empty_intermediate_tensors(5, torch.float32, "cpu")
-            assert _aux_keys(reserved) == _aux_keys(it), (rank, taps)
-            assert set(reserved.keys()) == set(it.keys())
+            # What the runner allocates once: the model's own factory, aux slots included.
+            made = target.make_empty_intermediate_tensors(ROWS, torch.float32, "cpu")
+            buffers = dict(made.tensors)
+            # Exactly the slots the stage before sends (checked first: a transfer the receiver
+            # refuses would leave the sender waiting).
+            assert sorted(buffers) == sorted(it.keys()), (rank, taps)
             if drop is not None and rank == world - 1:
                 del it.tensors[drop]
+            it = _receive(groups, it, buffers)
+            received.append((buffers, it))
         out = target.model(ids if rank == 0 else None, pos, it)
         if rank < world - 1:
-            out = handler.relay_aux_hidden_states(it, out)
             stage_keys.append(sorted(_aux_keys(out)))
             it = out
-    return ref_out, out, stage_keys
+    return ref_out, out, stage_keys, received
 
 
 @pytest.mark.parametrize(
@@ -130,7 +157,7 @@ def _run_staged(taps, world: int, monkeypatch, drop: str | None = None):
     ids=["boundary_and_ends", "first_stage", "last_stage", "first_only", "on_boundary", "mixed"],
 )
 def test_pp2_taps_match_single_stage(taps, monkeypatch):
-    ref, out, stage_keys = _run_staged(taps, 2, monkeypatch)
+    ref, out, stage_keys, _ = _run_staged(taps, 2, monkeypatch)
     # Layers split [0, 3) / [3, 6): the first stage sends the taps at or before layer 3.
     assert stage_keys[0] == sorted(f"{KEY}{i}" for i, t in enumerate(taps) if t <= 3)
     ref_hidden, ref_aux = ref
@@ -141,22 +168,31 @@ def test_pp2_taps_match_single_stage(taps, monkeypatch):
         torch.testing.assert_close(a, b)
 
 
-def test_pp4_relays_through_two_middle_stages(monkeypatch):
-    # 6 layers over 4 stages: [0,1) [1,3) [3,5) [5,6); taps 0 and 1 come from the first stage
-    # and travel through both middle stages, 3 sits on the 2nd/3rd boundary.
+def test_pp4_relays_through_two_middle_stages_into_factory_buffers(monkeypatch):
+    """6 layers over 4 stages: [0,1) [1,3) [3,5) [5,6); taps 0 and 1 come from the first stage
+    and travel through both middle stages, 3 sits on the 2nd/3rd boundary. Every receiving
+    stage's buffers come from its model's make_empty_intermediate_tensors, with exactly the aux
+    slots the stage before sends, and what arrives lands in them."""
     taps = (0, 1, 3, 6)
-    ref, out, stage_keys = _run_staged(taps, 4, monkeypatch)
+    ref, out, stage_keys, received = _run_staged(taps, 4, monkeypatch)
     assert stage_keys == [
         [f"{KEY}0", f"{KEY}1"],
         [f"{KEY}0", f"{KEY}1", f"{KEY}2"],
         [f"{KEY}0", f"{KEY}1", f"{KEY}2"],
     ]
+    for keys, (buffers, got) in zip(stage_keys, received):
+        assert sorted(buffers) == sorted(["hidden_states", "residual", *keys])
+        assert sorted(got.keys()) == sorted(buffers)
+        for key, t in got.items():
+            assert t.untyped_storage().data_ptr() == buffers[key].untyped_storage().data_ptr()
+            assert t.shape == (5, H) and buffers[key].shape == (ROWS, H)
     for a, b in zip(out[1], ref[1]):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(out[0], ref[0])
 
 
 def test_missing_slot_raises(monkeypatch):
+    # Dropped before the transfer: the last stage's collect, not a zero-filled buffer, sees it.
     with pytest.raises(RuntimeError, match="Missing aux_hidden_states_1"):
         _run_staged((0, 3, 6), 2, monkeypatch, drop=f"{KEY}1")
 
@@ -176,39 +212,27 @@ def test_model_without_opt_in_is_refused():
         verify_supports_aux_hidden_states_over_pp(_NoRelayTarget(), "eagle3")
 
 
-def _vcfg(method: str | None):
-    spec = None if method is None else SimpleNamespace(method=method)
-    return SimpleNamespace(speculative_config=spec)
-
-
 @pytest.mark.parametrize(
-    "method,world,rank,expected",
+    "method,world,expected",
     [
-        ("eagle3", 2, 1, True),
-        ("eagle", 2, 1, True),
-        ("eagle3", 4, 3, True),
-        ("eagle3", 2, 0, False),
-        ("eagle3", 4, 2, False),
-        ("eagle3", 1, 0, False),
-        ("mtp", 2, 1, False),
-        (None, 2, 1, False),
+        ("eagle3", 2, True),
+        ("eagle", 2, True),
+        ("dflash", 4, True),
+        ("eagle3", 1, False),
+        ("mtp", 2, False),
+        (None, 2, False),
     ],
 )
-def test_spec_decode_needs_target_embed_truth_table(method, world, rank, expected):
-    set_pp_group(PPGroup(rank=rank, world_size=world))
-    assert spec_decode_needs_target_embed(_vcfg(method)) is expected
+def test_target_embed_on_last_stage_truth_table(method, world, expected):
+    """EAGLE-family drafts may share the target's embedding: under PP the target keeps it on
+    the last stage (test_last_stage_builds_embed_for_eagle_draft: only there)."""
+    from vllm.config import SpeculativeConfig, VllmConfig
 
-
-def test_maybe_share_target_embed_raises_without_target_table():
-    set_pp_group(PPGroup(rank=1, world_size=2))
-    draft = nn.Module()
-    draft.has_own_embed_tokens = False
-    draft_inner = nn.Module()
-    draft_inner.embed_tokens = None
-    target_inner = nn.Module()
-    target_inner.embed_tokens = PPMissingLayer()
-    with pytest.raises(RuntimeError, match="nothing to embed its proposals with"):
-        maybe_share_target_embed(draft, draft_inner, target_inner)
+    spec = None if method is None else SpeculativeConfig(method=method, model="draft")
+    cfg = SimpleNamespace(
+        speculative_config=spec, parallel_config=SimpleNamespace(pipeline_parallel_size=world)
+    )
+    assert VllmConfig.target_embed_on_last_stage.fget(cfg) is expected
 
 
 def test_last_stage_builds_embed_for_eagle_draft(monkeypatch):
@@ -216,34 +240,3 @@ def test_last_stage_builds_embed_for_eagle_draft(monkeypatch):
     set_pp_group(PPGroup(rank=1, world_size=2))
     assert isinstance(llama_mod.LlamaModel(CFG).embed_tokens, PPMissingLayer)
     assert isinstance(llama_mod.LlamaModel(CFG, keep_embed=True).embed_tokens, nn.Embedding)
-
-
-@pytest.mark.parametrize("multimodal", [False, True])
-@pytest.mark.parametrize("has_encoder_outputs", [False, True])
-def test_draft_gathers_mm_embeds_only_with_encoder_outputs_and_mm_input(
-    multimodal, has_encoder_outputs
-):
-    from vllm.v1.worker.gpu.spec_decode.eagle.utils import should_gather_mm_embeds_for_draft
-
-    target = _NoRelayTarget()
-    if multimodal:
-        target.supports_multimodal = True
-    got = should_gather_mm_embeds_for_draft(target, has_encoder_outputs=has_encoder_outputs)
-    # Never raises: a rank without encoder outputs (or a text-only target) skips the gather.
-    assert got is (multimodal and has_encoder_outputs)
-
-
-def test_text_only_speculators_skip_the_mm_gather(deepseek_v3_mtp1_dir):
-    from vllm import LLM
-
-    llm = LLM(
-        model=deepseek_v3_mtp1_dir,
-        dtype="float32",
-        max_model_len=64,
-        max_num_seqs=2,
-        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
-    )
-    try:
-        assert llm.llm_engine.executor.worker.model_runner.speculator.supports_mm_inputs is False
-    finally:
-        llm.shutdown()

@@ -283,12 +283,37 @@ def test_send_recv_tensor_dict_over_gloo():
         for _ in range(2):  # two messages back to back stay in order
             send_tensor_dict(sent, 1, device_group=groups[0], cpu_group=groups[0]).wait()
 
+    # The receiver's persistent buffers (more rows than a message needs).
+    buffers = {k: torch.zeros(7, *v.shape[1:], dtype=v.dtype) for k, v in sent.items()}
+
     def receiver() -> None:
         for i in range(2):
-            got[i] = recv_tensor_dict(0, device_group=groups[1], cpu_group=groups[1])
+            views = recv_tensor_dict(0, buffers, device_group=groups[1], cpu_group=groups[1])
+            assert all(
+                t.untyped_storage().data_ptr() == buffers[k].untyped_storage().data_ptr()
+                for k, t in views.items()
+            )
+            got[i] = {k: t.clone() for k, t in views.items()}
 
     _run_ranks([sender, receiver])
     for i in range(2):
         assert list(got[i]) == list(sent)
         for k, v in sent.items():
             assert got[i][k].dtype == v.dtype and torch.equal(got[i][k], v)
+
+
+@pytest.mark.parametrize(
+    "meta, match",
+    [
+        ([("aux_hidden_states_3", (5, 8), "float32")], "has no slot"),
+        ([("hidden_states", (9, 8), "float32")], r"float32 \(9, 8\)"),
+        ([("hidden_states", (5, 4), "float32")], "cannot hold"),
+        ([("hidden_states", (5, 8), "float64")], "cannot hold"),
+    ],
+)
+def test_receive_refuses_what_the_buffers_cannot_hold(meta, match):
+    from vllm.distributed.parallel_state import receive_views
+
+    buffers = {"hidden_states": torch.zeros(8, 8)}
+    with pytest.raises(RuntimeError, match=match):
+        receive_views(meta, buffers)

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""Base classes of the models: a decoder's pipeline-stage skeleton (the inner `.model`), the
-causal LM around it (LM head, tying, logits, strict weight loading), and the speculative-decoding
-drafts that run next to a target on its last stage."""
+"""Base classes of the models: a decoder's pipeline-stage skeleton (the inner `.model`) and the
+causal LM around it (LM head, tying, logits, strict weight loading, what it offers a draft).
+The drafts' base is in draft.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from vllm.config import ModelConfig, VllmConfig
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import linear
-from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsEagleBase, SupportsPP
+from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsPP, TargetShares
 from vllm.model_executor.models.utils import (
     PPMissingLayer,
     check_all_loaded,
@@ -24,7 +24,6 @@ from vllm.model_executor.models.utils import (
     make_empty_intermediate_tensors_factory,
     make_layers,
     maybe_prefix,
-    spec_decode_needs_target_embed,
 )
 from vllm.sequence import IntermediateTensors
 
@@ -97,8 +96,9 @@ class DecoderModelBase(nn.Module, EagleModelMixin):
     stages own, global indices kept), the final norm on the last stage. forward embeds (first
     stage) or takes the hidden_states / residual the previous stage sent, runs this stage's
     layers, and returns IntermediateTensors or, on the last stage, the normed hidden states.
-    EAGLE3 taps (EagleModelMixin) ride along: local taps in numbered slots of what a stage
-    sends, upstream slots collected on the last stage and reserved in the receive buffer.
+    EAGLE3 taps (EagleModelMixin) ride along, placed by the stage's AuxSlotLayout: local taps
+    in numbered slots of what a stage sends, upstream slots relayed by a middle stage,
+    collected by the last one, and reserved in every receiving stage's buffer.
 
     Subclasses build one layer in make_layer; a layer is called as
     layer(positions, hidden_states, residual) -> (hidden_states, residual).
@@ -123,7 +123,7 @@ class DecoderModelBase(nn.Module, EagleModelMixin):
     ) -> None:
         """tied: lm_head shares embed_tokens (None: the config's tie_word_embeddings);
         keep_embed: build embed_tokens on the last stage for a draft that shares it (see
-        spec_decode_needs_target_embed)."""
+        VllmConfig.target_embed_on_last_stage)."""
         super().__init__()
         self.validate_config(config)
         self.config = config
@@ -157,7 +157,7 @@ class DecoderModelBase(nn.Module, EagleModelMixin):
     ) -> IntermediateTensors:
         """Zeros shaped like what the previous stage sends: hidden_states, residual and the
         EAGLE3 aux slots produced upstream."""
-        keys = INTERMEDIATE_KEYS + self.upstream_aux_hidden_state_keys()
+        keys = INTERMEDIATE_KEYS + self.aux_layout.upstream_keys()
         make = make_empty_intermediate_tensors_factory(keys, int(self.config.hidden_size))
         return make(batch_size, dtype, device)
 
@@ -169,33 +169,40 @@ class DecoderModelBase(nn.Module, EagleModelMixin):
         inputs_embeds: torch.Tensor | None = None,
     ) -> DecoderOutput:
         aux: list[torch.Tensor] = []
-        remote = self.collect_remote_aux_hidden_states(intermediate_tensors)
+        layout = self.aux_layout
+        remote = layout.collect(intermediate_tensors)
         residual: torch.Tensor | None
         if intermediate_tensors is None:
             if inputs_embeds is None:
                 assert input_ids is not None, "the first stage embeds input_ids"
                 inputs_embeds = self.embed_input_ids(input_ids)
             hidden, residual = inputs_embeds, None
-            self._maybe_add_hidden_state(aux, self.start_layer, hidden, residual)
+            layout.tap(aux, self.start_layer, hidden, residual)
         else:
             hidden = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
         for idx in range(self.start_layer, self.end_layer):
             hidden, residual = self.layers[idx](positions, hidden, residual)
-            self._maybe_add_hidden_state(aux, idx + 1, hidden, residual)
+            layout.tap(aux, idx + 1, hidden, residual)
         if not get_pp_group().is_last_rank:
             assert residual is not None, "a stage with no layers cannot send a residual"
             return IntermediateTensors(
                 {
                     "hidden_states": hidden,
                     "residual": residual,
-                    **self.pack_local_aux_hidden_states(aux),
+                    **layout.relay(intermediate_tensors),
+                    **layout.pack(aux),
                 }
             )
         hidden, _ = self.norm(hidden, residual)
         if remote or aux:
             return hidden, remote + aux
         return hidden
+
+
+def _present(module: nn.Module) -> nn.Module | None:
+    """The module, or None where another pipeline stage holds it."""
+    return None if isinstance(module, PPMissingLayer) else module
 
 
 class ModelBase(nn.Module):
@@ -223,6 +230,8 @@ class CausalLMBase(ModelBase, SupportsPP):
     """
 
     supports_pp: ClassVar[bool] = True
+    # Takes multimodal input (its encoder runs on the first stage, with the embedding).
+    supports_multimodal: ClassVar[bool] = False
     model_cls: ClassVar[type[DecoderModelBase]]
     # Checkpoint names held by other models (an MTP draft, a vision encoder) or derived.
     skip_prefixes: ClassVar[tuple[str, ...]] = ()
@@ -242,7 +251,7 @@ class CausalLMBase(ModelBase, SupportsPP):
         self.model = self._init_model(
             vllm_config,
             maybe_prefix(prefix, "model"),
-            keep_embed=spec_decode_needs_target_embed(vllm_config),
+            keep_embed=vllm_config.target_embed_on_last_stage,
         )
         if get_pp_group().is_last_rank:
             self.lm_head = build_lm_head(
@@ -277,6 +286,17 @@ class CausalLMBase(ModelBase, SupportsPP):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states).float()
 
+    def draft_shares(self) -> TargetShares:
+        """What a draft running next to this stage of the model may take from it (after the
+        aux taps are set: set_aux_hidden_state_layers)."""
+        return TargetShares(
+            hidden_size=int(self.config.hidden_size),
+            embed_tokens=_present(self.model.embed_tokens),
+            lm_head=_present(self.lm_head),
+            aux_hidden_state_layers=self.model.aux_hidden_state_layers,
+            has_encoder_outputs=self.supports_multimodal and get_pp_group().is_first_rank,
+        )
+
     def skip_weight(self, name: str) -> bool:
         """Whether checkpoint weight `name` is not this model's to load: skip_prefixes,
         skip_substrs, and the copy a tied checkpoint may still carry of lm_head."""
@@ -300,29 +320,3 @@ class CausalLMBase(ModelBase, SupportsPP):
         check_all_loaded(self, loaded, {"lm_head.weight"} if self.tied else ())
         params = dict(self.named_parameters(remove_duplicate=False))
         return {n for n in loaded if n in params}
-
-
-class DraftModelBase(ModelBase, SupportsPP, SupportsEagleBase):
-    """A speculative-decoding draft (MTP, EAGLE) the speculator runs on the last pipeline
-    stage. It never runs split over stages, but implements SupportsPP so a pipeline-parallel
-    engine can build it there; its intermediate tensors are shaped like the hidden states it
-    consumes. Subclasses set `model` (holding embed_tokens) and `lm_head`."""
-
-    supports_pp: ClassVar[bool] = True
-
-    model: nn.Module
-    lm_head: nn.Module
-
-    def make_empty_intermediate_tensors(
-        self, batch_size: int, dtype: torch.dtype, device: torch.device
-    ) -> IntermediateTensors:
-        make = make_empty_intermediate_tensors_factory(
-            INTERMEDIATE_KEYS, int(self.config.hidden_size)
-        )
-        return make(batch_size, dtype, device)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.get_submodule("embed_tokens")(input_ids)
-
-    def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()

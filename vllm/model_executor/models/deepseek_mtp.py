@@ -14,18 +14,17 @@ from torch import nn
 from vllm.config import ModelConfig, VllmConfig, num_mtp_layers
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
-from vllm.model_executor.models.base import DraftModelBase, build_lm_head
+from vllm.model_executor.models.base import build_lm_head
 from vllm.model_executor.models.deepseek_v2 import (
     DeepseekV2DecoderLayer,
     get_spec_layer_idx_from_weight_name,
 )
+from vllm.model_executor.models.draft import DraftModel, SharedModule
 from vllm.model_executor.models.utils import (
     WeightLoadError,
     check_all_loaded,
     load_params_strict,
-    maybe_prefix,
 )
-from vllm.sequence import IntermediateTensors
 
 # Weights of an MTP layer that sit next to (not inside) its decoder block.
 _SPEC_LAYER_PARTS = ("embed_tokens", "enorm", "hnorm", "eh_proj", "shared_head")
@@ -69,13 +68,10 @@ class DeepSeekMultiTokenPredictorLayer(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
         positions: torch.Tensor,
+        inputs_embeds: torch.Tensor,
         previous_hidden_states: torch.Tensor,
-        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
         # Position 0 has no previous token whose hidden state could pair with this embedding.
         inputs_embeds = inputs_embeds.masked_fill((positions == 0).unsqueeze(-1), 0)
         x = self.eh_proj(
@@ -86,7 +82,8 @@ class DeepSeekMultiTokenPredictorLayer(nn.Module):
 
 
 class DeepSeekMultiTokenPredictor(nn.Module):
-    """The MTP layers keyed by absolute layer index; draft step s uses layer start + s % n."""
+    """The MTP layers keyed by absolute layer index; draft step s uses layer start + s % n
+    (DeepSeekMTP runs that layer)."""
 
     def __init__(
         self,
@@ -120,54 +117,36 @@ class DeepSeekMultiTokenPredictor(nn.Module):
         assert isinstance(layer, DeepSeekMultiTokenPredictorLayer)
         return layer
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        previous_hidden_states: torch.Tensor,
-        inputs_embeds: torch.Tensor | None = None,
-        spec_step_idx: int = 0,
-    ) -> torch.Tensor:
-        layer = self.layer_for_step(spec_step_idx)
-        return layer(input_ids, positions, previous_hidden_states, inputs_embeds)
-
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
         head = self.layer_for_step(spec_step_idx).shared_head
         return head.head(head(hidden_states)).float()
 
 
-class DeepSeekMTP(DraftModelBase):
-    """DeepSeek-V2/V3 MTP draft model: each MTP layer has its own embedding and head."""
+class DeepSeekMTP(DraftModel):
+    """DeepSeek-V2/V3 MTP draft model: each MTP layer has its own embedding and head (loaded
+    from the checkpoint; the target's where identical, to keep one copy)."""
 
-    has_own_embed_tokens = True
-    has_own_lm_head = True
     model: DeepSeekMultiTokenPredictor
 
-    def __init__(
-        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
-    ) -> None:
-        super().__init__(vllm_config, model_config, prefix)
-        self.model = self._init_model(vllm_config, self.config, maybe_prefix(prefix, "model"))
-
-    def _init_model(
-        self, vllm_config: VllmConfig, config: Any, prefix: str
+    def build_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str
     ) -> DeepSeekMultiTokenPredictor:
-        """The predictor; subclasses with a different MTP block (V3.2) override this."""
-        return DeepSeekMultiTokenPredictor(config, prefix=prefix)
+        return DeepSeekMultiTokenPredictor(self.config, prefix=prefix)
+
+    def shared_modules(self) -> list[SharedModule]:
+        """Every MTP layer's embedding and shared_head.head (its own, aliased to the target's
+        embedding / LM head where equal)."""
+        out = []
+        for layer in self.model.mtp_layers():
+            out.append(SharedModule("embed_tokens", layer, "embed_tokens", True))
+            out.append(SharedModule("lm_head", layer.shared_head, "head", True))
+        return out
 
     def embed_input_ids(self, input_ids: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
         return self.model.layer_for_step(spec_step_idx).embed_tokens(input_ids)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        spec_step_idx: int = 0,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, hidden_states, inputs_embeds, spec_step_idx)
+    def step_network(self, spec_step_idx: int) -> DeepSeekMultiTokenPredictorLayer:
+        return self.model.layer_for_step(spec_step_idx)
 
     def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
         return self.model.compute_logits(hidden_states, spec_step_idx)
@@ -230,7 +209,7 @@ class DeepSeekMTP(DraftModelBase):
 
 def _dedupe_embeddings(layers: list[DeepSeekMultiTokenPredictorLayer]) -> None:
     """Alias MTP layers whose embedding tables are equal to one module: one copy in memory
-    (under pipeline parallelism nothing else shares them; see load_eagle_model)."""
+    (under pipeline parallelism nothing else shares them; see DraftModel.bind_target)."""
     kept: list[nn.Module] = []
     for layer in layers:
         table = layer.embed_tokens

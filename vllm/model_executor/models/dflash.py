@@ -38,85 +38,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm.config import ModelConfig, VllmConfig
+from vllm.config.draft import (
+    dflash_field,
+    get_eagle3_aux_layers_from_config,
+    sample_from_anchor,
+)
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params
-from vllm.model_executor.models.interfaces import SupportsEagleBase, SupportsPP
+from vllm.model_executor.models.draft import DraftVocabModel, check_combined_taps
+from vllm.model_executor.models.interfaces import CombinesHiddenStates, TargetShares
 from vllm.model_executor.models.llama import LlamaMLP
-from vllm.model_executor.models.llama_eagle3 import (
-    get_eagle3_aux_layers_from_config,
-)
-from vllm.model_executor.models.utils import DraftVocabModel, load_params_strict
+from vllm.model_executor.models.utils import load_params_strict
 from vllm.sequence import IntermediateTensors
-
-DFLASH_ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
-MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
-
-
-def _get(config: Any, name: str, default: Any = None) -> Any:
-    v = getattr(config, name, None)
-    if v is None:
-        dc = getattr(config, "dflash_config", None) or {}
-        v = (dc if isinstance(dc, dict) else vars(dc)).get(name)
-    return default if v is None else v
-
-
-def block_query_len(config: Any, num_speculative_tokens: int) -> int:
-    """Positions of the block one propose runs: the anchor plus K masks, or K when the
-    anchor slot drafts too."""
-    return num_speculative_tokens + (0 if sample_from_anchor(config) else 1)
-
-
-def sample_from_anchor(config: Any) -> bool:
-    return bool(_get(config, "sample_from_anchor", False))
-
-
-def verify_dflash_draft(
-    config: Any, method: str, num_speculative_tokens: int, target: ModelConfig, where: str
-) -> None:
-    """Refuse a DFlash / DSpark draft config this engine cannot serve as asked, naming the
-    field; normalise a native DFlash config's taps (output of layer i = tap i + 1)."""
-    where = f"speculative_config.model {where!r}"
-    archs = list(getattr(config, "architectures", None) or [])
-    want = DFLASH_ARCHITECTURES[method]
-    if archs[:1] != [want]:
-        raise ValueError(
-            f"{where}: method {method!r} needs a {want} draft (speculators_model_type "
-            f"{method!r}), its config names architectures {archs}"
-        )
-    if get_eagle3_aux_layers_from_config(config) is None:
-        native = _get(config, "target_layer_ids")
-        if not native:
-            raise ValueError(
-                f"{where}: the draft names no target layers (aux_hidden_state_layer_ids / "
-                "dflash_config.target_layer_ids)"
-            )
-        config.eagle_config = {
-            "eagle_aux_hidden_state_layer_ids": [int(i) + 1 for i in native],
-            "use_aux_hidden_state": True,
-        }
-    mask = _get(config, "mask_token_id")
-    if not isinstance(mask, int) or not 0 <= mask < int(target.vocab_size):
-        raise ValueError(
-            f"{where}: mask_token_id must be a token id of the target vocabulary "
-            f"(0..{int(target.vocab_size) - 1}), got {mask!r}"
-        )
-    block = _get(config, "block_size")
-    if not isinstance(block, int) or block < 1:
-        raise ValueError(f"{where}: block_size must be an integer >= 1, got {block!r}")
-    q = block_query_len(config, num_speculative_tokens)
-    if q > block:
-        anchor = "true" if sample_from_anchor(config) else "false"
-        raise ValueError(
-            f"speculative_config.num_speculative_tokens={num_speculative_tokens} does not fit "
-            f"{where}'s block_size={block} (sample_from_anchor={anchor}: at most "
-            f"{block if sample_from_anchor(config) else block - 1} draft tokens per block)"
-        )
-    if method == "dspark" and _get(config, "markov_head_type", "vanilla") not in MARKOV_HEAD_TYPES:
-        raise ValueError(
-            f"{where}: markov_head_type {_get(config, 'markov_head_type')!r} is not "
-            f"supported; supported: {list(MARKOV_HEAD_TYPES)}"
-        )
 
 
 @dataclass
@@ -272,9 +206,9 @@ class MarkovHead(nn.Module):
 
     def __init__(self, config: Any, draft_vocab_size: int) -> None:
         super().__init__()
-        r = int(_get(config, "markov_rank"))
+        r = int(dflash_field(config, "markov_rank"))
         h = int(config.hidden_size)
-        self.head_type = _get(config, "markov_head_type", "vanilla")
+        self.head_type = dflash_field(config, "markov_head_type", "vanilla")
         self.rank = r
         self.markov_w1 = nn.Embedding(int(config.vocab_size), r)
         self.markov_w2 = nn.Linear(r, draft_vocab_size, bias=False)
@@ -308,28 +242,28 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(input_dim, 1)
 
 
-class DFlashDraftModel(DraftVocabModel, SupportsPP, SupportsEagleBase):
+class DFlashDraftModel(DraftVocabModel, CombinesHiddenStates):
     """DFlash draft (speculators `dflash` folders and native DFlash configs)."""
 
-    supports_pp = True
+    model: DFlashModel
 
-    def __init__(
-        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
-    ) -> None:
-        super().__init__()
-        config = model_config.hf_text_config
-        self.config = config
-        self.model = DFlashModel(config)
-        self.mask_token_id = int(_get(config, "mask_token_id"))
-        self.block_size = int(_get(config, "block_size"))
-        self.sample_from_anchor = sample_from_anchor(config)
-        self.init_draft_vocab(config)
+    def build_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str
+    ) -> DFlashModel:
+        config = self.config
+        # DSpark's heads (set after this by its __init__).
         self.markov_head: MarkovHead | None = None
         self.confidence_head: ConfidenceHead | None = None
         self.confidence_with_markov = False
+        self.mask_token_id = int(dflash_field(config, "mask_token_id"))
+        self.block_size = int(dflash_field(config, "block_size"))
+        self.sample_from_anchor = sample_from_anchor(config)
+        self.init_draft_vocab(config)
+        return DFlashModel(config)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.scatter_to_target(self.compute_draft_logits(hidden_states))
+    def bind_target(self, shares: TargetShares) -> None:
+        super().bind_target(shares)
+        check_combined_taps(self, self.model.fc, shares)
 
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[T, num_taps * target_hidden] -> the context features [T, hidden] every layer's
@@ -345,15 +279,16 @@ class DFlashDraftModel(DraftVocabModel, SupportsPP, SupportsEagleBase):
             # nn.ModuleList is untyped: DFlashModel fills it with DFlashDecoderLayer only.
             cast(DFlashDecoderLayer, layer).self_attn.write_context(positions, ctx, slot_mapping)
 
-    def forward(
+    def forward(  # type: ignore[override]
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: BlockAttentionMetadata,
         intermediate_tensors: IntermediateTensors | None = None,
     ) -> torch.Tensor:
-        """The normed hidden states [R * Q, hidden] of R blocks of Q slots."""
-        x = self.model.embed_tokens(input_ids)
+        """The normed hidden states [R * Q, hidden] of R blocks of Q slots (one block-parallel
+        pass, not the autoregressive draft step of the other drafts)."""
+        x = self.embed_input_ids(input_ids)
         for layer in self.model.layers:
             x = layer(positions, x, meta)
         return self.model.norm(x)
@@ -384,11 +319,13 @@ class DSparkDraftModel(DFlashDraftModel):
     ) -> None:
         super().__init__(vllm_config, model_config, prefix)
         config = self.config
-        rank = int(_get(config, "markov_rank", 256))
+        rank = int(dflash_field(config, "markov_rank", 256))
         if rank > 0:
             self.markov_head = MarkovHead(config, self.draft_vocab_size)
-        if bool(_get(config, "enable_confidence_head", True)):
-            self.confidence_with_markov = bool(_get(config, "confidence_head_with_markov", True))
+        if bool(dflash_field(config, "enable_confidence_head", True)):
+            self.confidence_with_markov = bool(
+                dflash_field(config, "confidence_head_with_markov", True)
+            )
             if self.confidence_with_markov and self.markov_head is None:
                 raise ValueError("DSpark: confidence_head_with_markov needs markov_rank > 0")
             dim = int(config.hidden_size) + (rank if self.confidence_with_markov else 0)

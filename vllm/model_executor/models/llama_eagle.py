@@ -24,10 +24,10 @@ from torch import nn
 from vllm.config import ModelConfig, VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.model_loader.weight_utils import safetensors_weight_names
-from vllm.model_executor.models.base import DraftModelBase, build_lm_head
+from vllm.model_executor.models.base import build_lm_head
+from vllm.model_executor.models.draft import DraftModel
 from vllm.model_executor.models.llama import LlamaDecoderLayer
-from vllm.model_executor.models.utils import check_all_loaded, load_params_strict, maybe_prefix
-from vllm.sequence import IntermediateTensors
+from vllm.model_executor.models.utils import check_all_loaded, load_params_strict
 
 
 def _checkpoint_name(name: str) -> str:
@@ -54,15 +54,10 @@ class EagleLlamaModel(nn.Module):
             self.hidden_states_layernorm = RMSNorm(h, eps)
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        inputs_embeds: torch.Tensor | None = None,
+        self, positions: torch.Tensor, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor
     ) -> torch.Tensor:
-        """The output stream (hidden + residual of the last layer): the predicted feature."""
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
+        """The output stream (hidden + residual of the last layer): the predicted feature, for
+        the LM head and fed back alike."""
         if self.add_para_norm:
             inputs_embeds = self.embedding_layernorm(inputs_embeds)
             hidden_states = self.hidden_states_layernorm(hidden_states)
@@ -73,15 +68,14 @@ class EagleLlamaModel(nn.Module):
         return hidden + residual
 
 
-class EagleLlamaForCausalLM(DraftModelBase):
+class EagleLlamaForCausalLM(DraftModel):
     """EAGLE-1 draft (draft folder `architectures: ["LlamaForCausalLM"]`, method "eagle")."""
 
     model: EagleLlamaModel
 
-    def __init__(
-        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
-    ) -> None:
-        super().__init__(vllm_config, model_config, prefix)
+    def build_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str
+    ) -> EagleLlamaModel:
         config = self.config
         if int(getattr(config, "num_hidden_layers", 0) or 0) < 1:
             raise ValueError(
@@ -89,25 +83,11 @@ class EagleLlamaForCausalLM(DraftModelBase):
                 f"{getattr(config, 'num_hidden_layers', None)!r}"
             )
         names = {_checkpoint_name(n) for n in safetensors_weight_names(model_config.model)}
-        self.model = EagleLlamaModel(
-            config, fc_bias="fc.bias" in names, prefix=maybe_prefix(prefix, "model")
-        )
         self.lm_head = build_lm_head(config)
         # Set from the checkpoint by load_weights; what it lacks is shared from the target.
         self.has_own_embed_tokens = False
         self.has_own_lm_head = False
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(stream for the LM head, stream fed back to the next draft step): the same tensor."""
-        out = self.model(input_ids, positions, hidden_states, inputs_embeds)
-        return out, out
+        return EagleLlamaModel(config, fc_bias="fc.bias" in names, prefix=prefix)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str) -> str | None:
@@ -119,6 +99,6 @@ class EagleLlamaForCausalLM(DraftModelBase):
         loaded = load_params_strict(self, weights, rename)
         self.has_own_embed_tokens = "model.embed_tokens.weight" in loaded
         self.has_own_lm_head = "lm_head.weight" in loaded
-        # A missing embedding / LM head is the target's (shared by load_eagle_model).
+        # A missing embedding / LM head is the target's (DraftModel.bind_target).
         check_all_loaded(self, loaded, shared={"model.embed_tokens.weight", "lm_head.weight"})
         return loaded

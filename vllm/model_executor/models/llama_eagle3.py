@@ -27,44 +27,19 @@ import torch
 from torch import nn
 
 from vllm.config import ModelConfig, VllmConfig
+from vllm.config.draft import (
+    eagle3_switch,
+    get_eagle3_aux_layers_from_config,
+    get_eagle3_use_aux_hidden_state_from_config,
+)
 from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.models.interfaces import SupportsEagleBase, SupportsPP
+from vllm.model_executor.models.draft import DraftVocabModel, check_combined_taps
+from vllm.model_executor.models.interfaces import CombinesHiddenStates, TargetShares
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
-from vllm.model_executor.models.utils import (
-    DraftVocabModel,
-    load_params_strict,
-    maybe_prefix,
-)
-from vllm.sequence import IntermediateTensors
+from vllm.model_executor.models.utils import load_params_strict
 
 logger = init_logger(__name__)
-
-
-def _eagle_config(config: Any) -> dict[str, Any]:
-    ec = getattr(config, "eagle_config", None) or {}
-    return ec if isinstance(ec, dict) else vars(ec)
-
-
-def get_eagle3_aux_layers_from_config(config: Any) -> tuple[int, ...] | None:
-    """Target layers the draft was trained on (tap L = the stream entering layer L)."""
-    ec = _eagle_config(config)
-    ids = ec.get("eagle_aux_hidden_state_layer_ids") or getattr(
-        config, "eagle_aux_hidden_state_layer_ids", None
-    )
-    return tuple(int(i) for i in ids) if ids else None
-
-
-def get_eagle3_use_aux_hidden_state_from_config(config: Any) -> bool:
-    return bool(_eagle_config(config).get("use_aux_hidden_state", True))
-
-
-def _switch(config: Any, name: str) -> bool:
-    """A boolean head switch, at the top level of the config or inside eagle_config."""
-    v = getattr(config, name, None)
-    if v is None:
-        v = _eagle_config(config).get(name)
-    return bool(v)
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -84,7 +59,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps)
         self.hidden_norm = RMSNorm(h, eps)
         self.post_attention_layernorm = RMSNorm(h, eps)
-        self.norm_before_residual = _switch(config, "norm_before_residual")
+        self.norm_before_residual = eagle3_switch(config, "norm_before_residual")
 
     def forward(
         self, positions: torch.Tensor, embeds: torch.Tensor, hidden_states: torch.Tensor
@@ -124,14 +99,14 @@ class Eagle3LlamaModel(nn.Module):
             target_h = int(getattr(config, "target_hidden_size", None) or h)
             num_aux = len(get_eagle3_aux_layers_from_config(config) or (0, 0, 0))
             self.fc = nn.Linear(num_aux * target_h, h, bias=False)
-            if _switch(config, "norm_before_fc"):
+            if eagle3_switch(config, "norm_before_fc"):
                 self.input_norm = RMSNorm(num_aux * target_h, eps)
-            if _switch(config, "fc_norm"):
+            if eagle3_switch(config, "fc_norm"):
                 self.fc_norm = nn.ModuleList([RMSNorm(target_h, eps) for _ in range(num_aux)])
             if self.input_norm is not None and self.fc_norm is not None:
                 raise ValueError("EAGLE3 config sets both norm_before_fc and fc_norm")
         self.norm = RMSNorm(h, eps)
-        self.norm_output = _switch(config, "norm_output")
+        self.norm_output = eagle3_switch(config, "norm_output")
 
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         if self.fc is None:
@@ -145,15 +120,9 @@ class Eagle3LlamaModel(nn.Module):
         return self.fc(aux)
 
     def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        inputs_embeds: torch.Tensor | None = None,
+        self, positions: torch.Tensor, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(normed hidden for the LM head, stream fed back to the next draft step)."""
-        if inputs_embeds is None:
-            inputs_embeds = self.embed_tokens(input_ids)
         hidden, residual = self.layers[0](positions, inputs_embeds, hidden_states)
         for layer in self.layers[1:]:
             hidden, residual = layer(positions, hidden, residual)
@@ -161,44 +130,23 @@ class Eagle3LlamaModel(nn.Module):
         return normed, (normed if self.norm_output else prenorm)
 
 
-class LlamaForCausalLMEagle3(DraftVocabModel, SupportsPP, SupportsEagleBase):
+class LlamaForCausalLMEagle3(DraftVocabModel, CombinesHiddenStates):
     """EAGLE3 draft (legacy `LlamaForCausalLMEagle3` folders and speculators `eagle3` ones)."""
 
-    supports_pp = True
+    model: Eagle3LlamaModel
 
-    def __init__(
-        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
-    ) -> None:
-        super().__init__()
-        config = model_config.hf_text_config
-        self.config = config
-        self.model = Eagle3LlamaModel(config, prefix=maybe_prefix(prefix, "model"))
-        self.init_draft_vocab(config)
+    def build_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str
+    ) -> Eagle3LlamaModel:
+        self.init_draft_vocab(self.config)
+        return Eagle3LlamaModel(self.config, prefix=prefix)
 
-    @property
-    def aux_hidden_state_layers(self) -> tuple[int, ...] | None:
-        return get_eagle3_aux_layers_from_config(self.config)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
+    def bind_target(self, shares: TargetShares) -> None:
+        super().bind_target(shares)
+        check_combined_taps(self, self.model.fc, shares)
 
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[T, num_aux * target_hidden] concatenated aux states -> [T, hidden]."""
         return self.model.combine(hidden_states)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.model(input_ids, positions, hidden_states, inputs_embeds)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits over the TARGET vocabulary (tokens outside the draft vocab get -inf)."""
-        return self.scatter_to_target(self.compute_draft_logits(hidden_states))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str) -> str | None:

@@ -286,7 +286,6 @@ class Qwen3_5ForCausalLM(CausalLMBase):
     """Qwen3.5 causal LM (also the text path of Qwen3_5ForConditionalGeneration checkpoints,
     whose `model.language_model.*` weights load here and whose vision weights are skipped)."""
 
-    is_hybrid = True
     model_cls = Qwen3_5Model
     skip_prefixes = ("mtp.",)  # the MTP draft (qwen3_5_mtp.py) loads these
     hf_to_vllm_prefix = {"model.language_model.": "model."}

@@ -10,7 +10,8 @@ normed hidden gives the logits (through the target's lm_head) and feeds the next
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -18,7 +19,8 @@ from torch import nn
 
 from vllm.config import ModelConfig, VllmConfig, num_mtp_layers
 from vllm.model_executor.layers.linear import ReplicatedLinear
-from vllm.model_executor.models.base import DraftModelBase, build_lm_head, tie_word_embeddings
+from vllm.model_executor.models.base import build_lm_head, tie_word_embeddings
+from vllm.model_executor.models.draft import DraftModel
 from vllm.model_executor.models.qwen3_5 import (
     FULL_ATTENTION,
     Qwen3_5DecoderLayer,
@@ -28,7 +30,6 @@ from vllm.model_executor.models.utils import (
     WeightLoadError,
     check_all_loaded,
     load_params_strict,
-    maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
 
@@ -55,24 +56,17 @@ class Qwen3_5MultiTokenPredictor(nn.Module):
         self.pre_fc_norm_hidden = Qwen3_5RMSNorm(h, eps)
         self.pre_fc_norm_embedding = Qwen3_5RMSNorm(h, eps)
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
     def forward(
         self,
-        input_ids: torch.Tensor | None,
         positions: torch.Tensor,
+        inputs_embeds: torch.Tensor,
         hidden_states: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
         spec_step_idx: int = 0,
+        intermediate_tensors: IntermediateTensors | None = None,
     ) -> torch.Tensor:
         # Branch on the inputs, never on the pipeline rank: the draft lives on the last stage,
         # which is not the first, yet it must still combine the embedding with the hidden state.
         if intermediate_tensors is None:
-            if inputs_embeds is None:
-                assert input_ids is not None, "the draft embeds input_ids"
-                inputs_embeds = self.embed_input_ids(input_ids)
             x = torch.cat(
                 [self.pre_fc_norm_embedding(inputs_embeds), self.pre_fc_norm_hidden(hidden_states)],
                 dim=-1,
@@ -91,36 +85,24 @@ class Qwen3_5MoeMultiTokenPredictor(Qwen3_5MultiTokenPredictor):
     moe = True
 
 
-class Qwen3_5MTP(DraftModelBase):
+class Qwen3_5MTP(DraftModel):
     """Qwen3.5 MTP draft. It loads its own embedding and LM head from the checkpoint's target
-    names (the target holds neither on the last stage under PP)."""
+    names (the target holds neither on the last stage under PP; at P = 1 the target's, equal,
+    are kept instead)."""
 
-    has_own_embed_tokens = True
-    has_own_lm_head = True
     predictor_cls: ClassVar[type[Qwen3_5MultiTokenPredictor]] = Qwen3_5MultiTokenPredictor
     model: Qwen3_5MultiTokenPredictor
 
-    def __init__(
-        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = ""
-    ) -> None:
-        super().__init__(vllm_config, model_config, prefix)
-        config = self.config
+    def build_model(
+        self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str
+    ) -> Qwen3_5MultiTokenPredictor:
+        model = self.predictor_cls(self.config, prefix=prefix)
         self.tied = tie_word_embeddings(model_config)
-        self.model = self.predictor_cls(config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = build_lm_head(config, self.model.embed_tokens if self.tied else None)
+        self.lm_head = build_lm_head(self.config, model.embed_tokens if self.tied else None)
+        return model
 
-    def forward(
-        self,
-        input_ids: torch.Tensor | None,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        intermediate_tensors: IntermediateTensors | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        spec_step_idx: int = 0,
-    ) -> torch.Tensor:
-        return self.model(
-            input_ids, positions, hidden_states, intermediate_tensors, inputs_embeds, spec_step_idx
-        )
+    def step_network(self, spec_step_idx: int) -> Callable[..., torch.Tensor]:
+        return functools.partial(self.model, spec_step_idx=spec_step_idx)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """`mtp.*` -> `model.*`; the embedding and LM head come from the target's names

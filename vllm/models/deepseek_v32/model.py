@@ -5,6 +5,7 @@ indexer, whose per-token top-k context positions restrict each layer's MLA atten
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from vllm.model_executor.models.deepseek_v2 import (
     DeepseekV2Model,
     DeepseekV3ForCausalLM,
 )
+from vllm.model_executor.models.interfaces import TargetShares
 
 # Bound on the [rows, queries, index heads, keys] score block of one indexer chunk, in elements.
 _SCORE_BUDGET = 1 << 25
@@ -127,8 +129,8 @@ class DeepseekV32Indexer(nn.Module):
         self.softmax_scale = self.head_dim**-0.5
         self.rotary_emb = _rope(config, self.head_dim, interleaved=is_glm_dsa(config))
         self.k_cache = DeepseekV32IndexerCache(self.head_dim, prefix=f"{prefix}.k_cache")
-        # A plain attribute (not a registered buffer): the owner of the buffer, which draft
-        # loading re-points to the target's (None in an MTP draft until then).
+        # A plain attribute (not a registered buffer): the owner of the buffer, which an MTP
+        # draft's binding re-points to its target's (None in the draft until then).
         self.topk_indices_buffer = topk_indices_buffer
         self.num_calls = 0  # forwards that computed a selection (tests, benchmarks)
 
@@ -206,6 +208,16 @@ class DeepseekV32MLAAttention(DeepseekV2MLAAttention):
             prefix=f"{prefix}.attn",
         )
 
+    def use_topk_indices_buffer(self, buffer: torch.Tensor) -> None:
+        """Select into and attend from `buffer` (an MTP draft layer: its target's). The indexer
+        owns the buffer and the sparse impl resolves it through the indexer on every read
+        (SharedTopkIndicesBuffer), so re-pointing the owner after the impl was built takes
+        effect; a layer without an indexer (GLM "shared") is given the buffer explicitly."""
+        if self.indexer is not None:
+            self.indexer.topk_indices_buffer = buffer
+        else:
+            self.attn.topk_indices_buffer = buffer
+
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q_nope, q_pe, kv_c, k_pe, q_c = self.project(positions, hidden_states)
         if self.indexer is not None and not self.skip_topk:
@@ -270,6 +282,8 @@ class DeepseekV32Model(DeepseekV2Model):
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     """DeepSeek-V3.2 causal LM (DSA sparse MLA + MoE); supports pipeline parallelism."""
 
+    model: DeepseekV32Model
+
     def _init_model(
         self, vllm_config: VllmConfig, prefix: str, keep_embed: bool
     ) -> DeepseekV32Model:
@@ -280,6 +294,12 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
             tied=self.tied,
             keep_embed=keep_embed,
         )
+
+    def draft_shares(self) -> TargetShares:
+        """The target's shares plus its top-k indices buffer (the MTP draft's indexers write,
+        and its sparse attention reads, the target's)."""
+        buf = self.model.topk_indices_buffer
+        return dataclasses.replace(super().draft_shares(), topk_indices_buffer=buf)
 
 
 class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):

@@ -164,7 +164,9 @@ class Worker:
 
     def _recv(self, src: int) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
-        tensors = recv_tensor_dict(src, self.device, on_metadata=self._on_metadata)
+        buffers = self._runner().recv_buffers
+        assert buffers is not None, "a stage that receives has receive buffers"
+        tensors = recv_tensor_dict(src, buffers, on_metadata=self._on_metadata)
         now = time.perf_counter()
         # Waiting for the metadata includes the upstream stage's compute (pipeline bubble);
         # what follows it is the transfer proper.

@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
 """Sparse MLA attention layer (DeepSeek-V3.2 DSA): MLA whose impl is a registered sparse backend
-reading the model-wide top-k indices buffer, and re-pointing a model's layers at another buffer
-(a draft reading its target's). The impls and their shared buffer view are in
+reading the model-wide top-k indices buffer. The impls and their shared buffer view are in
 v1/attention/backends/mla/sparse_common.py."""
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ __all__ = [
     "SharedTopkIndicesBuffer",
     "SparseMLAAttention",
     "SparseMLACommonImpl",
-    "share_topk_indices_buffer",
 ]
 
 
@@ -59,9 +57,6 @@ class SparseMLAAttention(MLAAttention):
             topk_indices_buffer=topk_indices_buffer,
         )
 
-        # Whether the impl reads its indexer's buffer (else the explicit one it was given).
-        self.reads_indexer_buffer = indexer is not None
-
     @property
     def topk_indices_buffer(self) -> torch.Tensor | None:
         return self.impl.topk_indices_buffer
@@ -69,22 +64,3 @@ class SparseMLAAttention(MLAAttention):
     @topk_indices_buffer.setter
     def topk_indices_buffer(self, buffer: torch.Tensor | None) -> None:
         self.impl.topk_indices_buffer = buffer
-
-
-def share_topk_indices_buffer(model: nn.Module, buffer: torch.Tensor) -> int:
-    """Make every sparse MLA layer of `model` read `buffer` (a draft reading its target's).
-
-    The owners of the buffer are re-pointed: the indexers, and any module keeping the
-    model-wide buffer as a plain attribute. A layer built with an indexer then sees the new
-    buffer through it, as SharedTopkIndicesBuffer resolves; only layers without an indexer (that
-    reuse another layer's selection) get the buffer assigned explicitly. Returns how many
-    owners were re-pointed."""
-    owners = 0
-    for m in model.modules():
-        if isinstance(m, SparseMLAAttention):
-            if not m.reads_indexer_buffer:
-                m.topk_indices_buffer = buffer
-        elif "topk_indices_buffer" in m.__dict__:
-            m.topk_indices_buffer = buffer
-            owners += 1
-    return owners

@@ -59,6 +59,8 @@ class ModelRunner:
         self.model: CausalLMBase | None = None
         self.attn_layers: dict[str, AttentionLayerBase] = {}
         self.speculator: BaseSpeculator | None = None
+        # Non-first stages: what the previous stage's tensors are received into (load_model).
+        self.recv_buffers: dict[str, torch.Tensor] | None = None
         # Verifies drafts (or, without any, takes each request's one sampled token).
         self.rejection_sampler = RejectionSampler(self.num_spec)
         self.kv_caches: dict[str, torch.Tensor] = {}
@@ -77,14 +79,20 @@ class ModelRunner:
             check_supports_pp(resolve_model_cls(self.vllm_config.model_config.architecture))
         # Every registered target is a CausalLMBase (the decoder plus its LM head).
         self.model = cast("CausalLMBase", get_model(self.vllm_config, device=self.device))
-        if self.vllm_config.speculative_config is not None and self.pp.is_last_rank:
-            self.speculator = init_speculator(self.vllm_config, self.device)
-            self.speculator.load_model(self.model)
-        elif self.vllm_config.speculative_config is not None:
-            # EAGLE3: stages without the drafter still produce (and relay) its aux taps.
+        if self.vllm_config.speculative_config is not None:
+            # EAGLE3: every stage taps the layers the draft reads (and relays them on).
             configure_target_aux_taps(self.model, self.vllm_config)
-        if self.pp_handler is not None:
-            self.pp_handler.configure_aux_hidden_state_relay(self.model)
+            if self.pp.is_last_rank:
+                self.speculator = init_speculator(self.vllm_config, self.device)
+                self.speculator.load_model(self.model)
+        if self.pp.world_size > 1:
+            check_supports_pp(self.model)
+            if not self.pp.is_first_rank:
+                # Made once by the model's own factory, with the aux slots its stage expects
+                # (so after the taps are set), and before the KV cache is sized.
+                rows = self.vllm_config.scheduler_config.max_num_batched_tokens
+                made = self.model.make_empty_intermediate_tensors(rows, self.dtype, self.device)
+                self.recv_buffers = dict(made.tensors)
         self.attn_layers = {
             name: m for name, m in self._all_modules() if isinstance(m, AttentionLayerBase)
         }
@@ -196,10 +204,21 @@ class ModelRunner:
         self.states.num_computed[batch.idx_mapping_np] += batch.num_scheduled_tokens
         if not self.pp.is_last_rank:
             if self.pp_handler is not None:
-                out = self.pp_handler.relay_aux_hidden_states(intermediate_tensors, out)
                 self.pp_handler.receive(batch)
-            return out
+            return self._not_in_recv_buffers(out)
         return self._sample_and_propose(batch, out)
+
+    def _not_in_recv_buffers(self, out: IntermediateTensors) -> IntermediateTensors:
+        """What a middle stage sends on, none of it a view of its receive buffers: the send
+        may still be posted when the next batch is received into them."""
+        buffers = self.recv_buffers
+        if not buffers:
+            return out
+        held = {b.untyped_storage().data_ptr() for b in buffers.values()}
+        for key, t in list(out.items()):
+            if t.untyped_storage().data_ptr() in held:
+                out[key] = t.clone()
+        return out
 
     def _linear_attn_metadata(self, batch: InputBatch) -> GDNAttentionMetadata | None:
         if self.linear_attn_states is None:

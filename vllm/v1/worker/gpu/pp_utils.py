@@ -103,8 +103,6 @@ class PPHandler:
         # Bumped when a slot is freed: results addressed to its previous owner are dropped.
         self.req_idx_gen_np = np.zeros(max_num_reqs, dtype=np.int64)
         self.recv_wait_s = 0.0  # time spent blocked on broadcasts not yet arrived (benchmarks)
-        # EAGLE3 on a middle stage: aux_hidden_states_<i> slots of upstream stages to forward.
-        self.aux_relay_keys: tuple[str, ...] = ()
 
     # ---- both sides ------------------------------------------------------------------------
     def on_req_idx_freed(self, req_idx: int) -> None:
@@ -114,29 +112,6 @@ class PPHandler:
         if self.broadcast_group is None:
             return _DoneWork()
         return self.broadcast_group.broadcast(tensor, self.last_rank)
-
-    def configure_aux_hidden_state_relay(self, model: Any) -> tuple[str, ...]:
-        """Remember which upstream aux slots this (middle) stage must forward (EAGLE3)."""
-        from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
-            aux_hidden_state_relay_keys,
-        )
-
-        self.aux_relay_keys = aux_hidden_state_relay_keys(model)
-        return self.aux_relay_keys
-
-    def relay_aux_hidden_states(self, intermediate_tensors: Any, output: Any) -> Any:
-        """Copy the upstream aux slots, unchanged, from what this stage received into what it
-        sends on; a slot that did not arrive is an error, never zero-filled."""
-        if not self.aux_relay_keys or output is None:
-            return output
-        for key in self.aux_relay_keys:
-            if intermediate_tensors is None or key not in intermediate_tensors:
-                raise RuntimeError(
-                    f"Missing {key} in the intermediate tensors to relay "
-                    f"(expected {list(self.aux_relay_keys)})"
-                )
-            output[key] = intermediate_tensors[key]
-        return output
 
     # ---- last rank -------------------------------------------------------------------------
     def _post_send(self, tensor: torch.Tensor) -> None:

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from vllm.config import VllmConfig
@@ -11,19 +13,10 @@ from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
 
 
 def init_speculator(vllm_config: VllmConfig, device: torch.device | str) -> BaseSpeculator:
+    """The speculator the method's registry entry (vllm.config.SPEC_METHODS) names."""
     spec = vllm_config.speculative_config
     if spec is None:
         raise ValueError("init_speculator needs a speculative_config")
-    if spec.method == "mtp":
-        from vllm.v1.worker.gpu.spec_decode.mtp.speculator import MTPSpeculator
-
-        return MTPSpeculator(vllm_config, device)
-    if spec.method in ("dflash", "dspark"):
-        from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
-
-        return DFlashSpeculator(vllm_config, device)
-    if spec.use_eagle:
-        from vllm.v1.worker.gpu.spec_decode.eagle.speculator import EagleSpeculator
-
-        return EagleSpeculator(vllm_config, device)
-    raise NotImplementedError(f"{spec.method} is not supported yet.")
+    module, name = spec.method_info.speculator.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    return cls(vllm_config, device)

@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
 """Speculator base classes: the interface the model runner calls, and the part shared by every
-speculator that runs a draft model (its config, buffers, loading and draft-token sampling)."""
+speculator that runs a draft model (its config, buffers, loading and binding the draft to its
+target, draft-token sampling)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,12 +17,14 @@ from torch import nn
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.model_executor.layers.attention import AttentionLayerBase
+from vllm.model_executor.model_loader import get_model
+from vllm.model_executor.models.draft import DraftModel
+from vllm.model_executor.models.interfaces import TargetShares, check_supports_pp
+from vllm.model_executor.models.registry import resolve_model_cls
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
-from vllm.v1.worker.gpu.spec_decode.eagle.utils import should_gather_mm_embeds_for_draft
 
 if TYPE_CHECKING:
-    from vllm.model_executor.models.base import ModelBase
-    from vllm.model_executor.models.interfaces import SupportsPP
+    from vllm.model_executor.models.base import CausalLMBase
     from vllm.v1.worker.gpu.input_batch import InputBatch
 
 
@@ -79,7 +82,7 @@ class BaseSpeculator(ABC):
     model: nn.Module | None = None
 
     @abstractmethod
-    def load_model(self, target_model: nn.Module) -> None:
+    def load_model(self, target_model: CausalLMBase) -> None:
         """Build the drafter next to the (already loaded) target model."""
 
     @abstractmethod
@@ -118,13 +121,10 @@ class DraftModelSpeculator(BaseSpeculator):
         assert max_model_len is not None  # ModelConfig.__post_init__ resolves it
         self.max_model_len = max_model_len
         self.block_size = vllm_config.cache_config.block_size
-        draft_text = self.draft_model_config.hf_text_config
-        self.hidden_size = int(draft_text.hidden_size) * int(getattr(draft_text, "hc_mult", 1) or 1)
         self.vocab_size = vllm_config.model_config.vocab_size
         self.dtype = vllm_config.model_config.torch_dtype(self.device.type)
         self.draft_sample_method = spec.draft_sample_method
-        self.model: nn.Module | None = None
-        self.supports_mm_inputs = False
+        self.model: DraftModel | None = None
         self.target_hidden_size = 0
         K = self.num_speculative_steps
         # Draft tokens of the current batch, one row per batch row.
@@ -132,32 +132,45 @@ class DraftModelSpeculator(BaseSpeculator):
         self.target_attn_layer_names: set[str] = set()
         self.draft_attn_layer_names: set[str] = set()
 
-    @abstractmethod
-    def load_draft_model(
-        self, target_model: nn.Module, target_attn_layer_names: set[str]
-    ) -> nn.Module: ...
+    @property
+    def draft(self) -> DraftModel:
+        assert self.model is not None, "load_model() must run first"
+        return self.model
 
-    def load_model(self, target_model: nn.Module) -> None:
+    def on_draft_bound(self, draft: DraftModel, shares: TargetShares) -> None:
+        """After the draft is bound to its target: take up the draft's optional capabilities
+        (subclasses)."""
+
+    def load_model(self, target_model: CausalLMBase) -> None:
+        """Build and load the draft, then bind it to the target (see DraftModel.bind_target).
+        The target's aux taps are set before (the runner sets them on every stage)."""
         self.target_attn_layer_names = _attn_layer_names(target_model)
         target_ids = {id(m) for m in target_model.modules()}
-        self.target_hidden_size = int(cast("ModelBase", target_model).config.hidden_size)
-        self.model = self.load_draft_model(target_model, self.target_attn_layer_names)
-        # The speculator lives on the last stage; encoder outputs exist only on the first.
-        self.supports_mm_inputs = should_gather_mm_embeds_for_draft(
-            target_model, has_encoder_outputs=get_pp_group().is_first_rank
-        )
+        shares = target_model.draft_shares()
+        self.target_hidden_size = shares.hidden_size
+        draft = load_draft_model(self.vllm_config, self.device)
+        draft.bind_target(shares)
+        if draft.gather_mm_embeds:
+            # The binding decided the first pass reads the target's encoder outputs (a draft
+            # taking them, on the stage holding them): nothing passes them to a draft yet.
+            raise NotImplementedError(
+                f"the draft {type(draft).__name__} reads the target's encoder outputs, which "
+                "propose() does not receive yet"
+            )
+        self.model = draft
+        self.on_draft_bound(draft, shares)
         self.draft_attn_layer_names = {
             n
-            for n, m in self.model.named_modules()
+            for n, m in draft.named_modules()
             if isinstance(m, AttentionLayerBase) and id(m) not in target_ids
         }
         # The hidden states the draft's first pass reads, in a persistent buffer (the fixed
         # input a captured graph or compiled forward needs), shaped by the draft itself: its
         # SupportsPP make_empty_intermediate_tensors gives rows of the hidden size it consumes.
         rows = max(self.max_num_tokens, self.max_num_reqs)
-        self.hidden_states = cast("SupportsPP", self.model).make_empty_intermediate_tensors(
-            rows, self.dtype, self.device
-        )["hidden_states"]
+        self.hidden_states = draft.make_empty_intermediate_tensors(rows, self.dtype, self.device)[
+            "hidden_states"
+        ]
 
     def stage_hidden_states(self, hidden: torch.Tensor) -> torch.Tensor:
         """Copy the first pass's hidden states [T, H] into the persistent buffer; returns the
@@ -185,6 +198,26 @@ class DraftModelSpeculator(BaseSpeculator):
         if self.draft_sample_method != "probabilistic":
             return logits.argmax(-1)
         return sampling.sample(logits, positions)
+
+
+def load_draft_model(vllm_config: VllmConfig, device: torch.device) -> DraftModel:
+    """Build the draft of speculative_config and load its own weights (not yet bound to its
+    target). Under pipeline parallelism it lives on the last stage next to its target, so it
+    must be buildable there (SupportsPP with a working factory)."""
+    spec = vllm_config.speculative_config
+    assert spec is not None  # only speculators call this
+    multi_stage = get_pp_group().world_size > 1
+    if multi_stage:
+        check_supports_pp(resolve_model_cls(spec.draft_model_config.architecture))
+    draft = get_model(vllm_config, model_config=spec.draft_model_config, device=device)
+    if multi_stage:
+        check_supports_pp(draft)
+    if not isinstance(draft, DraftModel):
+        raise TypeError(
+            f"{type(draft).__name__} ({spec.draft_model_config.architecture}) is not a draft "
+            f"model; speculative_config.method {spec.method!r} needs one"
+        )
+    return draft
 
 
 def _attn_layer_names(model: nn.Module) -> set[str]:

@@ -13,26 +13,23 @@ token drafted before it; its confidence head's estimates are accumulated and log
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import numpy as np
 import torch
-from torch import nn
 
 from vllm.config import VllmConfig
+from vllm.config.draft import block_query_len, sample_from_anchor
 from vllm.logger import init_logger
 from vllm.model_executor.models.dflash import (
     BlockAttentionMetadata,
-    block_query_len,
-    sample_from_anchor,
+    DFlashDraftModel,
+    DSparkDraftModel,
 )
+from vllm.model_executor.models.draft import DraftModel
+from vllm.model_executor.models.interfaces import TargetShares
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
-from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import set_eagle3_aux_hidden_state_layers
-from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator, ProposeInputs
-
-if TYPE_CHECKING:
-    from vllm.model_executor.models.dflash import DFlashDraftModel, DSparkDraftModel
 
 logger = init_logger(__name__)
 
@@ -48,7 +45,6 @@ class DFlashSpeculator(DraftModelSpeculator):
         self.query_len = block_query_len(cfg, K)
         # Block slot of draft 0: the anchor's own slot drafts only with sample_from_anchor.
         self.first_draft_slot = 0 if sample_from_anchor(cfg) else 1
-        self.aux_hidden_state_layers: tuple[int, ...] = ()
         # DSpark confidence head: sum of its acceptance estimates per draft position, and
         # the number of drafted blocks they cover.
         self.confidence_sum = np.zeros(K, dtype=np.float64)
@@ -60,14 +56,14 @@ class DFlashSpeculator(DraftModelSpeculator):
         self.last_logits: list[torch.Tensor] = []
         self.last_confidence: list[torch.Tensor] = []
 
-    def load_draft_model(
-        self, target_model: nn.Module, target_attn_layer_names: set[str]
-    ) -> nn.Module:
-        draft = load_eagle_model(target_model, self.vllm_config, self.device)
-        self.aux_hidden_state_layers = set_eagle3_aux_hidden_state_layers(
-            target_model, self.draft_model_config.hf_text_config, draft, method=self.method
-        )
-        return draft
+    def on_draft_bound(self, draft: DraftModel, shares: TargetShares) -> None:
+        if not isinstance(draft, DFlashDraftModel):
+            raise TypeError(f"{self.method} needs a DFlash draft, got {type(draft).__name__}")
+        if not shares.aux_hidden_state_layers:
+            raise RuntimeError(
+                f"{self.method} drafts from the target's aux hidden states, but the target taps "
+                "none (its taps were not configured)"
+            )
 
     @property
     def sequential(self) -> bool:
@@ -84,8 +80,8 @@ class DFlashSpeculator(DraftModelSpeculator):
 
     @property
     def _dflash(self) -> DFlashDraftModel:
-        # load_draft_model builds a DFlashDraftModel (or DSparkDraftModel) for this method.
-        return cast("DFlashDraftModel", self.model)
+        # on_draft_bound refuses any other draft.
+        return cast(DFlashDraftModel, self.model)
 
     # ---- drafting ---------------------------------------------------------------------------
     def _sample(
@@ -138,7 +134,7 @@ class DFlashSpeculator(DraftModelSpeculator):
             drafts[:] = torch.stack(toks, dim=1).cpu().numpy()
             return drafts.copy()
         # Sequential drafting runs only for DSpark heads (their Markov / confidence heads).
-        ds = cast("DSparkDraftModel", m)
+        ds = cast(DSparkDraftModel, m)
         prev = torch.from_numpy(np.asarray(anchor_tokens, dtype=np.int64)).to(dev)
         state = None
         toks, confs = [], []

@@ -8,6 +8,8 @@ from typing import Any, cast
 
 from torch import nn
 
+from vllm.config import VllmConfig
+from vllm.config.draft import get_eagle3_aux_layers_from_config
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.logger import init_logger
 from vllm.model_executor.models.interfaces import (
@@ -15,21 +17,15 @@ from vllm.model_executor.models.interfaces import (
     SupportsEagle3,
     supports_eagle3,
 )
-from vllm.model_executor.models.llama_eagle3 import (
-    get_eagle3_aux_layers_from_config,
-    get_eagle3_use_aux_hidden_state_from_config,
-)
 
 logger = init_logger(__name__)
 
 
 def set_eagle3_aux_hidden_state_layers(
-    target_model: nn.Module,
-    draft_hf_config: Any,
-    draft_model: nn.Module | None = None,
-    method: str = "eagle3",
+    target_model: nn.Module, draft_hf_config: Any, method: str = "eagle3"
 ) -> tuple[int, ...]:
-    """Point the target's taps at the layers the draft was trained on; returns them sorted."""
+    """Point the target's taps at the layers the draft was trained on; returns them sorted
+    (the draft checks, when bound, that its fc reads that many)."""
     if not supports_eagle3(target_model):
         raise RuntimeError(
             f"Model does not support EAGLE3 interface ({type(target_model).__name__})"
@@ -51,64 +47,31 @@ def set_eagle3_aux_hidden_state_layers(
             "of the target"
         )
     taps = tuple(sorted({int(i) for i in ids}))
-    fc = getattr(getattr(draft_model, "model", None), "fc", None)
-    if fc is not None:
-        need = len(taps) * int(target.config.hidden_size)
-        if fc.in_features != need:
-            raise ValueError(
-                f"eagle_aux_hidden_state_layer_ids {list(ids)} gives {len(taps)} distinct taps "
-                f"({need} features) but the draft's fc expects {fc.in_features}"
-            )
     if get_pp_group().world_size > 1:
         verify_supports_aux_hidden_states_over_pp(target_model, method)
     target.set_aux_hidden_state_layers(taps)
     return taps
 
 
-def uses_aux_hidden_states(method: str, draft_hf_config: Any) -> bool:
-    # DFlash / DSpark always read taps (their context features are the fc of them).
-    if method in ("dflash", "dspark"):
-        return True
-    return method == "eagle3" and get_eagle3_use_aux_hidden_state_from_config(draft_hf_config)
-
-
-def _inner_decoder(model: nn.Module) -> nn.Module | None:
-    """The decoder holding the taps: the language model's `.model`."""
-    get_language_model = getattr(model, "get_language_model", None)
-    lm = get_language_model() if get_language_model is not None else model
-    return getattr(lm, "model", None)
-
-
 def verify_supports_aux_hidden_states_over_pp(model: nn.Module, method: str) -> None:
     """Under pipeline parallelism a target must relay its taps through IntermediateTensors;
     only decoders that opt in (`supports_aux_hidden_states_over_pp`) do."""
-    inner = _inner_decoder(model)
-    if not getattr(inner, "supports_aux_hidden_states_over_pp", False):
+    inner = getattr(model, "model", None)
+    if not (isinstance(inner, EagleModelMixin) and inner.supports_aux_hidden_states_over_pp):
         raise ValueError(
             f"{type(model).__name__} does not support {method} with pipeline parallelism "
             "(its decoder does not set supports_aux_hidden_states_over_pp)"
         )
 
 
-def aux_hidden_state_relay_keys(model: nn.Module) -> tuple[str, ...]:
-    """Keys a middle stage forwards unchanged: the slots produced by the stages before it."""
-    pp = get_pp_group()
-    if pp.world_size < 2 or pp.is_first_rank or pp.is_last_rank:
-        return ()
-    inner = _inner_decoder(model)
-    if not isinstance(inner, EagleModelMixin):
-        return ()
-    return inner.upstream_aux_hidden_state_keys()
-
-
-def configure_target_aux_taps(model: nn.Module, vllm_config: Any) -> tuple[int, ...]:
-    """Every stage of an EAGLE3 target taps the layers the draft names (the last stage also
-    does this when its drafter loads). Non-last stages have no drafter but produce taps;
-    returns the taps, () when the method uses none."""
-    spec = getattr(vllm_config, "speculative_config", None)
+def configure_target_aux_taps(model: nn.Module, vllm_config: VllmConfig) -> tuple[int, ...]:
+    """Every stage of an EAGLE3 target taps the layers the draft's config names (stages
+    without the drafter produce and relay taps too); returns the taps, () when the method
+    uses none."""
+    spec = vllm_config.speculative_config
     if spec is None or spec.draft_model_config is None:
         return ()
-    cfg = spec.draft_model_config.hf_text_config
-    if not uses_aux_hidden_states(spec.method, cfg):
+    if not spec.uses_aux_hidden_states:
         return ()
+    cfg = spec.draft_model_config.hf_text_config
     return set_eagle3_aux_hidden_state_layers(model, cfg, method=spec.method)

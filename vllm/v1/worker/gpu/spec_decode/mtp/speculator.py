@@ -1,73 +1,284 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
 """MTPSpeculator: drafts with the multi-token-prediction layers shipped in the target checkpoint
-(draft step s uses MTP layer s mod n), optionally sharing DSA top-k indices across steps."""
+(draft step s uses MTP layer s mod n), optionally sharing DSA top-k indices across steps.
+
+A draft with n chained layers is run the way such layers are trained: layer s at target position
+t reads layer s-1's output at t and the token at t + s + 1. So for s < n, step s runs layer s
+over every position whose KV it lacks, up to the request's last accepted one (the first s of
+them fed by the drafts already proposed; those rows are recomputed once the real tokens are
+known, from a one-row carry of layer s-1's output), and drafts from that last row; every
+layer's KV is then valid for every position it attends to, whatever the blocks held before.
+Steps s >= n reuse layer s mod n on the n rows after its previous ones (with n = 1: one new row
+per step, the plain autoregressive decode of the base class).
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
-from torch import nn
 
-from vllm.config import num_mtp_layers
-from vllm.v1.worker.gpu.spec_decode.autoregressive.speculator import AutoRegressiveSpeculator
-from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
+from vllm.config import VllmConfig, num_mtp_layers
+from vllm.model_executor.models.draft import DraftModel
+from vllm.model_executor.models.interfaces import SupportsTopkSharing, TargetShares
+from vllm.v1.attention.backends.torch_paged import AttentionMetadata, build_attn_metadata
+from vllm.v1.worker.gpu.spec_decode.autoregressive.speculator import (
+    AutoRegressiveSpeculator,
+    DraftBatch,
+    StepInputs,
+)
 
 if TYPE_CHECKING:
-    from vllm.model_executor.models.base import DraftModelBase
-    from vllm.models.deepseek_v32.mtp import DeepseekV32MultiTokenPredictor
+    from vllm.model_executor.models.base import CausalLMBase
+
+
+@dataclass
+class _Rows:
+    """The rows one draft step runs on: per request, consecutive target positions lo .. last."""
+
+    lo: np.ndarray  # [R]
+    count: np.ndarray  # [R]
+    qsl: np.ndarray  # [R + 1]
+    req: np.ndarray  # [N] request of each row
+    t: np.ndarray  # [N] target position of each row
+
+    @classmethod
+    def span(cls, lo: np.ndarray, count: np.ndarray) -> _Rows:
+        qsl = np.zeros(len(lo) + 1, dtype=np.int64)
+        np.cumsum(count, out=qsl[1:])
+        req = np.repeat(np.arange(len(lo)), count)
+        t = lo[req] + np.arange(int(qsl[-1])) - qsl[:-1][req]
+        return cls(lo, count, qsl, req, t)
+
+    def find(self, req: np.ndarray, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(flat row of (req, t) here, whether it exists)."""
+        found = (t >= self.lo[req]) & (t < self.lo[req] + self.count[req])
+        return self.qsl[:-1][req] + t - self.lo[req], found
+
+
+@dataclass
+class _Plan:
+    """One batch's draft steps: the rows of each, and per chained layer the positions whose KV
+    is final after it (rows reading known tokens only: layer s at t reads t + s + 1)."""
+
+    rows_by_step: list[_Rows]
+    final_after: np.ndarray  # [chained layers, R]
 
 
 class MTPSpeculator(AutoRegressiveSpeculator):
-    # DeepSeek-V3.2: draft steps 1.. reuse step 0's sparse-attention top-k indices when the
-    # draft config sets index_share_for_mtp_iteration and the draft can skip / compact them.
-    share_mtp_topk_indices = False
+    # DeepSeek-V3.2: the draft whose steps 1.. reuse step 0's sparse-attention top-k indices
+    # (its config sets index_share_for_mtp_iteration); None: every step selects its own.
+    topk_sharing: SupportsTopkSharing | None = None
+    # Chained draft layers (the checkpoint's MTP layers); draft step s uses layer s mod n.
+    num_draft_layers = 1
 
-    def load_draft_model(
-        self, target_model: nn.Module, target_attn_layer_names: set[str]
-    ) -> nn.Module:
-        draft = load_eagle_model(target_model, self.vllm_config, self.device)
-        inner = getattr(draft, "model", draft)
-        cfg = self.draft_model_config.hf_text_config
-        self.num_draft_layers = max(1, num_mtp_layers(cfg))
-        self.share_mtp_topk_indices = (
-            bool(getattr(cfg, "index_share_for_mtp_iteration", False))
-            and hasattr(inner, "set_skip_topk")
-            and hasattr(inner, "compact_topk_indices")
-        )
-        return draft
-
-    def _forward_kwargs(self, draft_step: int) -> dict[str, Any]:
-        return {"spec_step_idx": draft_step}
-
-    def _compute_logits(self, hidden: torch.Tensor, draft_step: int) -> torch.Tensor:
-        return cast("DraftModelBase", self.model).compute_logits(hidden, spec_step_idx=draft_step)
+    def __init__(self, vllm_config: VllmConfig, device: torch.device | str) -> None:
+        super().__init__(vllm_config, device)
+        # Rows of the previous draft step each row of the next one continues (DSA top-k reuse).
+        self.topk_src_rows = torch.zeros(0, dtype=torch.int64, device=device)
+        # Per request slot and chained layer, how many leading positions hold final KV (its
+        # rows before it were computed from known tokens), and one row of each layer's output
+        # that the next layer's first recomputed row reads.
+        self.kv_final_len = np.zeros((1, self.max_num_reqs), dtype=np.int64)
+        self.carry: torch.Tensor | None = None
+        self._plan: _Plan | None = None
 
     @property
-    def _inner(self) -> DeepseekV32MultiTokenPredictor:
-        # Only read when share_mtp_topk_indices: the draft's inner predictor has the top-k hooks.
-        return cast("DeepseekV32MultiTokenPredictor", getattr(self.model, "model", self.model))
+    def share_mtp_topk_indices(self) -> bool:
+        return self.topk_sharing is not None
 
+    @property
+    def num_chained_layers(self) -> int:
+        """Draft layers one propose runs over the prefill positions (layers 0 .. n-1)."""
+        return max(1, min(self.num_speculative_steps, self.num_draft_layers))
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Known tokens after a request's last position the draft may read (layer s reads the
+        token s + 1 positions ahead)."""
+        return self.num_chained_layers
+
+    def on_draft_bound(self, draft: DraftModel, shares: TargetShares) -> None:
+        super().on_draft_bound(draft, shares)
+        self.num_draft_layers = max(1, num_mtp_layers(self.draft_model_config.hf_text_config))
+        if isinstance(draft, SupportsTopkSharing) and draft.shares_topk_across_steps:
+            self.topk_sharing = draft
+
+    def load_model(self, target_model: CausalLMBase) -> None:
+        super().load_model(target_model)
+        self.kv_final_len = np.zeros((self.num_chained_layers, self.max_num_reqs), np.int64)
+
+    # ---- top-k sharing across draft steps (the lifecycle hooks) ----------------------------
     def on_prefill_begin(self, num_reqs: int) -> None:
-        if self.share_mtp_topk_indices:
+        if self.topk_sharing is not None:
             # Unconditional: a step that failed half-way must not leave reuse switched on.
-            self._inner.set_skip_topk(False)
+            self.topk_sharing.set_skip_topk(False)
 
     def on_prefill_end(self, num_reqs: int) -> None:
         # Step 1's rows continue step 0's rows topk_src_rows (one layer: each request's last
         # accepted row, last_token_indices).
-        if self.share_mtp_topk_indices and self.num_speculative_steps > 1:
-            self._inner.compact_topk_indices(self.topk_src_rows)
+        if self.topk_sharing is not None and self.num_speculative_steps > 1:
+            self.topk_sharing.compact_topk_indices(self.topk_src_rows)
 
     def on_draft_rows_changed(self, num_reqs: int) -> None:
-        if self.share_mtp_topk_indices:
-            self._inner.compact_topk_indices(self.topk_src_rows)
+        """A decode step runs on other rows than the one before (topk_src_rows maps them)."""
+        if self.topk_sharing is not None:
+            self.topk_sharing.compact_topk_indices(self.topk_src_rows)
 
     def on_multi_step_decode_begin(self, num_reqs: int) -> None:
-        if self.share_mtp_topk_indices:
-            self._inner.set_skip_topk(True)
+        if self.topk_sharing is not None:
+            self.topk_sharing.set_skip_topk(True)
 
     def on_multi_step_decode_end(self, num_reqs: int) -> None:
-        if self.share_mtp_topk_indices:
-            self._inner.set_skip_topk(False)
+        if self.topk_sharing is not None:
+            self.topk_sharing.set_skip_topk(False)
+
+    # ---- the chained rows ---------------------------------------------------------------------
+    def _begin_draft(self, db: DraftBatch) -> None:
+        K, nc = self.num_speculative_steps, self.num_chained_layers
+        prev = _Rows.span(db.start, db.num_scheduled)
+        rows_by_step = [prev] + [self._step_rows(db, s) for s in range(1, K)]
+        final_after = np.stack(
+            [
+                np.maximum(rows_by_step[s].lo, np.minimum(db.last + 1, db.num_known - 1 - s))
+                for s in range(nc)
+            ]
+        )
+        self._plan = _Plan(rows_by_step, final_after)
+        if K > 1:
+            src, found = prev.find(rows_by_step[1].req, rows_by_step[1].t)
+            self._set_topk_src_rows(prev, rows_by_step[1], src, found)
+
+    def _end_draft(self, db: DraftBatch) -> None:
+        assert self._plan is not None
+        self.kv_final_len[:, db.slots] = self._plan.final_after
+
+    def _decode_inputs(
+        self, db: DraftBatch, step: int, feedback: torch.Tensor, drafts: np.ndarray
+    ) -> StepInputs:
+        assert self._plan is not None  # _begin_draft planned this batch
+        plan = self._plan
+        prev, rows = plan.rows_by_step[step - 1], plan.rows_by_step[step]
+        src, found = prev.find(rows.req, rows.t)
+        if step > 1 and not (found.all() and np.array_equal(src, np.arange(len(src)))):
+            self._set_topk_src_rows(prev, rows, src, found)
+            self.on_draft_rows_changed(db.num_reqs)
+        hidden = self._gather_hidden(db, step, feedback, src, found, rows)
+        if step <= self.num_chained_layers - 1:
+            self._update_carry(db, step - 1, prev, feedback, plan.final_after)
+        meta, positions = self._rows_metadata(db, rows, step)
+        ids = self._step_tokens(db, rows, step, drafts)
+        return StepInputs(ids, positions, hidden, meta, rows.qsl[1:] - 1)
+
+    def _step_rows(self, db: DraftBatch, step: int) -> _Rows:
+        """Rows of draft step >= 1 (module docstring)."""
+        nl = self.num_draft_layers
+        if step < self.num_chained_layers:
+            final = self.kv_final_len[step, db.slots]
+            lo = np.where(db.new_req, db.start, np.minimum(final, db.start))
+            return _Rows.span(lo, db.last - lo + 1)
+        return _Rows.span(db.last - nl + 1, np.full(db.num_reqs, nl, dtype=np.int64))
+
+    def _step_tokens(
+        self, db: DraftBatch, rows: _Rows, step: int, drafts: np.ndarray
+    ) -> np.ndarray:
+        """The token each row of a draft step reads: the one step + 1 positions ahead."""
+        req = rows.req
+        x = rows.t + step + 1
+        last = db.last[req]
+        ahead = x - last - 1  # 0: the token after the last valid position
+        in_batch = ahead < 0
+        flat = db.query_start_loc[:-1][req] + np.where(in_batch, x - db.start[req], 0)
+        L = db.next_tokens.shape[1]
+        known = ~in_batch & (x < db.num_known[req]) & (ahead < L)
+        from_draft = np.clip(ahead - 1, 0, drafts.shape[1] - 1)
+        return np.where(
+            in_batch,
+            db.target_ids[np.minimum(flat, len(db.target_ids) - 1)],
+            np.where(
+                known,
+                db.next_tokens[req, np.clip(ahead, 0, L - 1)],
+                drafts[req, from_draft],
+            ),
+        )
+
+    def _set_topk_src_rows(
+        self, prev: _Rows, rows: _Rows, src: np.ndarray, found: np.ndarray
+    ) -> None:
+        # A row with no counterpart (a carried position) reuses its request's first row.
+        first = prev.qsl[:-1][rows.req]
+        self.topk_src_rows = torch.from_numpy(np.where(found, src, first)).to(self.device)
+
+    def _gather_hidden(
+        self,
+        db: DraftBatch,
+        step: int,
+        feedback: torch.Tensor,
+        src: np.ndarray,
+        found: np.ndarray,
+        rows: _Rows,
+    ) -> torch.Tensor:
+        """The hidden state each row of a draft step reads: the previous step's output at the
+        same target position; a chained layer's one recomputed row before that, the carry;
+        anything else (rows before a sequence's start), zeros."""
+        if found.all():
+            return feedback[torch.from_numpy(src).to(self.device)]
+        R = db.num_reqs
+        n = feedback.shape[0]
+        use_carry = ~found & (step < self.num_chained_layers) & ~db.new_req[rows.req]
+        index = np.where(found, src, np.where(use_carry, n + rows.req, n + R))
+        carry = self._ensure_carry(feedback)[step - 1][torch.from_numpy(db.slots).to(self.device)]
+        src_t = torch.cat([feedback, carry, feedback.new_zeros(1, *feedback.shape[1:])])
+        return src_t[torch.from_numpy(index).to(self.device)]
+
+    def _ensure_carry(self, like: torch.Tensor) -> torch.Tensor:
+        """[chained layers - 1, max_num_reqs, H] carried rows, allocated like the draft's
+        output on first use."""
+        if self.carry is None or self.carry.shape[2:] != like.shape[1:]:
+            n = max(self.num_chained_layers - 1, 1)
+            self.carry = like.new_zeros(n, self.max_num_reqs, *like.shape[1:])
+        return self.carry
+
+    def _update_carry(
+        self,
+        db: DraftBatch,
+        layer: int,
+        rows: _Rows,
+        feedback: torch.Tensor,
+        final_after: np.ndarray,
+    ) -> None:
+        """Keep layer `layer`'s output at the first position layer + 1 will recompute next
+        step, where layer `layer` itself will not recompute it."""
+        need = final_after[layer + 1]
+        req = np.arange(db.num_reqs)
+        src, found = rows.find(req, need)
+        keep = found & (need < final_after[layer])
+        if not keep.any():
+            return
+        carry = self._ensure_carry(feedback)
+        slots = torch.from_numpy(db.slots[keep]).to(self.device)
+        carry[layer][slots] = feedback[torch.from_numpy(src[keep]).to(self.device)]
+
+    def _rows_metadata(
+        self, db: DraftBatch, rows: _Rows, step: int
+    ) -> tuple[AttentionMetadata, np.ndarray]:
+        """Attention metadata and positions of a draft step's rows: chained layers at their
+        target positions; a reused layer on the positions after its previous rows (clamped to
+        the model length)."""
+        nl = self.num_draft_layers
+        lap = step // nl if step >= self.num_chained_layers else 0
+        end = np.minimum(db.last + lap * nl, self.max_model_len - 1)
+        positions = end[rows.req] - (db.last[rows.req] - rows.t)
+        meta = build_attn_metadata(
+            rows.qsl,
+            end + 1,
+            db.block_table,
+            self.block_size,
+            self.device,
+            positions=positions,
+            short_query_len=self.num_speculative_steps + nl,
+        )
+        return meta, positions
