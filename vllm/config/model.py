@@ -104,6 +104,13 @@ class ModelConfig:
     generation_config.json (its EOS ids stop generation; its temperature / top_p / top_k /
     min_p / max_new_tokens are the defaults of requests that leave them unset), 'vllm' uses
     none, any other value is a folder holding a generation_config.json."""
+    limit_mm_per_prompt: dict[str, int] | None = None
+    """Most multimodal items per prompt, per modality (JSON on the command line), e.g.
+    {"image": 2}; default 4 images. Only for multimodal checkpoints."""
+    allowed_media_domains: list[str] | None = None
+    """Server: hosts whose http(s) image URLs a chat message may name. None (the default):
+    remote URLs are refused (400) and only base64 data URLs are accepted; nothing is fetched
+    from the network."""
     hf_config: Any = field(default=None, repr=False)
     """The checkpoint's config (filled in __post_init__)."""
 
@@ -122,6 +129,7 @@ class ModelConfig:
             raise ValueError(f"max_logprobs must be an integer, got {self.max_logprobs!r}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no limit) or >= 0, got {self.max_logprobs}")
+        self._check_mm_limits()
         text = self.hf_text_config
         max_pos = getattr(text, "max_position_embeddings", None) or 2048
         if self.max_model_len is None:
@@ -174,6 +182,27 @@ class ModelConfig:
     @property
     def hf_text_config(self) -> Any:
         return get_text_config(self.hf_config)
+
+    @property
+    def is_multimodal(self) -> bool:
+        """The checkpoint carries a vision tower (config.json's vision_config)."""
+        return getattr(self.hf_config, "vision_config", None) is not None
+
+    def image_limit(self) -> int:
+        """Most images one prompt may carry."""
+        return int((self.limit_mm_per_prompt or {}).get("image", 4))
+
+    def _check_mm_limits(self) -> None:
+        limits = self.limit_mm_per_prompt
+        if limits is None:
+            return
+        if not isinstance(limits, dict):
+            raise ValueError(f"limit_mm_per_prompt must be a dict, got {limits!r}")
+        for k, v in limits.items():
+            if k != "image":
+                raise ValueError(f"limit_mm_per_prompt: unsupported modality {k!r} (only 'image')")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"limit_mm_per_prompt.{k} must be an integer >= 0, got {v!r}")
 
     def _resolve_quantization(self) -> tuple[str | None, QuantizationConfig | None]:
         from vllm.model_executor.layers.quantization import resolve_quantization

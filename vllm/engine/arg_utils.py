@@ -87,6 +87,10 @@ class EngineArgs:
     quantization: str | None = ModelConfig.quantization
     max_logprobs: int = ModelConfig.max_logprobs
     generation_config: str = ModelConfig.generation_config
+    limit_mm_per_prompt: dict[str, int] | str | None = None
+    """Most multimodal items per prompt, per modality, as a dict (JSON on the command line),
+    e.g. {"image": 2}; default 4 images."""
+    allowed_media_domains: list[str] | None = ModelConfig.allowed_media_domains
     scheduling_policy: SchedulerPolicy = SchedulerConfig.policy
     """Order of waiting requests: 'fcfs' (arrival) or 'priority' (each request's priority,
     lower first, then arrival; preemption takes the lowest-priority running request)."""
@@ -117,6 +121,12 @@ class EngineArgs:
             quantization=self.quantization,
             max_logprobs=self.max_logprobs,
             generation_config=self.generation_config,
+            limit_mm_per_prompt=(
+                parse_json_arg("limit_mm_per_prompt", self.limit_mm_per_prompt)
+                if isinstance(self.limit_mm_per_prompt, str)
+                else self.limit_mm_per_prompt
+            ),
+            allowed_media_domains=self.allowed_media_domains,
         )
         spec = self.speculative_config
         if isinstance(spec, str):

@@ -6,8 +6,11 @@
   re-initialised "peaky" (see vllm/testing/checkpoints.py), optionally with `mtp.*` weights
   (`mtp_num_hidden_layers` in config.json). HF ignores `mtp.*` on load.
 - make_multimodal_layout: the same weights under the multimodal names
-  (`model.language_model.*`, plus fake `model.visual.*` tensors) with a nested config, as
-  `Qwen3_5ForConditionalGeneration` checkpoints ship.
+  (`model.language_model.*`, plus a random vision tower `model.visual.*`) with a nested config,
+  as `Qwen3_5ForConditionalGeneration` checkpoints ship (no image processor: text only).
+- make_qwen3_5_vl: a tiny random `Qwen3_5ForConditionalGeneration` built by transformers, with
+  its tokenizer (vision special tokens) and image processor files; hf_vl_greedy: HF's greedy
+  reference on a prompt with images.
 - make_qwen3_5_mtp_self_draft: a copy whose MTP head reproduces the (scaled) target's next token.
 
 Facts about transformers 5.23 these builders rely on: Qwen3.5 linear-attention layers are named
@@ -194,7 +197,8 @@ def make_qwen3_5(
 
 def make_multimodal_layout(out_dir: str | os.PathLike, src_dir: str | os.PathLike) -> str:
     """Copy a make_qwen3_5 checkpoint as a `...ForConditionalGeneration` one: text weights
-    under `model.language_model.*`, random `model.visual.*` tensors, a nested config."""
+    under `model.language_model.*`, a random vision tower under `model.visual.*`, a nested
+    config."""
     src, out = Path(src_dir), Path(out_dir)
     if out.exists():
         shutil.rmtree(out)
@@ -207,9 +211,22 @@ def make_multimodal_layout(out_dir: str | os.PathLike, src_dir: str | os.PathLik
         if k.startswith("model."):
             k = "model.language_model." + k[len("model.") :]
         tensors[k] = v
-    gen = torch.Generator().manual_seed(3)
-    tensors["model.visual.patch_embed.proj.weight"] = torch.randn(32, 3, 2, 4, 4, generator=gen)
-    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.randn(96, 32, generator=gen)
+    vision_cfg = {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": text_cfg["hidden_size"],
+        "num_position_embeddings": 16,
+    }
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    torch.manual_seed(3)
+    visual = Qwen3_5VisionModel(Qwen3_5VisionConfig(**vision_cfg))
+    _reinit_vision_(visual, 3)
+    for k, v in visual.state_dict().items():
+        tensors["model.visual." + k] = v.detach().clone()
     _write(out, tensors)
     text_cfg.pop("architectures", None)
     cfg = {
@@ -218,7 +235,7 @@ def make_multimodal_layout(out_dir: str | os.PathLike, src_dir: str | os.PathLik
         ],
         "model_type": "qwen3_5_moe" if moe else "qwen3_5",
         "text_config": text_cfg,
-        "vision_config": {"depth": 1, "hidden_size": 32, "num_heads": 2, "out_hidden_size": 64},
+        "vision_config": vision_cfg,
         "tie_word_embeddings": bool(text_cfg.get("tie_word_embeddings", False)),
         "dtype": "float32",
     }
@@ -262,3 +279,183 @@ def make_qwen3_5_mtp_self_draft(
     tensors["mtp.norm.weight"] = tensors["model.norm.weight"].clone()
     _write(out, tensors)
     return str(out)
+
+
+# ---- multimodal (vision) checkpoints ----------------------------------------------------------
+
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@torch.no_grad()
+def _reinit_vision_(module: nn.Module, seed: int) -> None:
+    """Vision tower: matrices / conv kernels N(0, (1 / sqrt(fan_in))^2), biases N(0, 0.1^2),
+    LayerNorm scales U[0.5, 1.5], the position table N(0, 0.5^2)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in module.named_parameters():
+        shape = param.shape
+        if name.endswith("pos_embed.weight"):
+            value = torch.randn(shape, generator=gen) * 0.5
+        elif param.ndim >= 2:
+            fan_in = int(torch.tensor(shape[1:]).prod())
+            value = torch.randn(shape, generator=gen) * (1.0 / fan_in**0.5)
+        elif "norm" in name and name.endswith("weight"):
+            value = torch.rand(shape, generator=gen) + 0.5
+        else:
+            value = torch.randn(shape, generator=gen) * 0.1
+        param.copy_(value.to(param.dtype))
+
+
+def make_qwen3_5_vl(
+    out_dir: str | os.PathLike,
+    *,
+    moe: bool = False,
+    layer_types: list[str] | None = None,
+    mtp_num_hidden_layers: int = 0,
+    seed: int = 0,
+) -> str:
+    """Write a tiny random `Qwen3_5ForConditionalGeneration` (or the MoE one) with its vision
+    tower, tokenizer (plus the vision special tokens) and image processor
+    (preprocessor_config.json: 4-pixel patches, 2x2 merge, 8x8 to 48x48 pixels after resizing);
+    returns the path.
+
+    Text model as make_qwen3_5 (hidden 64, 4 layers by default) with M-RoPE over 8 rotary dims
+    (sections [2, 1, 1], interleaved); vision: 2 blocks of width 32 (2 heads), a 4x4 learned
+    position grid, out_hidden_size = 64."""
+    import transformers
+
+    out = Path(out_dir)
+    tokenizer = build_tokenizer(out)
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.save_pretrained(str(out))
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
+    types = list(layer_types or LAYER_TYPES)
+    text: dict[str, Any] = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=len(types),
+        layer_types=types,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        },
+        **_token_ids(tokenizer),
+    )
+    if moe:
+        text.update(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        )
+    else:
+        text.update(intermediate_size=128)
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        in_channels=3,
+        patch_size=4,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        out_hidden_size=64,
+        num_position_embeddings=16,
+        hidden_act="gelu_pytorch_tanh",
+    )
+    cfg_cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    model_cls = (
+        transformers.Qwen3_5MoeForConditionalGeneration
+        if moe
+        else transformers.Qwen3_5ForConditionalGeneration
+    )
+    config = cfg_cls(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    if mtp_num_hidden_layers:
+        config.text_config.mtp_num_hidden_layers = mtp_num_hidden_layers
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    _reinit_(model.model.language_model, seed, output_head=None)
+    _reinit_(model.lm_head, seed + 1, output_head=model.lm_head.weight)
+    _reinit_vision_(model.model.visual, seed + 2)
+    model.config.dtype = torch.float32
+    model.save_pretrained(str(out), safe_serialization=True)
+    if mtp_num_hidden_layers:
+        tensors = _read(out)
+        tensors.update(_mtp_state(config.text_config, moe, mtp_num_hidden_layers, seed))
+        _write(out, tensors)
+    from transformers import Qwen2VLImageProcessorPil
+
+    Qwen2VLImageProcessorPil(
+        patch_size=4,
+        merge_size=2,
+        temporal_patch_size=2,
+        size={"shortest_edge": 8 * 8, "longest_edge": 48 * 48},
+    ).save_pretrained(str(out))
+    return str(out)
+
+
+def make_test_image(seed: int, size: tuple[int, int] = (24, 32)):
+    """A random RGB PIL image (width, height)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+@torch.no_grad()
+def hf_vl_greedy(path: str, prompt: str, images: list, max_new_tokens: int) -> list[int]:
+    """HF transformers' greedy continuation of a prompt with images (each `<|image_pad|>` of the
+    prompt expanded to its image's tokens, as transformers' Qwen3-VL processor does): the
+    reference the engine is checked against."""
+    import numpy as np
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    proc = transformers.AutoImageProcessor.from_pretrained(path)
+    model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    model.eval()
+    text = prompt
+    kwargs: dict[str, Any] = {}
+    if images:
+        pix = proc(images=images, return_tensors="pt")
+        merge = proc.merge_size**2
+        parts = text.split("<|image_pad|>")
+        assert len(parts) == len(images) + 1, "one <|image_pad|> per image"
+        text = parts[0]
+        for grid, rest in zip(pix["image_grid_thw"], parts[1:]):
+            text += "<|image_pad|>" * int(grid.prod() // merge) + rest
+        kwargs = dict(pixel_values=pix["pixel_values"], image_grid_thw=pix["image_grid_thw"])
+    ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+    image_id = tok.convert_tokens_to_ids("<|image_pad|>")
+    kwargs["mm_token_type_ids"] = (ids == image_id).int()
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        **kwargs,
+    )
+    return [int(t) for t in np.asarray(out[0, ids.shape[1] :])]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import time
 
+from vllm.multimodal.inputs import MultiModalInputs
 from vllm.sampling_params import SamplingParams
 
 
@@ -43,8 +44,11 @@ class Request:
         seed: int | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        mm_inputs: MultiModalInputs | None = None,
     ) -> None:
         self.request_id = request_id
+        # Images (placeholder runs, pixels, content hashes) and M-RoPE positions, if any.
+        self.mm_inputs = mm_inputs
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.arrival_time = arrival_time if arrival_time is not None else time.time()

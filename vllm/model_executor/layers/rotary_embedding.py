@@ -160,6 +160,48 @@ class RotaryEmbedding(nn.Module):
         return q, k
 
 
+class MRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (Qwen3-VL / Qwen3.5 layout): positions [3, T] (temporal, height, width;
+    equal for text) choose, per rotary frequency, the axis its angle comes from, interleaved:
+    frequency i takes height when i % 3 == 1 and i < 3 * section[1], width when i % 3 == 2 and
+    i < 3 * section[2], temporal otherwise. Positions [T] are plain RoPE (every axis equal)."""
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position: int,
+        base: float,
+        mrope_section: list[int],
+        is_neox_style: bool = True,
+        scaling: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(head_size, rotary_dim, max_position, base, is_neox_style, scaling)
+        if len(mrope_section) != 3:
+            raise ValueError(f"mrope_section must have 3 entries, got {mrope_section}")
+        axis = torch.zeros(rotary_dim // 2, dtype=torch.long)
+        axis[1 : 3 * int(mrope_section[1]) : 3] = 1
+        axis[2 : 3 * int(mrope_section[2]) : 3] = 2
+        self.axis = axis
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, q, k)
+        if self._cos.device != positions.device:
+            self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
+        axis = self.axis.to(positions.device)
+        cols = torch.arange(axis.numel(), device=positions.device)
+        # [3, T, F] -> [T, F], each frequency from its axis' position.
+        cos = self._cos[positions][axis, :, cols].transpose(0, 1).unsqueeze(1)
+        sin = self._sin[positions][axis, :, cols].transpose(0, 1).unsqueeze(1)
+        q_shape, k_shape = q.shape, k.shape
+        q = self._rotate(q.view(q.shape[0], -1, self.head_size), cos, sin).reshape(q_shape)
+        k = self._rotate(k.view(k.shape[0], -1, self.head_size), cos, sin).reshape(k_shape)
+        return q, k
+
+
 def get_rope(
     head_size: int,
     rotary_dim: int,

@@ -25,7 +25,7 @@ from vllm.model_executor.layers.mamba.ops.gated_delta_rule import (
     gated_delta_rule_varlen,
     l2norm,
 )
-from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params
+from vllm.model_executor.layers.rotary_embedding import MRotaryEmbedding, rope_params
 from vllm.model_executor.models.base import CausalLMBase, DecoderLayerBase, DecoderModelBase
 from vllm.model_executor.models.llama import LlamaMLP
 
@@ -187,11 +187,14 @@ class Qwen3_5Attention(nn.Module):
         params = getattr(config, "rope_parameters", None) or {}
         factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
         rotary_dim = int(self.head_dim * float(factor))
-        self.rotary_emb = get_rope(
+        # Multimodal positions [3, T] rotate by axis (HF's default sections when the config
+        # names none); text positions [T] are plain RoPE.
+        self.rotary_emb = MRotaryEmbedding(
             self.head_dim,
             rotary_dim,
             int(config.max_position_embeddings),
             theta,
+            list(params.get("mrope_section", None) or [11, 11, 10]),
             is_neox_style=True,
             scaling=scaling,
         )

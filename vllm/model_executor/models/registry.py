@@ -11,13 +11,16 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("vllm.model_executor.models.qwen2", "Qwen2ForCausalLM"),
     "DeepseekV2ForCausalLM": ("vllm.model_executor.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("vllm.model_executor.models.deepseek_v2", "DeepseekV3ForCausalLM"),
-    # Qwen3.5 hybrids; the multimodal checkpoints run their text path.
+    # Qwen3.5 hybrids; the multimodal checkpoints with their vision tower.
     "Qwen3_5ForCausalLM": ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForCausalLM"),
-    "Qwen3_5ForConditionalGeneration": ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": (
+        "vllm.model_executor.models.qwen3_5_vl",
+        "Qwen3_5ForConditionalGeneration",
+    ),
     "Qwen3_5MoeForCausalLM": ("vllm.model_executor.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
     "Qwen3_5MoeForConditionalGeneration": (
-        "vllm.model_executor.models.qwen3_5",
-        "Qwen3_5MoeForCausalLM",
+        "vllm.model_executor.models.qwen3_5_vl",
+        "Qwen3_5MoeForConditionalGeneration",
     ),
     "DeepseekV32ForCausalLM": ("vllm.models.deepseek_v32.model", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("vllm.models.deepseek_v32.model", "GlmMoeDsaForCausalLM"),

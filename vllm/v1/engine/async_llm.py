@@ -221,11 +221,11 @@ class AsyncLLM:
         self._check_running()
         # Tokenising and checking the prompt run on the tokenizer thread: neither the event
         # loop (other clients, /health) nor the engine thread (every running stream) waits.
-        text, ids, salt = await self.in_tokenizer_thread(self.engine.preprocess, prompt)
+        text, ids, salt, mm = await self.in_tokenizer_thread(self.engine.preprocess, prompt)
         stream = RequestStream(self, request_id, params.output_kind)
         stream.prompt, stream.prompt_token_ids = text, list(ids)
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._send(("add", request_id, text, ids, salt, params, priority, stream, fut))
+        self._send(("add", request_id, text, ids, salt, params, priority, stream, fut, mm))
         try:
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -315,12 +315,12 @@ class AsyncLLM:
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, text, ids, salt, params, priority, stream, fut = cmd
+            _, rid, text, ids, salt, params, priority, stream, fut, mm = cmd
             if not fut.set_running_or_notify_cancel():
                 return
             try:
                 self.engine.add_processed_request(
-                    rid, text, ids, params, cache_salt=salt, priority=priority
+                    rid, text, ids, params, cache_salt=salt, priority=priority, mm_inputs=mm
                 )
             except Exception as e:  # noqa: BLE001 - a bad request fails only its caller
                 fut.set_exception(e)

@@ -14,6 +14,8 @@ from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMTypeError, VLLMValidationError
 from vllm.logger import init_logger
+from vllm.multimodal.inputs import MultiModalInputs
+from vllm.multimodal.processing import ImageProcessor
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -86,6 +88,16 @@ class LLMEngine:
         # ModelConfig.__post_init__ resolves both from the checkpoint.
         assert mc.tokenizer is not None and mc.max_model_len is not None
         self.tokenizer = load_tokenizer(mc.tokenizer, mc.trust_remote_code)
+        # Multimodal checkpoints: their image processor (from the model folder).
+        self._mm_processor: ImageProcessor | None = None
+        self._mm_unavailable = f"the model {mc.model!r} takes no multimodal input"
+        if mc.is_multimodal:
+            try:
+                self._mm_processor = ImageProcessor(mc.model, mc.hf_config, mc.image_limit())
+            except ValueError as e:
+                # Text prompts still run; a prompt with images is refused with this reason.
+                logger.warning("%s; prompts with images will be refused", e)
+                self._mm_unavailable = str(e)
         self.executor = Executor.get_class(vllm_config)(vllm_config)
         try:
             num_blocks = self.executor.determine_num_blocks()
@@ -163,6 +175,19 @@ class LLMEngine:
         """Validate a prompt and return (text, token ids); errors name what is wrong.
 
         Reads only the tokenizer and fixed limits, so it may run off the engine thread."""
+        text, ids, _ = self.process_prompt_mm(prompt)
+        return text, ids
+
+    def _image_processor(self) -> ImageProcessor:
+        if self._mm_processor is None:
+            raise ValueError(f"multi_modal_data: {self._mm_unavailable}")
+        return self._mm_processor
+
+    def process_prompt_mm(
+        self, prompt: PromptType
+    ) -> tuple[str | None, list[int], MultiModalInputs | None]:
+        """process_prompt plus the prompt's images: a dict prompt's multi_modal_data
+        ({"image": image or list}) expands each <|image_pad|> to the image's tokens."""
         text: str | None
         if isinstance(prompt, str):
             text, ids = prompt, self.encode(prompt)
@@ -185,6 +210,12 @@ class LLMEngine:
         ):
             raise TypeError("prompt_token_ids must be a list of integers")
         ids = list(ids)
+        mm: MultiModalInputs | None = None
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if mm_data is not None:
+            ids, mm = self._image_processor().process(ids, mm_data)
+            if not mm.features:
+                mm = None
         if not ids:
             raise ValueError("the prompt is empty")
         vocab = self.model_config.vocab_size
@@ -204,7 +235,7 @@ class LLMEngine:
                 f"({self.scheduler.kv_cache_manager.num_blocks} blocks of "
                 f"{self.scheduler.block_size} tokens)"
             )
-        return text, ids
+        return text, ids, mm
 
     def add_request(
         self,
@@ -216,9 +247,9 @@ class LLMEngine:
     ) -> None:
         params = check_params(params)
         self.check_request(params, priority)
-        text, ids, cache_salt = self.preprocess(prompt)
+        text, ids, cache_salt, mm = self.preprocess(prompt)
         self.add_processed_request(
-            request_id, text, ids, params, arrival_time, cache_salt, priority
+            request_id, text, ids, params, arrival_time, cache_salt, priority, mm
         )
 
     def check_request(self, params: SamplingParams, priority: int = 0) -> None:
@@ -262,11 +293,14 @@ class LLMEngine:
                 value=priority,
             )
 
-    def preprocess(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
-        """(text, checked token ids, cache_salt) of a prompt; thread-safe like process_prompt."""
+    def preprocess(
+        self, prompt: PromptType
+    ) -> tuple[str | None, list[int], str | None, MultiModalInputs | None]:
+        """(text, checked token ids, cache_salt, images) of a prompt; thread-safe like
+        process_prompt."""
         cache_salt = self._cache_salt(prompt)
-        text, ids = self.process_prompt(prompt)
-        return text, ids, cache_salt
+        text, ids, mm = self.process_prompt_mm(prompt)
+        return text, ids, cache_salt, mm
 
     def add_processed_request(
         self,
@@ -277,6 +311,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         priority: int = 0,
+        mm_inputs: MultiModalInputs | None = None,
     ) -> None:
         """Add a request whose prompt already went through preprocess (the server does that
         on a tokenizer thread, so a long prompt never holds up the engine thread)."""
@@ -300,7 +335,7 @@ class LLMEngine:
             cid = request_id if params.n == 1 else f"{i}_{request_id}"
             children[cid] = ChildState(i, child_params)
             requests.append(
-                Request(cid, ids, child_params, arrival_time, seed, cache_salt, priority)
+                Request(cid, ids, child_params, arrival_time, seed, cache_salt, priority, mm_inputs)
             )
         self.output_processor.add(
             RequestState(request_id, text, ids, params, children, arrival_time)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm.multimodal.inputs import MultiModalInputs
 from vllm.sampling_params import SamplingParams
 
 
@@ -22,6 +23,8 @@ class NewRequestData:
     num_computed_tokens: int
     state_slot: int = -1
     """Hybrid models: the KV cache manager's state slot for the linear-attention states."""
+    mm_inputs: MultiModalInputs | None = None
+    """Multimodal prompts: the images (the first stage encodes them) and M-RoPE positions."""
 
 
 @dataclass

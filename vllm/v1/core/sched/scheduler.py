@@ -228,6 +228,7 @@ class Scheduler:
                     block_ids=list(self.kv_cache_manager.get_block_ids(req.request_id)),
                     num_computed_tokens=req.num_computed_tokens,
                     state_slot=self.kv_cache_manager.req_to_state_slot.get(req.request_id, -1),
+                    mm_inputs=req.mm_inputs,
                 )
             )
             num_scheduled[req.request_id] = n

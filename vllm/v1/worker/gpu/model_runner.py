@@ -26,6 +26,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.worker.gpu.input_batch import InputBatch, prepare_inputs
 from vllm.v1.worker.gpu.linear_attn_states import LinearAttnStates
+from vllm.v1.worker.gpu.mm_utils import MultiModalRunnerState
 from vllm.v1.worker.gpu.pp_utils import PPHandler
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays, compute_logprobs
 from vllm.v1.worker.gpu.spec_decode import init_speculator
@@ -70,6 +71,8 @@ class ModelRunner:
         self.pp_handler: PPHandler | None = None
         if self.pp.world_size > 1:
             self.pp_handler = PPHandler(self.max_num_reqs, self.num_spec, self.device)
+        # Multimodal requests: images, M-RoPE positions, encoder outputs (first stage).
+        self.mm = MultiModalRunnerState(self.device)
         # Slots whose request entered this step (the speculator keeps nothing from before).
         self._new_slots = np.zeros(0, dtype=np.int64)
 
@@ -152,6 +155,9 @@ class ModelRunner:
         st = self.states
         for rid in so.finished_req_ids:
             st.remove(rid)
+            self.mm.remove(rid)
+        for d in so.scheduled_new_reqs:
+            self.mm.add(d.req_id, d.mm_inputs)
         self._new_slots = np.array([st.add(d) for d in so.scheduled_new_reqs], dtype=np.int64)
         cr = so.scheduled_cached_reqs
         for rid, blocks, nc in zip(cr.req_ids, cr.new_block_ids, cr.num_computed_tokens):
@@ -194,11 +200,19 @@ class ModelRunner:
                     f"stage {self.pp.rank} received {rows} rows of hidden states for a step of "
                     f"{batch.num_tokens_after_padding} (padded) tokens"
                 )
+        positions = batch.positions
+        inputs_embeds = None
+        if self.model.supports_multimodal and self.mm.any_in(batch):
+            positions = self.mm.mrope_positions(batch, batch.positions)
+            if self.pp.is_first_rank:
+                inputs_embeds = self.model.embed_input_ids(batch.input_ids)
+                self.mm.merge_embeds(self.model, batch, inputs_embeds)
         with set_forward_context(batch.attn_metadata, self._linear_attn_metadata(batch)):
             out = self.model(
                 batch.input_ids if self.pp.is_first_rank else None,
-                batch.positions,
+                positions,
                 intermediate_tensors,
+                inputs_embeds,
             )
         # Optimistic advance; the last stage's accept/reject result rolls it back.
         self.states.num_computed[batch.idx_mapping_np] += batch.num_scheduled_tokens

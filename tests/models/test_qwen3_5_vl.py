@@ -1,0 +1,107 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Qwen3.5 as a multimodal target: images through the vision tower, placeholder expansion,
+M-RoPE, merged embeddings, against HF transformers' Qwen3_5ForConditionalGeneration on the same
+tiny random checkpoint (fp32), at P = 1 and P = 2, with chunked prefill across an image."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm import LLM, SamplingParams
+from vllm.testing import qwen3_5_checkpoints as q35
+
+COMMON = dict(dtype="float32", max_model_len=256, block_size=8)
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PH = q35.IMAGE_PLACEHOLDER
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return q35.make_qwen3_5_vl(tmp_path_factory.mktemp("qwen3_5_vl"))
+
+
+# (prompt, images): one image, two images of different sizes, text only.
+CASES = [
+    ("describe " + PH + " now", [q35.make_test_image(0)]),
+    (
+        "a " + PH + " and " + PH + " compare",
+        [q35.make_test_image(1), q35.make_test_image(2, (40, 16))],
+    ),
+    ("plain text prompt", []),
+]
+
+
+def _prompt(text, images):
+    p: dict = {"prompt": text}
+    if images:
+        p["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
+    return p
+
+
+def _run(llm: LLM, cases, sp=GREEDY) -> list[list[int]]:
+    outs = llm.generate([_prompt(t, im) for t, im in cases], sp, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def hf_refs(vl_dir) -> list[list[int]]:
+    return [q35.hf_vl_greedy(vl_dir, t, im, GREEDY.max_tokens) for t, im in CASES]
+
+
+def test_images_change_the_output(vl_dir, hf_refs):
+    """The reference is sensitive to the image (else parity would prove nothing)."""
+    other = q35.hf_vl_greedy(vl_dir, CASES[0][0], [q35.make_test_image(7)], GREEDY.max_tokens)
+    assert other != hf_refs[0]
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_greedy_matches_hf(vl_dir, hf_refs, pp):
+    """One and two images and a text-only prompt in one batch, with prompts in 8-token chunks
+    (image placeholder runs split across steps); the encoder runs once per image."""
+    llm = LLM(
+        model=vl_dir,
+        pipeline_parallel_size=pp,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=8,
+        **COMMON,
+    )
+    try:
+        assert _run(llm, CASES) == hf_refs
+        if pp == 1:
+            model = llm.llm_engine.executor.worker.model_runner.model
+            assert model.num_encoded_images == 3
+    finally:
+        llm.shutdown()
+
+
+def test_placeholder_expansion_and_positions(vl_dir):
+    """Each <|image_pad|> becomes grid_t * grid_h * grid_w / 4 tokens; M-RoPE positions equal
+    transformers' get_rope_index."""
+    import transformers
+
+    llm = LLM(model=vl_dir, **COMMON)
+    try:
+        text, images = CASES[1]
+        _, ids, mm = llm.llm_engine.process_prompt_mm(_prompt(text, images))
+    finally:
+        llm.shutdown()
+    assert mm is not None and len(mm.features) == 2
+    for f in mm.features:
+        assert f.length == f.grid_thw[0] * f.grid_thw[1] * f.grid_thw[2] // 4
+        assert ids[f.offset : f.offset + f.length] == [ids[f.offset]] * f.length
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(vl_dir, dtype=torch.float32)
+    t = torch.tensor([ids])
+    grid = torch.tensor([f.grid_thw for f in mm.features])
+    pos, delta = hf.model.get_rope_index(t, (t == ids[mm.features[0].offset]).int(), grid)
+    assert pos[:, 0].tolist() == mm.mrope_positions.tolist()
+    assert int(delta) == mm.mrope_delta
