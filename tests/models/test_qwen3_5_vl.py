@@ -105,3 +105,37 @@ def test_placeholder_expansion_and_positions(vl_dir):
     pos, delta = hf.model.get_rope_index(t, (t == ids[mm.features[0].offset]).int(), grid)
     assert pos[:, 0].tolist() == mm.mrope_positions.tolist()
     assert int(delta) == mm.mrope_delta
+
+
+@pytest.fixture(scope="module")
+def vl_attn_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Full attention in every layer: not hybrid, so prefix caching is on."""
+    return q35.make_qwen3_5_vl(
+        tmp_path_factory.mktemp("qwen3_5_vl_attn"), layer_types=["full_attention"] * 4, seed=3
+    )
+
+
+def test_prefix_cache_keys_images_by_content(vl_attn_dir):
+    """Same text, same image size, different pixels: the placeholder tokens are equal, but
+    their blocks hash by the image content, so the second request reuses only the text blocks
+    before the image and gets its own (HF's) output; the same image again hits the cache."""
+    text = "some shared text before the image " + PH + " and after it, more text to read"
+    a, b = q35.make_test_image(10), q35.make_test_image(11)
+    refs = [q35.hf_vl_greedy(vl_attn_dir, text, [im], GREEDY.max_tokens) for im in (a, b)]
+    assert refs[0] != refs[1]
+    llm = LLM(model=vl_attn_dir, enable_prefix_caching=True, **COMMON)
+    try:
+        _, ids, mm = llm.llm_engine.process_prompt_mm(_prompt(text, [a]))
+        assert mm is not None
+        image_start = mm.features[0].offset
+        got, cached = [], []
+        for im in (a, b, a):
+            out = llm.generate(_prompt(text, [im]), GREEDY, use_tqdm=False)[0]
+            got.append(list(out.outputs[0].token_ids))
+            cached.append(out.num_cached_tokens)
+    finally:
+        llm.shutdown()
+    assert got == [refs[0], refs[1], refs[0]]
+    block = COMMON["block_size"]
+    assert cached[1] == image_start // block * block  # only the text blocks before the image
+    assert cached[2] == (len(ids) - 1) // block * block  # the whole prompt but its last block

@@ -36,9 +36,25 @@ def root_block_hash(cache_salt: str | None) -> BlockHash:
     return hashlib.sha256(b"vllm-prefix-cache" + tag).digest()
 
 
-def hash_block_tokens(parent: BlockHash, token_ids: list[int]) -> BlockHash:
-    """Hash of one block given its parent's hash (the chain commits to the whole prefix)."""
-    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+def hash_block_tokens(parent: BlockHash, token_ids: list[int], extra: bytes = b"") -> BlockHash:
+    """Hash of one block given its parent's hash (the chain commits to the whole prefix);
+    extra: what the tokens alone do not say (the content hashes of the images whose
+    placeholder tokens the block holds)."""
+    return hashlib.sha256(parent + array("q", token_ids).tobytes() + extra).digest()
+
+
+def block_mm_keys(request: Request, start: int, end: int) -> bytes:
+    """Content hashes (and placeholder offsets) of the request's images overlapping token
+    range [start, end): equal text with different images never shares a block."""
+    mm = request.mm_inputs
+    if mm is None:
+        return b""
+    keys = [
+        f"{f.identifier}@{f.offset}".encode()
+        for f in mm.features
+        if f.offset < end and start < f.offset + f.length
+    ]
+    return b"|mm|" + b"|".join(keys) if keys else b""
 
 
 class BlockPool:
@@ -183,7 +199,9 @@ class KVCacheManager:
             end = start + B + self._extra
             if end > len(tokens):
                 break
-            parent = hash_block_tokens(parent, tokens[start:end])
+            parent = hash_block_tokens(
+                parent, tokens[start:end], block_mm_keys(request, start, end)
+            )
             hashes.append(parent)
         return hashes
 
