@@ -139,3 +139,67 @@ def test_prefix_cache_keys_images_by_content(vl_attn_dir):
     block = COMMON["block_size"]
     assert cached[1] == image_start // block * block  # only the text blocks before the image
     assert cached[2] == (len(ids) - 1) // block * block  # the whole prompt but its last block
+
+
+# ---- MTP on the multimodal target -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vl_mtp_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The VL checkpoint with one random MTP layer."""
+    return q35.make_qwen3_5_vl(tmp_path_factory.mktemp("qwen3_5_vl_mtp"), mtp_num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def vl_near_self_draft_dir(tmp_path_factory: pytest.TempPathFactory, vl_mtp_dir) -> str:
+    """Target layers kept at scale 0.3 (images still steer it); the MTP head predicts from its
+    own input embedding only, so its drafts are partly accepted."""
+    return q35.make_qwen3_5_mtp_self_draft(
+        tmp_path_factory.mktemp("qwen3_5_vl_near"), vl_mtp_dir, target_scale=0.3
+    )
+
+
+def _spec(path, cases, pp, k=2):
+    llm = LLM(
+        model=path,
+        speculative_config={"method": "mtp", "num_speculative_tokens": k},
+        pipeline_parallel_size=pp,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=8,
+        **COMMON,
+    )
+    try:
+        outs = _run(llm, cases)
+        m = {x.name: x for x in llm.get_metrics()}
+        counts = (
+            m["vllm:spec_decode_num_draft_tokens"].value,
+            m["vllm:spec_decode_num_accepted_tokens"].value,
+        )
+        gathered = None
+        if pp == 1:
+            spec = llm.llm_engine.executor.worker.model_runner.speculator
+            gathered = spec.num_mm_rows_gathered
+        return outs, counts, gathered
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("model", ["vl_near_self_draft_dir", "vl_mtp_dir"])
+def test_mtp_on_multimodal_target(request, model):
+    """MTP drafting for a target with images: lossless (HF's greedy tokens) at P = 1 and P = 2.
+    At P = 1 the draft's first pass reads the encoder outputs at image-placeholder inputs (the
+    binding's gather); at P = 2 the draft runs on the last stage, which has no encoder outputs,
+    and the guard keeps it from gathering (without the guard that stage would try to run an
+    encoder it does not hold and the step fails). The near-self draft's proposals depend only
+    on their own input tokens, so its acceptance counts are equal across P."""
+    path = request.getfixturevalue(model)
+    refs = [q35.hf_vl_greedy(path, t, im, GREEDY.max_tokens) for t, im in CASES]
+    p1, counts1, gathered = _spec(path, CASES, 1)
+    p2, counts2, _ = _spec(path, CASES, 2)
+    assert p1 == p2 == refs
+    assert gathered is not None and gathered > 0
+    drafted, accepted = counts1
+    assert drafted > 0
+    if model == "vl_near_self_draft_dir":
+        assert counts2 == counts1
+        assert 0 < accepted < drafted

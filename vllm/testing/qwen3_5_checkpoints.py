@@ -262,10 +262,12 @@ def make_qwen3_5_mtp_self_draft(
     tensors = _read(out)
     if not any(k.startswith("mtp.") for k in tensors):
         raise ValueError(f"{src} has no mtp.* weights")
-    h = tensors["model.embed_tokens.weight"].shape[1]
+    # A multimodal checkpoint keeps the text model under model.language_model.
+    lm = "model.language_model." if "model.language_model.embed_tokens.weight" in tensors else "model."
+    h = tensors[lm + "embed_tokens.weight"].shape[1]
     out_proj = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
     for k, v in list(tensors.items()):
-        if k.startswith("model.layers.") and k.endswith(out_proj):
+        if k.startswith(lm + "layers.") and k.endswith(out_proj):
             tensors[k] = v * target_scale
         elif k.startswith("mtp.layers.") and (
             k.endswith(out_proj) or k.endswith("shared_expert_gate.weight")
@@ -276,7 +278,7 @@ def make_qwen3_5_mtp_self_draft(
     fc = torch.zeros(h, 2 * h)
     fc[:, :h] = torch.eye(h)
     tensors["mtp.fc.weight"] = fc
-    tensors["mtp.norm.weight"] = tensors["model.norm.weight"].clone()
+    tensors["mtp.norm.weight"] = tensors[lm + "norm.weight"].clone()
     _write(out, tensors)
     return str(out)
 

@@ -91,6 +91,9 @@ class Qwen3_5MTP(DraftModel):
     are kept instead)."""
 
     predictor_cls: ClassVar[type[Qwen3_5MultiTokenPredictor]] = Qwen3_5MultiTokenPredictor
+    # On a multimodal target, the first pass reads the images' encoder outputs at placeholder
+    # inputs (where its stage holds them: see DraftModel.bind_target).
+    supports_mm_inputs = True
     model: Qwen3_5MultiTokenPredictor
 
     def build_model(

@@ -297,6 +297,7 @@ class ModelRunner:
                     next_prefill_token_ids=next_prefill,
                     sampling=SamplingArrays.of(st, slots),
                     new_req_mask=np.isin(slots, self._new_slots),
+                    mm_embeds=self._draft_mm_embeds(batch),
                 )
             )
         result = StepResult(sampled, num_sampled, num_rejected, drafts)
@@ -311,6 +312,26 @@ class ModelRunner:
             prompt_logprobs=prompt_lp,
             draft_token_ids=None if drafts is None else drafts.tolist(),
         )
+
+    def _draft_mm_embeds(self, batch: InputBatch) -> tuple[np.ndarray, torch.Tensor] | None:
+        """The encoder outputs the draft's first pass reads at image-placeholder inputs (row r
+        reads the token at position r + 1), or None. Only where the draft's binding decided to
+        gather them: a draft on a stage without the encoder's outputs (the last of several
+        stages) embeds the placeholder tokens as they are."""
+        assert self.speculator is not None and self.model is not None
+        if not (self.speculator.draft.gather_mm_embeds and self.mm.any_in(batch)):
+            return None
+        rows: list[int] = []
+        embeds: list[torch.Tensor] = []
+        qsl = batch.query_start_loc_np
+        for i, rid in enumerate(batch.req_ids):
+            lo, hi = int(qsl[i]), int(qsl[i + 1])
+            for k, row in self.mm.embeds_at(self.model, rid, batch.positions_np[lo:hi] + 1):
+                rows.append(lo + k)
+                embeds.append(row)
+        if not rows:
+            return None
+        return np.array(rows, dtype=np.int64), torch.stack(embeds)
 
     def _logprobs(
         self, batch: InputBatch, logits: torch.Tensor | None, result: StepResult

@@ -47,6 +47,10 @@ class ProposeInputs:
     next_prefill_token_ids: np.ndarray
     sampling: SamplingArrays
     new_req_mask: np.ndarray
+    mm_embeds: tuple[np.ndarray, torch.Tensor] | None = None
+    """Multimodal targets, where the draft's binding gathers encoder outputs: the first-pass
+    rows (of the target's layout, shifted left: row r reads the token after row r's) whose
+    input is an image placeholder, and that placeholder's encoder output [N, H]."""
 
     def __post_init__(self) -> None:
         self.num_sampled = np.asarray(self.num_sampled, dtype=np.int64)
@@ -150,13 +154,6 @@ class DraftModelSpeculator(BaseSpeculator):
         self.target_hidden_size = shares.hidden_size
         draft = load_draft_model(self.vllm_config, self.device)
         draft.bind_target(shares)
-        if draft.gather_mm_embeds:
-            # The binding decided the first pass reads the target's encoder outputs (a draft
-            # taking them, on the stage holding them): nothing passes them to a draft yet.
-            raise NotImplementedError(
-                f"the draft {type(draft).__name__} reads the target's encoder outputs, which "
-                "propose() does not receive yet"
-            )
         self.model = draft
         self.on_draft_bound(draft, shares)
         self.draft_attn_layer_names = {

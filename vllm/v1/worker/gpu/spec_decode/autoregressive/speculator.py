@@ -54,6 +54,10 @@ class DraftBatch:
     block_table: np.ndarray  # [R, max_blocks]
     attn_metadata: AttentionMetadata  # the target's (step 0 reuses it)
     sampling: SamplingArrays
+    # Step 0 rows whose input is an image placeholder, and the target's encoder outputs for
+    # them (only where the binding decided the draft gathers them).
+    mm_rows: np.ndarray | None = None
+    mm_embeds: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -78,6 +82,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         self.last_token_indices = torch.zeros(self.max_num_reqs, dtype=torch.int64, device=device)
         # The draft's fc over the target's aux taps (EAGLE3), when it reads them.
         self.combiner: CombinesHiddenStates | None = None
+        # First-pass rows that read an image's encoder outputs (the multimodal gather), so far.
+        self.num_mm_rows_gathered = 0
 
     def on_draft_bound(self, draft: DraftModel, shares: TargetShares) -> None:
         if isinstance(draft, CombinesHiddenStates) and shares.aux_hidden_state_layers:
@@ -137,14 +143,16 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         hidden_states: torch.Tensor,
         attn_metadata: AttentionMetadata,
         draft_step: int,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden for the logits, hidden fed back to the next draft step)."""
         with set_forward_context(attn_metadata):
             return self.draft(
-                input_ids=input_ids,
+                input_ids=None if inputs_embeds is not None else input_ids,
                 positions=positions,
                 hidden_states=hidden_states.to(self.dtype),
                 spec_step_idx=draft_step,
+                inputs_embeds=inputs_embeds,
             )
 
     # ---- the draft loop shared by capture() and propose() ------------------------------------
@@ -190,12 +198,19 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         drafts = self.draft_tokens[:R]
         self._begin_draft(db)
         with self._hooked(self.on_prefill_begin, self.on_prefill_end, R):
+            ids0 = torch.from_numpy(db.input_ids).to(dev)
+            embeds0 = None
+            if db.mm_rows is not None and db.mm_embeds is not None and len(db.mm_rows):
+                # The multimodal gather: placeholder inputs take the image's encoder outputs.
+                embeds0 = self.draft.embed_input_ids(ids0, 0).clone()
+                embeds0[torch.from_numpy(db.mm_rows).to(dev)] = db.mm_embeds.to(embeds0.dtype)
             logits_h, feedback = self._run_model(
-                torch.from_numpy(db.input_ids).to(dev),
+                ids0,
                 torch.from_numpy(db.positions).to(dev),
                 hidden_states,
                 db.attn_metadata,
                 0,
+                inputs_embeds=embeds0,
             )
             logits = self._compute_logits(logits_h[lti], 0)
             drafts[:, 0] = self.sample_draft(logits, draft_pos, db.sampling).cpu().numpy()
@@ -301,4 +316,11 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             attn_metadata=b.attn_metadata,
             sampling=inputs.sampling,
         )
+        if inputs.mm_embeds is not None:
+            if not self.draft.gather_mm_embeds:
+                raise RuntimeError(
+                    "encoder outputs were passed to a draft whose binding does not gather them"
+                )
+            db.mm_rows, db.mm_embeds = inputs.mm_embeds
+            self.num_mm_rows_gathered += len(db.mm_rows)
         return self._draft(db, hidden)
