@@ -263,7 +263,9 @@ def make_qwen3_5_mtp_self_draft(
     if not any(k.startswith("mtp.") for k in tensors):
         raise ValueError(f"{src} has no mtp.* weights")
     # A multimodal checkpoint keeps the text model under model.language_model.
-    lm = "model.language_model." if "model.language_model.embed_tokens.weight" in tensors else "model."
+    lm = "model.language_model."
+    if lm + "embed_tokens.weight" not in tensors:
+        lm = "model."
     h = tensors[lm + "embed_tokens.weight"].shape[1]
     out_proj = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
     for k, v in list(tensors.items()):

@@ -319,7 +319,7 @@ class ModelRunner:
         gather them: a draft on a stage without the encoder's outputs (the last of several
         stages) embeds the placeholder tokens as they are."""
         assert self.speculator is not None and self.model is not None
-        if not (self.speculator.draft.gather_mm_embeds and self.mm.any_in(batch)):
+        if not (self.speculator.gathers_mm_embeds and self.mm.any_in(batch)):
             return None
         rows: list[int] = []
         embeds: list[torch.Tensor] = []

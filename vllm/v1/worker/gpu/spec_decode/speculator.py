@@ -85,6 +85,12 @@ class BaseSpeculator(ABC):
 
     model: nn.Module | None = None
 
+    @property
+    def gathers_mm_embeds(self) -> bool:
+        """Whether propose() takes the target's encoder outputs (the draft's binding decided
+        so: a draft taking them, on a stage holding them)."""
+        return False
+
     @abstractmethod
     def load_model(self, target_model: CausalLMBase) -> None:
         """Build the drafter next to the (already loaded) target model."""
@@ -140,6 +146,10 @@ class DraftModelSpeculator(BaseSpeculator):
     def draft(self) -> DraftModel:
         assert self.model is not None, "load_model() must run first"
         return self.model
+
+    @property
+    def gathers_mm_embeds(self) -> bool:
+        return self.model is not None and bool(self.model.gather_mm_embeds)
 
     def on_draft_bound(self, draft: DraftModel, shares: TargetShares) -> None:
         """After the draft is bound to its target: take up the draft's optional capabilities
