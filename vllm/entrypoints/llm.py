@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from vllm.beam_search import BeamSearch, BeamSearchOutput
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMValidationError
+from vllm.multimodal.chat import split_images
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import BeamSearchParams, SamplingParams
 from vllm.v1.engine.llm_engine import LLMEngine, PromptType
@@ -142,7 +143,7 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
@@ -152,10 +153,17 @@ class LLM:
         if messages and isinstance(messages[0], dict):
             conversations = [messages]
         else:
-            conversations = cast(list[list[dict[str, str]]], list(messages))
+            conversations = cast(list[list[dict[str, Any]]], list(messages))
         tok = self.get_tokenizer()
+        engine = self.llm_engine
         prompts = []
         for conv in conversations:
+            # Image parts (image_url data URLs, image_pil) -> placeholders + multi_modal_data.
+            conv, images = split_images(
+                list(conv),
+                engine.image_placeholder,
+                engine.model_config.allowed_media_domains,
+            )
             text = tok.apply_chat_template(
                 conv,
                 tokenize=False,
@@ -164,7 +172,10 @@ class LLM:
             )
             # The template already holds the special tokens; don't add a BOS twice.
             ids = tok.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+            if images:
+                prompt["multi_modal_data"] = {"image": images}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def reset_prefix_cache(self) -> bool:

@@ -123,10 +123,23 @@ def mrope_positions(
 class ImageProcessor:
     """The model's image inputs: placeholder token, its own image processor, the limits."""
 
-    def __init__(self, model_path: str, hf_config: Any, limit_per_prompt: int) -> None:
+    def __init__(
+        self, model_path: str, hf_config: Any, limit_per_prompt: int, tokenizer: Any = None
+    ) -> None:
         from transformers import AutoImageProcessor
 
         self.image_token_id = int(hf_config.image_token_id)
+        # What a chat message's image part becomes in the prompt text.
+        self.placeholder: str | None = None
+        if tokenizer is not None:
+            ids = [
+                getattr(hf_config, "vision_start_token_id", None),
+                self.image_token_id,
+                getattr(hf_config, "vision_end_token_id", None),
+            ]
+            self.placeholder = "".join(
+                tokenizer.convert_ids_to_tokens(int(t)) for t in ids if t is not None
+            )
         vision = hf_config.vision_config
         self.merge = int(vision.spatial_merge_size)
         self.limit = limit_per_prompt

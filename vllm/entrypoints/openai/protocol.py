@@ -12,6 +12,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from vllm.entrypoints.openai.field_rules import refuse_unsupported, warn_unknown
 from vllm.exceptions import VLLMValidationError
+from vllm.multimodal.chat import split_images
 from vllm.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams
 
 MAX_N = 16
@@ -384,26 +385,21 @@ class ChatCompletionRequest(_SamplingRequest):
             prompt_logprobs = self.top_logprobs or 0
         return self._sampling_params(max_tokens, logprobs, prompt_logprobs)
 
-    def conversation(self) -> list[dict[str, Any]]:
-        """Messages as plain dicts for the chat template; text parts are joined."""
-        out = []
-        for i, m in enumerate(self.messages):
-            d = m.model_dump(exclude_none=True)
-            content = m.content
-            if isinstance(content, list):
-                texts = []
-                for part in content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise ValueError(
-                            f"messages[{i}].content: only text parts are supported, "
-                            f"got {part.get('type')!r}"
-                        )
-                    texts.append(part["text"])
-                d["content"] = "\n".join(texts)
-            elif content is None:
-                d["content"] = ""
-            out.append(d)
-        return out
+    def conversation(
+        self, image_placeholder: str | None = None, allowed_media_domains: list[str] | None = None
+    ) -> list[dict[str, Any]]:
+        """Messages as plain dicts for the chat template; text parts are joined, image parts
+        become image_placeholder (the images: conversation_and_images)."""
+        return self.conversation_and_images(image_placeholder, allowed_media_domains)[0]
+
+    def conversation_and_images(
+        self, image_placeholder: str | None = None, allowed_media_domains: list[str] | None = None
+    ) -> tuple[list[dict[str, Any]], list[Any]]:
+        """(conversation, images in order): see vllm.multimodal.chat.split_images."""
+        messages = [m.model_dump(exclude_none=True) for m in self.messages]
+        for d, m in zip(messages, self.messages):
+            d["content"] = m.content
+        return split_images(messages, image_placeholder, allowed_media_domains)
 
 
 class ChatMessageOut(OpenAIBaseModel):

@@ -112,15 +112,25 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         params = req.to_sampling_params()
-        text = await self.render(req)
+        engine = self.llm.engine
+        # Image parts: placeholders in the text, the images as the prompt's multi_modal_data.
+        conversation, images = req.conversation_and_images(
+            engine.image_placeholder, engine.model_config.allowed_media_domains
+        )
+        text = await self.render(req, conversation)
         prompt = await self.engine_prompt(req, text, None, req.add_special_tokens)
+        if images:
+            prompt["multi_modal_data"] = {"image": images}
         return await self._generate(req, raw, [prompt], params)
 
-    async def render(self, req: ChatCompletionRequest) -> str:
+    async def render(
+        self, req: ChatCompletionRequest, conversation: list[dict[str, Any]] | None = None
+    ) -> str:
         """The conversation as prompt text: rendered off the event loop, with the request's
         template (sandboxed), else the server's --chat-template, else the tokenizer's; input
         too large to fit is refused by its size first."""
-        conversation = req.conversation()
+        if conversation is None:
+            conversation = req.conversation()
         tok = self.tokenizer
         if req.continue_final_message and req.add_generation_prompt:
             raise APIError("continue_final_message and add_generation_prompt are exclusive")

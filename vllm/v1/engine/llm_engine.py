@@ -93,7 +93,9 @@ class LLMEngine:
         self._mm_unavailable = f"the model {mc.model!r} takes no multimodal input"
         if mc.is_multimodal:
             try:
-                self._mm_processor = ImageProcessor(mc.model, mc.hf_config, mc.image_limit())
+                self._mm_processor = ImageProcessor(
+                    mc.model, mc.hf_config, mc.image_limit(), self.tokenizer
+                )
             except ValueError as e:
                 # Text prompts still run; a prompt with images is refused with this reason.
                 logger.warning("%s; prompts with images will be refused", e)
@@ -177,6 +179,12 @@ class LLMEngine:
         Reads only the tokenizer and fixed limits, so it may run off the engine thread."""
         text, ids, _ = self.process_prompt_mm(prompt)
         return text, ids
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """The prompt text of one image (a chat message's image part), or None when the model
+        takes no images."""
+        return self._mm_processor.placeholder if self._mm_processor is not None else None
 
     def _image_processor(self) -> ImageProcessor:
         if self._mm_processor is None:
