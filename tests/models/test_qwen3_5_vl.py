@@ -203,3 +203,71 @@ def test_mtp_on_multimodal_target(request, model):
     if model == "vl_near_self_draft_dir":
         assert counts2 == counts1
         assert 0 < accepted < drafted
+
+
+def test_moe_variant_matches_hf(tmp_path):
+    """Qwen3_5MoeForConditionalGeneration: the same tower next to the MoE text model."""
+    path = q35.make_qwen3_5_vl(tmp_path / "vl_moe", moe=True, seed=4)
+    refs = [q35.hf_vl_greedy(path, t, im, GREEDY.max_tokens) for t, im in CASES[:2]]
+    llm = LLM(model=path, **COMMON)
+    try:
+        assert _run(llm, CASES[:2]) == refs
+    finally:
+        llm.shutdown()
+
+
+def test_remote_image_urls_only_for_allowed_hosts(vl_dir):
+    """An http image URL is fetched only when its host is allowed; the fetched image gives the
+    same answer as the same bytes sent inline."""
+    import base64
+    import http.server
+    import io
+    import threading
+
+    image = q35.make_test_image(9)
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    body = buf.getvalue()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_port}/cat.png"
+    inline = "data:image/png;base64," + base64.b64encode(body).decode()
+
+    def msgs(u):
+        return [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": u}},
+                    {"type": "text", "text": "what?"},
+                ],
+            }
+        ]
+
+    try:
+        closed = LLM(model=vl_dir, **COMMON)
+        try:
+            with pytest.raises(ValueError, match="remote image URLs are not fetched"):
+                closed.chat(msgs(url), GREEDY, use_tqdm=False)
+            want = closed.chat(msgs(inline), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        finally:
+            closed.shutdown()
+        opened = LLM(model=vl_dir, allowed_media_domains=["127.0.0.1"], **COMMON)
+        try:
+            got = opened.chat(msgs(url), GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        finally:
+            opened.shutdown()
+    finally:
+        srv.shutdown()
+    assert list(got) == list(want)
