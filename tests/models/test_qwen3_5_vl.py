@@ -271,3 +271,29 @@ def test_remote_image_urls_only_for_allowed_hosts(vl_dir):
     finally:
         srv.shutdown()
     assert list(got) == list(want)
+
+
+def test_preemption_with_images(vl_dir, hf_refs):
+    """Too few KV blocks for the batch: requests with images are preempted and recomputed (the
+    images encoded again where their outputs were dropped), outputs still HF's."""
+    probe = LLM(model=vl_dir, **COMMON)
+    runner = probe.llm_engine.executor.worker.model_runner
+    per_block, states = runner.kv_cache_bytes_per_block(), runner.state_cache_bytes()
+    probe.shutdown()
+    cases = CASES * 2
+    llm = LLM(
+        model=vl_dir,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        kv_cache_memory_bytes=states + per_block * 12,
+        **COMMON,
+    )
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        outs = _run(llm, cases, sp)
+        assert llm.llm_engine.scheduler.num_preemptions > 0
+    finally:
+        llm.shutdown()
+    refs = [q35.hf_vl_greedy(vl_dir, t, im, 24) for t, im in CASES]
+    assert refs[0][: GREEDY.max_tokens] == hf_refs[0]
+    assert outs == refs * 2
