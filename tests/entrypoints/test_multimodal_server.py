@@ -122,6 +122,13 @@ def test_limit_per_prompt_and_still_serving(server, vl_dir):
     url = _data_url(q35.make_test_image(3))
     with pytest.raises(openai.BadRequestError, match="limit of 2"):
         _chat(client, _messages(url, url, url))
+    with pytest.raises(openai.BadRequestError, match="beam search"):
+        client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=_messages(url),  # type: ignore[arg-type]
+            max_tokens=4,
+            extra_body={"use_beam_search": True, "n": 2},
+        )
     # Nothing above reached a stage: the server still answers correctly.
     assert _chat(client, _messages(url)) == _hf_reference(
         vl_dir, [q35.make_test_image(3)], "what is in the picture?"

@@ -116,6 +116,8 @@ class LLM:
         engine = self.llm_engine
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if any(isinstance(p, dict) and p.get("multi_modal_data") for p in prompts):
+            raise ValueError("multi_modal_data: beam search takes text prompts only")
         ids = [engine.process_prompt(p)[1] for p in prompts]
         limit = engine.model_config.max_model_len
         assert limit is not None  # resolved by ModelConfig

@@ -448,6 +448,12 @@ class OpenAIServing:
         if req.use_beam_search:
             from vllm.entrypoints.openai.serving_beam_search import beam_search_outputs
 
+            if any(p.get("multi_modal_data") for p in prompts):
+                raise VLLMValidationError(
+                    "beam search takes text prompts only (this one has images)",
+                    parameter="use_beam_search",
+                )
+
             self._check_alive()
             finals = beam_search_outputs(self, req, prompts, params, rid)
             return await _unless_disconnected(raw, self._answer(req, finals, rid, created))
