@@ -297,3 +297,35 @@ def test_preemption_with_images(vl_dir, hf_refs):
     refs = [q35.hf_vl_greedy(vl_dir, t, im, 24) for t, im in CASES]
     assert refs[0][: GREEDY.max_tokens] == hf_refs[0]
     assert outs == refs * 2
+
+
+def test_draft_first_pass_reads_the_encoder_outputs(vl_mtp_dir):
+    """P = 1: the inputs the MTP draft's first pass embeds at image-placeholder positions are
+    the image's encoder outputs (every row of them), not the placeholder token's embedding."""
+    llm = LLM(
+        model=vl_mtp_dir,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=8,
+        **COMMON,
+    )
+    try:
+        runner = llm.llm_engine.executor.worker.model_runner
+        seen: list[torch.Tensor] = []
+        hook = runner.speculator.draft.model.register_forward_pre_hook(
+            lambda _m, args: seen.append(args[1].detach().clone())
+        )
+        text, images = CASES[0]
+        _, _, mm = llm.llm_engine.process_prompt_mm(_prompt(text, images))
+        assert mm is not None
+        _run(llm, [CASES[0]])
+        hook.remove()
+        f = mm.features[0]
+        with torch.inference_mode():
+            enc = runner.model.embed_multimodal(torch.from_numpy(f.pixel_values), [f.grid_thw])[0]
+    finally:
+        llm.shutdown()
+    rows = torch.cat(seen)
+    # Every encoder row was a draft input (rows of other inputs are ~10 away).
+    dist = torch.cdist(enc.float(), rows.float(), compute_mode="donot_use_mm_for_euclid_dist")
+    assert dist.min(dim=1).values.max() < 1e-4
