@@ -329,3 +329,25 @@ def test_draft_first_pass_reads_the_encoder_outputs(vl_mtp_dir):
     # Every encoder row was a draft input (rows of other inputs are ~10 away).
     dist = torch.cdist(enc.float(), rows.float(), compute_mode="donot_use_mm_for_euclid_dist")
     assert dist.min(dim=1).values.max() < 1e-4
+
+
+def test_encoder_outputs_freed_once_the_image_is_computed(vl_dir):
+    """An image's encoder output lives until the request has computed its placeholder run in
+    full (across chunks), not for the whole decode."""
+    llm = LLM(model=vl_dir, enable_chunked_prefill=True, max_num_batched_tokens=8, **COMMON)
+    try:
+        engine = llm.llm_engine
+        mm_state = engine.executor.worker.model_runner.mm
+        text, images = CASES[0]
+        engine.add_request(
+            "r", _prompt(text, images), SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        )
+        sizes = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            sizes.append(len(mm_state.encoder_cache))
+        model = engine.executor.worker.model_runner.model
+        assert model.num_encoded_images == 1  # kept across the chunks it spans
+    finally:
+        llm.shutdown()
+    assert 1 in sizes and sizes[-6:] == [0] * 6  # freed before the decode steps

@@ -33,12 +33,27 @@ class MultiModalRunnerState:
         if mm is None:
             return
         for f in mm.features:
-            holders = self._holders.get(f.identifier)
-            if holders is not None:
-                holders.discard(req_id)
-                if not holders:
-                    del self._holders[f.identifier]
-                    self.encoder_cache.pop(f.identifier, None)
+            self._release(req_id, f.identifier)
+
+    def _release(self, req_id: str, identifier: str) -> None:
+        holders = self._holders.get(identifier)
+        if holders is not None:
+            holders.discard(req_id)
+            if not holders:
+                del self._holders[identifier]
+                self.encoder_cache.pop(identifier, None)
+
+    def release_computed(self, batch: InputBatch) -> None:
+        """After a step: an image whose placeholder run the request has now computed in full
+        is no longer needed by it (a preempted request that recomputes encodes it again)."""
+        for i, rid in enumerate(batch.req_ids):
+            mm = self.inputs.get(rid)
+            if mm is None:
+                continue
+            done = int(batch.num_computed_tokens_np[i]) + int(batch.num_scheduled_tokens[i])
+            for f in mm.features:
+                if f.offset + f.length <= done:
+                    self._release(rid, f.identifier)
 
     def any_in(self, batch: InputBatch) -> bool:
         return any(r in self.inputs for r in batch.req_ids)

@@ -219,8 +219,12 @@ class ModelRunner:
         if not self.pp.is_last_rank:
             if self.pp_handler is not None:
                 self.pp_handler.receive(batch)
+            self.mm.release_computed(batch)
             return self._not_in_recv_buffers(out)
-        return self._sample_and_propose(batch, out)
+        result = self._sample_and_propose(batch, out)
+        # After the draft's gather (which may read the image right after a chunk).
+        self.mm.release_computed(batch)
+        return result
 
     def _not_in_recv_buffers(self, out: IntermediateTensors) -> IntermediateTensors:
         """What a middle stage sends on, none of it a view of its receive buffers: the send
