@@ -6,12 +6,15 @@ linear() dispatch that the linear layers and the LM head use."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from vllm import _custom_ops as ops
+from vllm.forward_context import decode_rows, set_forward_context
 from vllm.model_executor.layers import linear as linear_mod
 
 
@@ -127,38 +130,86 @@ def test_linear_small_m_rejects_bad_input():
         ops.linear_small_m(x, torch.randn(4, 8, dtype=torch.bfloat16), None)
 
 
-def test_linear_dispatch(monkeypatch):
-    """bf16 decode-sized products take the kernel; prefill-sized ones and fp32 take BLAS; all
-    give F.linear's result, and a bf16 row's result does not depend on the rows next to it."""
-    calls = []
+def _count_kernel_rows(monkeypatch):
+    calls: list[int] = []
     real = linear_mod.linear_small_m
     monkeypatch.setattr(
         linear_mod, "linear_small_m", lambda *a: calls.append(a[0].shape[0]) or real(*a)
     )
-    w = torch.randn(24, 40)
-    for m, dtype, kernel in [
-        (1, torch.float32, False),
-        (4, torch.float32, False),
-        (1, torch.bfloat16, False),
-        (2, torch.bfloat16, True),
-        (16, torch.bfloat16, True),
-        (linear_mod.SMALL_M_MAX_ROWS + 1, torch.bfloat16, False),  # prefill: BLAS (fp32)
+    return calls
+
+
+def _meta(q_lens, short_query_len):
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
+    return SimpleNamespace(
+        query_start_loc_np=qsl, short_query_len=short_query_len, device=torch.device("cpu")
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_routes_rows_by_kind(monkeypatch, dtype):
+    """Decode / verify / draft rows take the kernel whatever their number; prefill rows take
+    BLAS whatever their number; no forward (no row kinds): BLAS."""
+    calls = _count_kernel_rows(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(24, 40, generator=g).to(dtype)
+    tol = {} if dtype == torch.float32 else {"atol": 0.1, "rtol": 1e-2}
+    for q_lens, short_len, kernel_rows in [
+        ([1] * 40, 1, [40]),  # 40 decode rows: the kernel (no threshold on M)
+        ([4, 4, 4], 4, [12]),  # verify rows (K = 3)
+        ([2], 1, []),  # a 2-token prefill chunk: BLAS
+        ([5, 1, 1], 4, [2]),  # mixed: the decode rows only
     ]:
         calls.clear()
-        x = torch.randn(m, 40).to(dtype)
-        y = linear_mod.linear(x, w.to(dtype))
-        assert (calls == [m]) is kernel
-        tol = {} if dtype == torch.float32 else {"atol": 0.1, "rtol": 1e-2}
-        torch.testing.assert_close(y.float(), F.linear(x.float(), w.to(dtype).float()), **tol)
+        x = torch.randn(sum(q_lens), 40, generator=g).to(dtype)
+        with set_forward_context(_meta(q_lens, short_len)):
+            y = linear_mod.linear(x, w)
+        assert calls == kernel_rows, (q_lens, calls)
+        torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), **tol)
+    calls.clear()
+    linear_mod.linear(torch.randn(3, 40).to(dtype), w)
+    assert calls == []
+    with decode_rows():
+        linear_mod.linear(torch.randn(3, 40).to(dtype), w)
+    assert calls == [3]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_row_is_bit_identical_whatever_the_step_holds(dtype):
+    """A decode row's linear output is the same bits alone, among other decode rows, and next
+    to a prefill chunk (the mixed step splits the rows by kind)."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(300, 128, generator=g).to(dtype)
+    b = torch.randn(300, generator=g).to(dtype)
+    row = torch.randn(1, 128, generator=g).to(dtype)
+    with set_forward_context(_meta([1], 1)):
+        alone = linear_mod.linear(row, w, b)
+    for q_lens, at in [([1] * 9, 4), ([7, 1, 1], 8), ([1, 30], 0), ([4, 4, 1], 8)]:
+        x = torch.randn(sum(q_lens), 128, generator=g).to(dtype)
+        x[at] = row[0]
+        with set_forward_context(_meta(q_lens, 4 if 4 in q_lens else 1)):
+            y = linear_mod.linear(x, w, b)
+        assert torch.equal(y[at : at + 1], alone), q_lens
+    pad = torch.cat(
+        [torch.randn(5, 128, generator=g).to(dtype), row, torch.zeros(2, 128).to(dtype)]
+    )
+    with set_forward_context(_meta([5, 1], 1)):  # two padding rows past the batch
+        y = linear_mod.linear(pad, w, b)
+    assert torch.equal(y[5:6], alone)
+    torch.testing.assert_close(
+        y[:5].float(),
+        F.linear(pad[:5].float(), w.float(), b.float()),
+        **({} if dtype == torch.float32 else {"atol": 0.1, "rtol": 1e-2}),
+    )
 
 
 def test_bf16_prefill_product_is_the_fp32_product_rounded_once():
-    """Past the kernel's rows, a bf16 product on a CPU without a native bf16 GEMM is BLAS on
+    """Prefill rows: a bf16 product on a CPU without a native bf16 GEMM is BLAS on
     fp32 copies rounded once: the same arithmetic as torch's bf16 linear, 5-7x faster."""
     if linear_mod._cpu_has_bf16_gemm():
         pytest.skip("this CPU has a native bf16 GEMM (torch's bf16 linear is used)")
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(linear_mod.SMALL_M_MAX_ROWS + 7, 64, generator=g).bfloat16()
+    x = torch.randn(40, 64, generator=g).bfloat16()
     w = torch.randn(48, 64, generator=g).bfloat16()
     b = torch.randn(48, generator=g).bfloat16()
     expected = F.linear(x.float(), w.float(), b.float()).bfloat16()
