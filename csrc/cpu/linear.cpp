@@ -75,11 +75,19 @@ inline float to_f(T v) {
   return static_cast<float>(v);
 }
 
+// What a micro-kernel pulls into cache as it goes: `step` bytes from p per step over k (p null:
+// nothing). The tiles of one weight block share the next block between them, so the memory
+// stream keeps going while later tiles multiply out of L1.
+struct Prefetch {
+  const char* p = nullptr;
+  int64_t step = 0;
+};
+
 // ---- portable ------------------------------------------------------------------------------
 constexpr int64_t kLanes = 8;
 
 template <int MR, int NR, typename TX, typename TW>
-void micro_portable(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t K, const char*,
+void micro_portable(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t K, Prefetch,
                     float* out) {
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
@@ -109,9 +117,9 @@ void micro_portable(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t 
   ACC c20 = z, c21 = z, c22 = z, c23 = z, c30 = z, c31 = z, c32 = z, c33 = z;                 \
   for (int64_t k = 0; k < K; k += STEP) {                                                     \
     const auto m = MASK(K - k);                                                               \
-    if (pf != nullptr) /* the next block, contiguous: one sequential stream */               \
-      for (int64_t b = 0; b < NR * STEP * static_cast<int64_t>(sizeof(TW)); b += 64)          \
-        _mm_prefetch(pf + k * NR * static_cast<int64_t>(sizeof(TW)) + b, _MM_HINT_T0);        \
+    if (pf.p != nullptr) /* a share of the next block: one sequential stream */              \
+      for (int64_t b = 0; b < pf.step; b += 64)                                               \
+        _mm_prefetch(pf.p + (k / STEP) * pf.step + b, _MM_HINT_T0);                           \
     const WV w0 = LOAD(w + k, m);                                                             \
     WV w1 = w0, w2 = w0, w3 = w0;                                                             \
     if constexpr (NR > 1) {                                                                   \
@@ -166,7 +174,7 @@ VLLM_AVX2 inline float hsum8(__m256 v) {
 
 template <int MR, int NR, typename TX, typename TW>
 VLLM_AVX2 void micro_avx2(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t K,
-                          const char* pf, float* out) {
+                          Prefetch pf, float* out) {
   VLLM_MICRO_BODY(TW, __m256, __m256, 8, mask8, load8, fma8, hsum8, _mm256_setzero_ps())
 }
 
@@ -186,7 +194,7 @@ VLLM_AVX512 inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 template <int MR, int NR, typename TX, typename TW>
 VLLM_AVX512 void micro_avx512(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t K,
-                              const char* pf, float* out) {
+                              Prefetch pf, float* out) {
   VLLM_MICRO_BODY(TW, __m512, __m512, 16, mask16, load16, fma16, hsum16, _mm512_setzero_ps())
 }
 
@@ -208,7 +216,7 @@ VLLM_AVX512BF16 inline float hsum16bh(__m512 v) { return _mm512_reduce_add_ps(v)
 template <int MR, int NR>
 VLLM_AVX512BF16 void micro_avx512bf16(const c10::BFloat16* x, int64_t ldx,
                                       const c10::BFloat16* w, int64_t ldw, int64_t K,
-                                      const char* pf, float* out) {
+                                      Prefetch pf, float* out) {
   VLLM_MICRO_BODY(c10::BFloat16, __m512, __m512bh, 32, mask32, load32bh, dot32, hsum16bh,
                   _mm512_setzero_ps())
 }
@@ -217,7 +225,7 @@ VLLM_AVX512BF16 void micro_avx512bf16(const c10::BFloat16* x, int64_t ldx,
 // One micro-kernel call: out[i * NR + j] = dot(x row i, w row j), i < MR, j < NR. x is T, or
 // fp32 widened from bf16 once per call for the paths that multiply in fp32.
 template <Isa ISA, int MR, int NR, typename TX, typename TW>
-inline void micro(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t K, const char* pf,
+inline void micro(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t K, Prefetch pf,
                   float* out) {
 #ifdef VLLM_LINEAR_X86
   if constexpr (ISA == kAvx512Bf16 && std::is_same_v<TW, c10::BFloat16>) {
@@ -241,7 +249,7 @@ constexpr int kMR = (ISA == kAvx512 || ISA == kAvx512Bf16) ? 4 : 2;
 
 template <Isa ISA, int NR, typename TX, typename T>
 inline void tile(int64_t mr, const TX* x, int64_t ldx, const T* w, int64_t ldw, int64_t K,
-                 const char* pf, float* out) {
+                 Prefetch pf, float* out) {
   static_assert(kMR<ISA> == 2 || kMR<ISA> == 4);
   switch (mr) {
     case 1:
@@ -262,6 +270,11 @@ template <Isa ISA, typename TX, typename T>
 void run_columns(const TX* xp, int64_t ldx, int64_t M, const T* wp, int64_t ldw, int64_t K,
                  const T* bp, T* yp, int64_t ldy, int64_t n0, int64_t n1) {
   constexpr int MR = kMR<ISA>;
+  constexpr int64_t kStep = ISA == kAvx512Bf16 && !std::is_same_v<TX, float> ? 32
+                            : ISA == kAvx512 || ISA == kAvx512Bf16          ? 16
+                                                                            : 8;
+  const int64_t tiles = (M + MR - 1) / MR, steps = std::max<int64_t>(1, (K + kStep - 1) / kStep);
+  const int64_t block_bytes = kNR * K * static_cast<int64_t>(sizeof(T));
   float acc[MR * kNR];
   for (int64_t n = n0; n < n1; n += kNR) {
     const int64_t nr = std::min(kNR, n1 - n);
@@ -269,17 +282,20 @@ void run_columns(const TX* xp, int64_t ldx, int64_t M, const T* wp, int64_t ldw,
       const int64_t mr = std::min<int64_t>(MR, M - m);
       const TX* x = xp + m * ldx;
       if (nr == kNR) {
-        // The first tile pulls the next block (contiguous rows) in as one sequential stream
-        // while this one is multiplied: kNR interleaved row streams alone reach about half the
-        // bandwidth of one sequential read. The later tiles find the block in L1.
-        const char* pf = (ldw == K && m == 0 && n + 2 * kNR <= n1)
-                             ? reinterpret_cast<const char*>(wp + (n + kNR) * ldw)
-                             : nullptr;
+        // The tiles pull the next block (contiguous rows) in as one sequential stream, each a
+        // share of it, while this one is multiplied: kNR interleaved row streams alone reach
+        // about half the bandwidth of one sequential read.
+        Prefetch pf;
+        if (ldw == K && n + 2 * kNR <= n1) {
+          const int64_t tile_no = m / MR, share = (block_bytes + tiles - 1) / tiles;
+          pf.p = reinterpret_cast<const char*>(wp + (n + kNR) * ldw) + tile_no * share;
+          pf.step = ((share + steps - 1) / steps + 63) / 64 * 64;
+        }
         tile<ISA, kNR>(mr, x, ldx, wp + n * ldw, ldw, K, pf, acc);
       } else {
         for (int64_t j = 0; j < nr; ++j) {  // the last rows of N: one at a time
           float one[MR];
-          tile<ISA, 1>(mr, x, ldx, wp + (n + j) * ldw, ldw, K, nullptr, one);
+          tile<ISA, 1>(mr, x, ldx, wp + (n + j) * ldw, ldw, K, Prefetch{}, one);
           for (int64_t i = 0; i < mr; ++i) acc[i * kNR + j] = one[i];
         }
       }
