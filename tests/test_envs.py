@@ -23,6 +23,7 @@ BAD_VALUES = {
     "VLLM_CPU_KVCACHE_SPACE": "0",
     "VLLM_WORKER_MULTIPROC_METHOD": "fork",
     "VLLM_FP8_DEQUANT": "sometimes",
+    "VLLM_CPU_LINEAR_ISA": "sse9",
     "VLLM_LOGGING_LEVEL": "LOUD",
     "TRITON_INTERPRET": "maybe",
     "VLLM_CPU_KERNELS": "perhaps",

@@ -121,7 +121,7 @@ def _register_fakes() -> None:
         lambda pos, q, k, *args: (torch.empty_like(q), torch.empty_like(k))
     )
     torch.library.register_fake(lib + "linear_small_m")(
-        lambda x, w, b: x.new_empty(x.shape[0], w.shape[0])
+        lambda x, w, b, isa=0: x.new_empty(x.shape[0], w.shape[0])
     )
 
 
@@ -171,12 +171,43 @@ def rotary_embedding(
     )
 
 
+# The small-M linear's instruction-set paths (csrc/cpu/linear.cpp), by VLLM_CPU_LINEAR_ISA name.
+LINEAR_ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}
+
+
+@functools.cache
+def linear_isa() -> int:
+    """The path linear_small_m runs (VLLM_CPU_LINEAR_ISA, resolved against the CPU once;
+    cache_clear() after changing the variable). ValueError naming the variable when the CPU
+    lacks the one asked for."""
+    name = envs.VLLM_CPU_LINEAR_ISA
+    try:
+        return int(torch.ops.vllm_cpu.linear_small_m_isa(LINEAR_ISAS[name]))
+    except RuntimeError as e:
+        raise ValueError(f"VLLM_CPU_LINEAR_ISA={name}: this CPU cannot run that path") from e
+
+
+def linear_isas_available() -> list[str]:
+    """The VLLM_CPU_LINEAR_ISA paths (other than auto) this CPU can run."""
+    ok = []
+    for name, code in LINEAR_ISAS.items():
+        if code == 0:
+            continue
+        try:
+            torch.ops.vllm_cpu.linear_small_m_isa(code)
+        except RuntimeError:
+            continue
+        ok.append(name)
+    return ok
+
+
 def linear_small_m(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x [M, K] @ weight[N, K]^T (+ bias) for a few rows (decode), fp32 or bf16, accumulated in
-    fp32: each weight row is streamed from memory once for all M rows."""
-    return torch.ops.vllm_cpu.linear_small_m(x, weight, bias)
+    """x [M, K] @ weight[N, K]^T (+ bias) for the rows of a decode / verify / draft step, fp32
+    or bf16, accumulated in fp32: each block of weight rows is streamed from memory once for all
+    M rows. A row's result does not depend on M or on the other rows (batch-invariant)."""
+    return torch.ops.vllm_cpu.linear_small_m(x, weight, bias, linear_isa())
 
 
 def paged_attention(

@@ -177,6 +177,14 @@ _VARS = [
         "attention, fused RMSNorm + residual, rotary, the small-batch linear).",
     ),
     EnvVar(
+        "VLLM_CPU_LINEAR_ISA",
+        "auto",
+        _choice("auto", "avx512bf16", "avx512", "avx2", "portable"),
+        "Instruction-set path of the CPU small-M linear kernel (decode / verify / draft rows): "
+        "auto picks the best this CPU has (cpuid); naming one the CPU lacks is an error. For "
+        "tests and benchmarks of each path.",
+    ),
+    EnvVar(
         "VLLM_CPU_KERNELS_BUILD_DIR",
         None,
         _text,
@@ -242,6 +250,7 @@ ENV_VARS: dict[str, EnvVar] = {v.name: v for v in _VARS}
 if TYPE_CHECKING:  # the names this module provides
     VLLM_CPU_KERNELS: bool
     VLLM_CPU_KERNELS_BUILD_DIR: str | None
+    VLLM_CPU_LINEAR_ISA: str
     VLLM_BENCH_CACHE: str | None
     VLLM_CACHE_ROOT: str | None
     XDG_CACHE_HOME: str | None

@@ -29,4 +29,8 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
                                                     bool is_neox);
 
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,
-                          const c10::optional<at::Tensor>& bias);
+                          const c10::optional<at::Tensor>& bias, int64_t isa);
+
+// The instruction-set path linear_small_m runs for `requested` (0: the best this CPU has);
+// raises when the CPU lacks the requested one.
+int64_t linear_small_m_isa(int64_t requested);

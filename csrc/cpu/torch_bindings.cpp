@@ -24,7 +24,8 @@ TORCH_LIBRARY(vllm_cpu, m) {
   m.def(
       "rotary_embedding(Tensor positions, Tensor q, Tensor k, Tensor cos_cache, "
       "Tensor sin_cache, int head_size, int rotary_dim, bool is_neox) -> (Tensor, Tensor)");
-  m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias, int isa=0) -> Tensor");
+  m.def("linear_small_m_isa(int requested) -> int", &linear_small_m_isa);
 }
 
 TORCH_LIBRARY_IMPL(vllm_cpu, CPU, m) {

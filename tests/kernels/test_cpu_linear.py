@@ -6,12 +6,15 @@ linear() dispatch that the linear layers and the LM head use."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from vllm import _custom_ops as ops
+from vllm.forward_context import decode_rows, set_forward_context
 from vllm.model_executor.layers import linear as linear_mod
 
 
@@ -27,25 +30,41 @@ def _ref(x, w, b):
     return y if b is None else y + b.double()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3, 16, 33])
-@pytest.mark.parametrize("n,k", [(13, 37), (64, 576), (4, 8)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_linear_small_m_matches_reference(dtype, m, n, k, bias):
-    g = torch.Generator().manual_seed(m * 1000 + n + k)
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w = torch.randn(n, k, generator=g).to(dtype)
-    b = torch.randn(n, generator=g).to(dtype) if bias else None
-    got = ops.linear_small_m(x, w, b)
-    assert got.dtype == dtype and got.shape == (m, n)
-    ref = _ref(x, w, b)
+def _tol(dtype):
     # fp32 accumulation of k products; bf16 output rounded once (8 significant bits).
-    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 8e-3}
-    torch.testing.assert_close(got.double(), ref, **tol)
+    return {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 8e-3}
+
+
+@pytest.fixture(params=["portable", "avx2", "avx512", "avx512bf16"])
+def isa(request, monkeypatch):
+    """Each instruction-set path of the kernel this CPU can run, forced by VLLM_CPU_LINEAR_ISA."""
+    if request.param not in ops.linear_isas_available():
+        pytest.skip(f"this CPU cannot run the {request.param} path")
+    monkeypatch.setenv("VLLM_CPU_LINEAR_ISA", request.param)
+    ops.linear_isa.cache_clear()
+    assert ops.linear_isa() == ops.LINEAR_ISAS[request.param]
+    yield request.param
+    ops.linear_isa.cache_clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_small_m_strided_operands(dtype):
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_small_m_matches_reference(isa, dtype, bias):
+    """M = 1..17 (tiles and their remainders), N and K off the vector widths (tails of N
+    blocks, masked K tails: 8, 16 and 32 lanes), against an fp64 product."""
+    for n, k in [(13, 37), (64, 576), (4, 8), (7, 33), (9, 100)]:
+        for m in range(1, 18):
+            g = torch.Generator().manual_seed(m * 1000 + n + k)
+            x = torch.randn(m, k, generator=g).to(dtype)
+            w = torch.randn(n, k, generator=g).to(dtype)
+            b = torch.randn(n, generator=g).to(dtype) if bias else None
+            got = ops.linear_small_m(x, w, b)
+            assert got.dtype == dtype and got.shape == (m, n)
+            torch.testing.assert_close(got.double(), _ref(x, w, b), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_small_m_strided_operands(isa, dtype):
     """Rows of a wider matrix (a packed projection's shard, a sliced activation)."""
     g = torch.Generator().manual_seed(1)
     big_w = torch.randn(20, 50, generator=g).to(dtype)
@@ -54,8 +73,53 @@ def test_linear_small_m_strided_operands(dtype):
     x = big_x[:, 10:50]
     assert w.stride(0) != w.shape[1] and x.stride(0) != x.shape[1]
     got = ops.linear_small_m(x, w, None)
-    tol = {"atol": 1e-4, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.1, "rtol": 8e-3}
-    torch.testing.assert_close(got.double(), _ref(x, w, None), **tol)
+    torch.testing.assert_close(got.double(), _ref(x, w, None), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_row_is_bit_identical_whatever_shares_the_call(isa, dtype):
+    """A row's output does not depend on M or on its neighbours: alone (M = 1) and at every
+    position among 15 other rows, bit for bit; with the output columns split across threads
+    too (a weight large enough to be split)."""
+    g = torch.Generator().manual_seed(2)
+    for n, k in [(40, 96), (2051, 577), (4100, 768)]:
+        w = torch.randn(n, k, generator=g).to(dtype)
+        b = torch.randn(n, generator=g).to(dtype)
+        x = torch.randn(16, k, generator=g).to(dtype)
+        batch = ops.linear_small_m(x, w, b)
+        for r in range(16):
+            alone = ops.linear_small_m(x[r : r + 1], w, b)
+            assert torch.equal(batch[r : r + 1], alone), (n, k, r)
+        for m in (2, 3, 5, 17):
+            others = torch.randn(m, k, generator=g).to(dtype)
+            mixed = torch.cat([others[: m // 2], x[7:8], others[m // 2 :]])
+            got = ops.linear_small_m(mixed, w, b)[m // 2]
+            assert torch.equal(got, batch[7]), (n, k, m)
+
+
+def test_paths_agree_with_each_other_to_rounding():
+    """Every path this CPU runs computes the same product (they differ only in rounding)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 300, generator=g)
+    w = torch.randn(70, 300, generator=g)
+    outs = {
+        name: torch.ops.vllm_cpu.linear_small_m(x, w, None, ops.LINEAR_ISAS[name])
+        for name in ops.linear_isas_available()
+    }
+    for name, y in outs.items():
+        torch.testing.assert_close(y, outs["portable"], atol=1e-4, rtol=1e-5, msg=name)
+
+
+def test_bad_isa_variable_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_LINEAR_ISA", "sse9")
+    ops.linear_isa.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="VLLM_CPU_LINEAR_ISA"):
+            ops.linear_isa()
+    finally:
+        ops.linear_isa.cache_clear()
+    with pytest.raises(RuntimeError, match="instruction-set path"):
+        torch.ops.vllm_cpu.linear_small_m_isa(9)
 
 
 def test_linear_small_m_rejects_bad_input():
@@ -66,47 +130,86 @@ def test_linear_small_m_rejects_bad_input():
         ops.linear_small_m(x, torch.randn(4, 8, dtype=torch.bfloat16), None)
 
 
-def test_linear_dispatch(monkeypatch):
-    """bf16 decode-sized products take the kernel; prefill-sized ones and fp32 take BLAS; all
-    give F.linear's result, and a bf16 row's result does not depend on the rows next to it."""
-    calls = []
+def _count_kernel_rows(monkeypatch):
+    calls: list[int] = []
     real = linear_mod.linear_small_m
     monkeypatch.setattr(
         linear_mod, "linear_small_m", lambda *a: calls.append(a[0].shape[0]) or real(*a)
     )
-    w = torch.randn(24, 40)
-    for m, dtype, kernel in [
-        (1, torch.float32, False),
-        (4, torch.float32, False),
-        (1, torch.bfloat16, False),
-        (2, torch.bfloat16, True),
-        (16, torch.bfloat16, True),
-        (linear_mod.SMALL_M_MAX_ROWS + 1, torch.bfloat16, False),  # prefill: BLAS (fp32)
+    return calls
+
+
+def _meta(q_lens, short_query_len):
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
+    return SimpleNamespace(
+        query_start_loc_np=qsl, short_query_len=short_query_len, device=torch.device("cpu")
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_routes_rows_by_kind(monkeypatch, dtype):
+    """Decode / verify / draft rows take the kernel whatever their number; prefill rows take
+    BLAS whatever their number; no forward (no row kinds): BLAS."""
+    calls = _count_kernel_rows(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(24, 40, generator=g).to(dtype)
+    tol = {} if dtype == torch.float32 else {"atol": 0.1, "rtol": 1e-2}
+    for q_lens, short_len, kernel_rows in [
+        ([1] * 40, 1, [40]),  # 40 decode rows: the kernel (no threshold on M)
+        ([4, 4, 4], 4, [12]),  # verify rows (K = 3)
+        ([2], 1, []),  # a 2-token prefill chunk: BLAS
+        ([5, 1, 1], 4, [2]),  # mixed: the decode rows only
     ]:
         calls.clear()
-        x = torch.randn(m, 40).to(dtype)
-        y = linear_mod.linear(x, w.to(dtype))
-        assert (calls == [m]) is kernel
-        tol = {} if dtype == torch.float32 else {"atol": 0.1, "rtol": 1e-2}
-        torch.testing.assert_close(y.float(), F.linear(x.float(), w.to(dtype).float()), **tol)
+        x = torch.randn(sum(q_lens), 40, generator=g).to(dtype)
+        with set_forward_context(_meta(q_lens, short_len)):
+            y = linear_mod.linear(x, w)
+        assert calls == kernel_rows, (q_lens, calls)
+        torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), **tol)
+    calls.clear()
+    linear_mod.linear(torch.randn(3, 40).to(dtype), w)
+    assert calls == []
+    with decode_rows():
+        linear_mod.linear(torch.randn(3, 40).to(dtype), w)
+    assert calls == [3]
 
 
-def test_kernel_rows_are_batch_invariant():
-    g = torch.Generator().manual_seed(2)
-    w = torch.randn(40, 96, generator=g).to(torch.bfloat16)
-    x = torch.randn(linear_mod.SMALL_M_MAX_ROWS, 96, generator=g).to(torch.bfloat16)
-    alone = ops.linear_small_m(x[3:4], w, None)
-    for m in (4, 5, linear_mod.SMALL_M_MAX_ROWS):
-        assert torch.equal(ops.linear_small_m(x[:m], w, None)[3:4], alone)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_row_is_bit_identical_whatever_the_step_holds(dtype):
+    """A decode row's linear output is the same bits alone, among other decode rows, and next
+    to a prefill chunk (the mixed step splits the rows by kind)."""
+    g = torch.Generator().manual_seed(6)
+    w = torch.randn(300, 128, generator=g).to(dtype)
+    b = torch.randn(300, generator=g).to(dtype)
+    row = torch.randn(1, 128, generator=g).to(dtype)
+    with set_forward_context(_meta([1], 1)):
+        alone = linear_mod.linear(row, w, b)
+    for q_lens, at in [([1] * 9, 4), ([7, 1, 1], 8), ([1, 30], 0), ([4, 4, 1], 8)]:
+        x = torch.randn(sum(q_lens), 128, generator=g).to(dtype)
+        x[at] = row[0]
+        with set_forward_context(_meta(q_lens, 4 if 4 in q_lens else 1)):
+            y = linear_mod.linear(x, w, b)
+        assert torch.equal(y[at : at + 1], alone), q_lens
+    pad = torch.cat(
+        [torch.randn(5, 128, generator=g).to(dtype), row, torch.zeros(2, 128).to(dtype)]
+    )
+    with set_forward_context(_meta([5, 1], 1)):  # two padding rows past the batch
+        y = linear_mod.linear(pad, w, b)
+    assert torch.equal(y[5:6], alone)
+    torch.testing.assert_close(
+        y[:5].float(),
+        F.linear(pad[:5].float(), w.float(), b.float()),
+        **({} if dtype == torch.float32 else {"atol": 0.1, "rtol": 1e-2}),
+    )
 
 
 def test_bf16_prefill_product_is_the_fp32_product_rounded_once():
-    """Past the kernel's rows, a bf16 product on a CPU without a native bf16 GEMM is BLAS on
+    """Prefill rows: a bf16 product on a CPU without a native bf16 GEMM is BLAS on
     fp32 copies rounded once: the same arithmetic as torch's bf16 linear, 5-7x faster."""
     if linear_mod._cpu_has_bf16_gemm():
         pytest.skip("this CPU has a native bf16 GEMM (torch's bf16 linear is used)")
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(linear_mod.SMALL_M_MAX_ROWS + 7, 64, generator=g).bfloat16()
+    x = torch.randn(40, 64, generator=g).bfloat16()
     w = torch.randn(48, 64, generator=g).bfloat16()
     b = torch.randn(48, generator=g).bfloat16()
     expected = F.linear(x.float(), w.float(), b.float()).bfloat16()

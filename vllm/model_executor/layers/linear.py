@@ -13,28 +13,65 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm._custom_ops import cpu_op_ok, linear_small_m
+from vllm.forward_context import current_row_kinds
 from vllm.model_executor.layers.quantization import get_current_quant_config
 
-# Up to this many rows (a decode step's tokens) the CPU kernel streams each weight row once for
-# all rows; past it, the BLAS GEMM's blocking wins (prefill).
-SMALL_M_MAX_ROWS = 32
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; bf16 products of the few rows of a batched decode step go through the CPU
-    small-M kernel (without AVX512-BF16 torch falls back to a generic loop, ~4x slower at
-    M = 16). At M = 1 torch's bf16 GEMV already streams the weights at the memory's pace.
-    fp32 stays on BLAS everywhere: its small-M GEMM is close, and switching kernels at an M
-    threshold would make a request's fp32 rows depend on how many tokens share its step (the
-    batch-invariance the fp32 tests hold to 1e-5)."""
-    m = x.shape[0] if x.dim() == 2 else 0
-    if m <= 1 or x.dtype != torch.bfloat16 or weight.dtype != x.dtype:
-        return F.linear(x, weight, bias)
-    if m <= SMALL_M_MAX_ROWS and weight.stride(-1) == 1 and cpu_op_ok(x):
-        return linear_small_m(x, weight, bias)
-    if x.device.type == "cpu" and not _cpu_has_bf16_gemm():
-        # Prefill-sized: fp32 BLAS on widened copies, rounded once (5-7x faster than torch's
-        # generic bf16 loop from 33 to 512 rows; the same fp32 accumulation).
+    """x @ weight^T (+ bias), the rows routed by kind (forward_context.current_row_kinds()):
+    decode / verify / draft rows through the CPU small-M kernel (each weight row streamed from
+    memory once for all of them; a row's result independent of what shares the call), prefill
+    rows through BLAS. A step mixing both splits its rows; products outside a forward (no row
+    kinds) are prefill-kind."""
+    kinds = current_row_kinds()
+    if kinds is not None and not kinds.all_long and _kernel_takes(x, weight, bias):
+        if kinds.all_short:
+            if x.dim() == 2:
+                return linear_small_m(x, weight, bias)
+            y = linear_small_m(x.reshape(-1, x.shape[-1]), weight, bias)
+            return y.view(*x.shape[:-1], weight.shape[0])
+        if x.dim() == 2 and x.shape[0] >= kinds.num_rows:
+            assert kinds.short_rows is not None  # mixed
+            y = x.new_empty(x.shape[0], weight.shape[0])
+            short = kinds.short_rows
+            y.index_copy_(0, short, linear_small_m(x.index_select(0, short), weight, bias))
+            long = kinds.long_rows(x.shape[0])
+            y.index_copy_(0, long, _blas_linear(x.index_select(0, long), weight, bias))
+            return y
+        # A subset of a mixed step's rows (e.g. an expert's tokens): which are which is unknown.
+    return _blas_linear(x, weight, bias)
+
+
+def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (
+        x.dtype in _KERNEL_DTYPES
+        and weight.dtype == x.dtype
+        and weight.dim() == 2
+        and weight.stride(-1) == 1
+        and x.dim() >= 2
+        and x.numel() > 0
+        and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+        and cpu_op_ok(x)
+        and weight.device.type == "cpu"
+    )
+
+
+def _blas_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Prefill rows: torch's linear (BLAS / oneDNN)."""
+    if (
+        x.dtype == torch.bfloat16
+        and weight.dtype == x.dtype
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and x.shape[0] > 1
+        and not _cpu_has_bf16_gemm()
+    ):
+        # Without a native bf16 GEMM torch runs a generic loop: fp32 BLAS on widened copies,
+        # rounded once, is 5-7x faster with the same fp32 accumulation.
         b = None if bias is None else bias.float()
         return F.linear(x.float(), weight.float(), b).to(torch.bfloat16)
     return F.linear(x, weight, bias)
@@ -44,6 +81,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _cpu_has_bf16_gemm() -> bool:
     """Whether oneDNN has a native bf16 GEMM on this CPU (AVX512-BF16 / AMX)."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class RoutedLinear(nn.Linear):
+    """nn.Linear (never quantized: a quantized checkpoint tensor reaching it is a load error)
+    whose product runs through linear(): decode / verify / draft rows on the CPU small-M
+    kernel. For LM heads, draft heads and the drafts' fc layers."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class LinearLayerBase(nn.Module):

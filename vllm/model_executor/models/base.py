@@ -15,7 +15,7 @@ from torch import nn
 from vllm.config import ModelConfig, VllmConfig
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import linear
+from vllm.model_executor.layers.linear import RoutedLinear
 from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsPP, TargetShares
 from vllm.model_executor.models.utils import (
     PPMissingLayer,
@@ -43,12 +43,9 @@ def tie_word_embeddings(model_config: ModelConfig) -> bool:
     return bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
 
 
-class LMHead(nn.Linear):
+class LMHead(RoutedLinear):
     """The vocabulary projection: an nn.Linear (never quantized) whose product runs through
-    the shared linear() (the CPU small-M kernel at decode)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    the shared linear() (the CPU small-M kernel for the rows being sampled)."""
 
 
 def build_lm_head(config: Any, tie_to: nn.Module | None = None) -> nn.Linear:

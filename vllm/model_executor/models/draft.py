@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from vllm.config import ModelConfig, VllmConfig
+from vllm.model_executor.layers.linear import RoutedLinear
 from vllm.model_executor.models.base import INTERMEDIATE_KEYS, ModelBase
 from vllm.model_executor.models.interfaces import HasDraftVocab, SupportsPP, TargetShares
 from vllm.model_executor.models.utils import (
@@ -211,7 +212,7 @@ class DraftVocabModel(DraftModel, HasDraftVocab):
         hidden_size = int(config.hidden_size)
         self.vocab_size = int(config.vocab_size)
         self.draft_vocab_size = int(getattr(config, "draft_vocab_size", None) or self.vocab_size)
-        self.lm_head = nn.Linear(hidden_size, self.draft_vocab_size, bias=False)
+        self.lm_head = RoutedLinear(hidden_size, self.draft_vocab_size, bias=False)
         if self.draft_vocab_size != self.vocab_size:
             self.d2t = nn.Parameter(
                 torch.zeros(self.draft_vocab_size, dtype=torch.int64), requires_grad=False

@@ -23,6 +23,7 @@ from torch import nn
 
 from vllm.config import ModelConfig, VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import RoutedLinear
 from vllm.model_executor.model_loader.weight_utils import safetensors_weight_names
 from vllm.model_executor.models.base import build_lm_head
 from vllm.model_executor.models.draft import DraftModel
@@ -41,7 +42,7 @@ class EagleLlamaModel(nn.Module):
         h = int(config.hidden_size)
         eps = getattr(config, "rms_norm_eps", 1e-6)
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
-        self.fc = nn.Linear(2 * h, h, bias=fc_bias)
+        self.fc = RoutedLinear(2 * h, h, bias=fc_bias)
         qkv_bias = bool(getattr(config, "attention_bias", False))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, qkv_bias, prefix=f"{prefix}.layers.{i}")

@@ -34,6 +34,7 @@ from vllm.config.draft import (
 )
 from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import RoutedLinear
 from vllm.model_executor.models.draft import DraftVocabModel, check_combined_taps
 from vllm.model_executor.models.interfaces import CombinesHiddenStates, TargetShares
 from vllm.model_executor.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
@@ -98,7 +99,7 @@ class Eagle3LlamaModel(nn.Module):
         if get_eagle3_use_aux_hidden_state_from_config(config):
             target_h = int(getattr(config, "target_hidden_size", None) or h)
             num_aux = len(get_eagle3_aux_layers_from_config(config) or (0, 0, 0))
-            self.fc = nn.Linear(num_aux * target_h, h, bias=False)
+            self.fc = RoutedLinear(num_aux * target_h, h, bias=False)
             if eagle3_switch(config, "norm_before_fc"):
                 self.input_norm = RMSNorm(num_aux * target_h, eps)
             if eagle3_switch(config, "fc_norm"):

@@ -13,7 +13,7 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import get_pp_group
-from vllm.forward_context import set_forward_context
+from vllm.forward_context import decode_rows, set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import AttentionLayerBase
 from vllm.model_executor.model_loader import get_model
@@ -274,7 +274,8 @@ class ModelRunner:
         logits: torch.Tensor | None = None
         tokens = np.zeros(0, dtype=np.int64)
         if len(batch.logits_indices_np):
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            with decode_rows():  # the rows being sampled: the small-M kernel
+                logits = self.model.compute_logits(hidden[batch.logits_indices])
             rslots = slots[batch.logits_req_np]
             # Position of the token each logits row predicts.
             positions = batch.positions_np[batch.logits_indices_np] + 1

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from vllm.config import VllmConfig
-from vllm.forward_context import set_forward_context
+from vllm.forward_context import decode_rows, rows_of, set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.models.draft import DraftModel
 from vllm.model_executor.models.interfaces import CombinesHiddenStates, TargetShares
@@ -212,7 +212,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                 0,
                 inputs_embeds=embeds0,
             )
-            logits = self._compute_logits(logits_h[lti], 0)
+            with decode_rows():
+                logits = self._compute_logits(logits_h[lti], 0)
             drafts[:, 0] = self.sample_draft(logits, draft_pos, db.sampling).cpu().numpy()
         if K > 1:
             with self._hooked(self.on_multi_step_decode_begin, self.on_multi_step_decode_end, R):
@@ -226,7 +227,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                         step,
                     )
                     rows = torch.from_numpy(np.asarray(inp.draft_rows)).to(dev)
-                    logits = self._compute_logits(logits_h[rows], step)
+                    with decode_rows():
+                        logits = self._compute_logits(logits_h[rows], step)
                     tok = self.sample_draft(logits, draft_pos + step, db.sampling)
                     drafts[:, step] = tok.cpu().numpy()
         self._end_draft(db)
@@ -291,9 +293,10 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         input_ids[last_idx] = next_tokens[:, 0]
         positions = np.zeros(num_tokens_padded, dtype=np.int64)
         positions[:num_tokens] = b.positions_np
-        hidden = self.stage_hidden_states(
-            self._prefill_hidden(inputs.last_hidden_states, inputs.aux_hidden_states)
-        )
+        with rows_of(b.attn_metadata):  # EAGLE3's fc over the target's rows, by kind
+            hidden = self.stage_hidden_states(
+                self._prefill_hidden(inputs.last_hidden_states, inputs.aux_hidden_states)
+            )
         if hidden.shape[0] != num_tokens_padded:
             raise RuntimeError(
                 f"the target's hidden states have {hidden.shape[0]} rows but the batch has "

@@ -1,0 +1,222 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""What a verify pass costs: the target's forward (+ LM head over every row) for one request
+with M = 1..16 new tokens (a verify step of K = M - 1 drafts), relative to M = 1, and the
+batch-1 decode step's share of the memory roofline.
+
+The model is SmolLM2-135M-Instruct by default, built by the engine (P = 1, eager), and its
+forward is called directly with the attention metadata of one request of --context tokens plus
+M new ones (short-query rows: the CPU small-M kernel's route). `--routes kernel blas` times
+the same forwards with every row sent to BLAS (torch's linear, what decode and verify rows ran
+before), interleaved within each repeat; medians of --repeats.
+
+Roofline: the weight bytes one token streams (every linear layer and the LM head) divided by
+the read bandwidth measured in the same run (a sum over fresh buffers larger than the caches,
+with the engine's thread count), against the measured M = 1 step.
+
+    python benchmarks/verify_cost.py [--dtype float32 bfloat16] [--max-m 16] [--repeats 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+
+from benchmarks.common import resolve_model
+
+
+def cpu_flags() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in info.splitlines() if "model name" in ln), "?"
+    )
+    flags = set(
+        next(
+            (ln.split(":", 1)[1] for ln in info.splitlines() if ln.startswith("flags")), ""
+        ).split()
+    )
+    have = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{model}; {' '.join(have)}"
+
+
+def read_bandwidth(nbytes: int = 1 << 28, copies: int = 3, repeats: int = 7) -> float:
+    """Bytes per second of a plain sum over buffers that do not fit in the caches."""
+    bufs = [torch.ones(nbytes // 4) for _ in range(copies)]
+    for b in bufs:
+        b.sum()
+    times = []
+    for r in range(repeats):
+        b = bufs[r % copies]
+        t0 = time.perf_counter()
+        b.sum()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)
+
+
+@contextmanager
+def blas_rows() -> Iterator[None]:
+    """Every row through BLAS (what the linear layers did before the small-M kernel)."""
+    from vllm.model_executor.layers import linear as linear_mod
+
+    real = linear_mod.current_row_kinds
+    linear_mod.current_row_kinds = lambda: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        linear_mod.current_row_kinds = real  # type: ignore[assignment]
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights one token's forward streams: every 2-D weight but the embedding
+    (one row of it is read), the LM head counted once even when tied."""
+    embed = model.get_submodule("model.embed_tokens").weight
+    seen: set[int] = set()
+    total = 0
+    for name, p in model.named_parameters():
+        if p.dim() != 2 or p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        if p.data_ptr() == embed.data_ptr() and "lm_head" not in name:
+            continue
+        total += p.numel() * p.element_size()
+    head = model.get_submodule("lm_head").weight
+    if head.data_ptr() == embed.data_ptr():
+        total += head.numel() * head.element_size()
+    return total
+
+
+def make_step(runner, context: int, m: int) -> Callable[[], torch.Tensor]:
+    from vllm.forward_context import decode_rows, set_forward_context
+    from vllm.v1.attention.backends.torch_paged import build_attn_metadata
+
+    model, bs = runner.model, runner.block_size
+    seq = context + m
+    blocks = np.arange((seq + bs - 1) // bs, dtype=np.int64)[None, :]
+    positions = np.arange(context, seq, dtype=np.int64)
+    meta = build_attn_metadata(
+        np.array([0, m]),
+        np.array([seq]),
+        blocks,
+        bs,
+        runner.device,
+        positions=positions,
+        short_query_len=m,
+    )
+    ids = torch.randint(0, 1000, (m,))
+    pos = torch.from_numpy(positions)
+
+    def step() -> torch.Tensor:
+        with torch.inference_mode():
+            with set_forward_context(meta):
+                hidden = model(ids, pos, None)
+            with decode_rows():
+                return model.compute_logits(hidden)
+
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--max-m", type=int, default=16)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--num-threads", type=int, default=None, help="intra-op threads")
+    ap.add_argument("--routes", nargs="+", default=["kernel", "blas"], choices=["kernel", "blas"])
+    args = ap.parse_args()
+
+    from vllm import LLM
+    from vllm import _custom_ops as ops
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    path = resolve_model(args.model)
+    print(f"CPU: {cpu_flags()}")
+    assert ops.cpu_kernels_available(), "the CPU kernels did not build"
+    print(
+        f"threads: {torch.get_num_threads()}, kernel path: {ops.linear_isa()}, "
+        f"(1=portable 2=avx2 3=avx512 4=avx512bf16)"
+    )
+    for dtype in args.dtype:
+        llm = LLM(
+            model=path,
+            dtype=dtype,
+            max_model_len=args.context + args.max_m + 16,
+            max_num_seqs=1,
+            enforce_eager=True,
+        )
+        runner = llm.llm_engine.executor.worker.model_runner
+        wbytes = weight_bytes(runner.model)
+        ms = list(range(1, args.max_m + 1))
+        steps = {m: make_step(runner, args.context, m) for m in ms}
+        for f in steps.values():  # warm-up
+            f()
+            with blas_rows():
+                f()
+        times: dict[tuple[str, int], list[float]] = {(r, m): [] for r in args.routes for m in ms}
+        bws = []
+        for rep in range(args.repeats):
+            bws.append(read_bandwidth())
+            order = [(r, m) for m in ms for r in args.routes]
+            if rep % 2:
+                order.reverse()
+            for r, m in order:
+                with blas_rows() if r == "blas" else _nothing():
+                    t0 = time.perf_counter()
+                    steps[m]()
+                    times[(r, m)].append(time.perf_counter() - t0)
+        bw = statistics.median(bws)
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        print(
+            f"\n== {dtype}: weights streamed per token {wbytes / 1e6:.0f} MB, read bandwidth "
+            f"{bw / 1e9:.1f} GB/s -> roofline {wbytes / bw * 1e3:.2f} ms per forward"
+        )
+        header = "  M " + "".join(f"| {r} ms  x(M=1) " for r in args.routes)
+        print(header)
+        for m in ms:
+            row = f"{m:3d} "
+            for r in args.routes:
+                row += f"| {med[(r, m)]:7.2f}  {med[(r, m)] / med[(r, 1)]:5.2f}x  "
+            print(row)
+        for r in args.routes:
+            share = wbytes / bw * 1e3 / med[(r, 1)]
+            rel = ", ".join(
+                f"M={m} {med[(r, m)] / med[(r, 1)]:.2f}x" for m in (4, 8, 16) if m in ms
+            )
+            print(
+                f"{r}: M=1 forward {med[(r, 1)]:.2f} ms = {share:.0%} of the memory roofline; "
+                f"{rel} the M=1 forward"
+            )
+        if "blas" in args.routes and "kernel" in args.routes:
+            print(
+                "kernel vs blas speed-up: "
+                + " ".join(
+                    f"M={m}:{med[('blas', m)] / med[('kernel', m)]:.2f}x"
+                    for m in (1, 2, 3, 4, 8, 16)
+                    if m in ms
+                )
+            )
+        del llm, runner, steps
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+if __name__ == "__main__":
+    main()
