@@ -137,9 +137,11 @@ class ImageProcessor:
                 self.image_token_id,
                 getattr(hf_config, "vision_end_token_id", None),
             ]
-            self.placeholder = "".join(
-                tokenizer.convert_ids_to_tokens(int(t)) for t in ids if t is not None
-            )
+            toks = [tokenizer.convert_ids_to_tokens(int(t)) for t in ids if t is not None]
+            # A tokenizer without the vision tokens (a text checkpoint in the VL layout) has no
+            # placeholder text: its chat messages cannot carry images.
+            if all(isinstance(t, str) for t in toks):
+                self.placeholder = "".join(toks)
         vision = hf_config.vision_config
         self.merge = int(vision.spatial_merge_size)
         self.limit = limit_per_prompt
