@@ -61,6 +61,8 @@ class VllmConfig:
 
             # Fail here, in the engine, on P > layers or a bad VLLM_PP_LAYER_PARTITION.
             get_pp_partition(mc.num_hidden_layers, self.parallel_config.pipeline_parallel_size)
+        if self.parallel_config.tensor_parallel_size > 1:
+            self._verify_tensor_parallel()
         spec = self.speculative_config
         if spec is not None and spec.draft_model_config is None:
             draft_path = spec.model or mc.model
@@ -74,6 +76,35 @@ class VllmConfig:
                 trust_remote_code=mc.trust_remote_code,
             )
             spec.verify_with_target(mc)
+
+    def _verify_tensor_parallel(self) -> None:
+        """Refuse, here in the engine, a split the model's shapes do not allow (naming the
+        field): every rank must hold a whole number of heads, columns and vocabulary rows."""
+        tp = self.parallel_config.tensor_parallel_size
+        cfg = self.model_config.hf_text_config
+        if self.speculative_config is not None:
+            raise ValueError(
+                f"speculative decoding (speculative_config) with tensor_parallel_size={tp} is "
+                "not supported yet; use pipeline_parallel_size to split a model with a draft"
+            )
+        if self.model_config.quantization is not None:
+            raise ValueError(
+                f"quantization={self.model_config.quantization!r} with tensor_parallel_size="
+                f"{tp} is not supported yet"
+            )
+        for name in ("num_attention_heads", "intermediate_size", "vocab_size"):
+            n = getattr(cfg, name, None)
+            if isinstance(n, int) and n % tp:
+                raise ValueError(
+                    f"the model's {name} ({n}) is not divisible by tensor_parallel_size ({tp})"
+                )
+        kv = getattr(cfg, "num_key_value_heads", None)
+        if isinstance(kv, int) and kv % tp and tp % kv:
+            raise ValueError(
+                f"the model's num_key_value_heads ({kv}) and tensor_parallel_size ({tp}) do not "
+                "divide each other (each rank needs whole KV heads, or one shared by TP / "
+                "num_key_value_heads ranks)"
+            )
 
     def _resolve_prefix_caching(self) -> None:
         cc = self.cache_config
