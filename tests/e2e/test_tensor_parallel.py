@@ -39,6 +39,15 @@ def llama_tied_kv1_dir(tmp_path_factory) -> str:
     )
 
 
+@pytest.fixture(scope="module")
+def deepseek_v3_fused_qlora_dir(tmp_path_factory) -> str:
+    """DeepSeek-V3 with q LoRA (q_b_proj split by heads) and the experts stored fused
+    (gate_up_proj [E, 2I, H]: each rank takes its gate rows and its up rows)."""
+    return checkpoints.make_deepseek_v3(
+        tmp_path_factory.mktemp("dsv3_fused_qlora"), q_lora_rank=24, per_expert_names=False
+    )
+
+
 def _gen(llm: LLM, prompts: list[list[int]], sp: SamplingParams = GREEDY):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
 
@@ -72,7 +81,10 @@ def test_tp2_llama_matches_hf(tp2_llama, llama_dir):
     _check_hf(tp2_llama, llama_dir)
 
 
-@pytest.mark.parametrize("model", ["qwen2_dir", "llama_tied_kv1_dir"])
+@pytest.mark.parametrize(
+    "model",
+    ["qwen2_dir", "llama_tied_kv1_dir", "deepseek_v3_dir", "deepseek_v3_fused_qlora_dir"],
+)
 def test_tp2_matches_hf(request, model, pp_forkserver):
     model_dir = str(request.getfixturevalue(model))
     llm = LLM(model=model_dir, tensor_parallel_size=2, max_logprobs=-1, **COMMON)

@@ -13,6 +13,7 @@ one per stage): a stage's TP rank t sends to and receives from TP rank t of its 
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -62,6 +63,9 @@ class TPGroup:
     ranks: tuple[int, ...] = (0,)
     device_group: Any = field(default=None, repr=False)  # all-reduce / all-gather
     cpu_group: Any = field(default=None, repr=False)  # gloo group for CPU-side broadcasts
+    # Seconds spent in this group's collectives and how many (benchmarks: comm_stats).
+    comm_s: float = 0.0
+    num_collectives: int = 0
 
     @property
     def is_first_rank(self) -> bool:
@@ -73,8 +77,14 @@ class TPGroup:
             return x
         import torch.distributed as dist
 
+        t0 = time.perf_counter()
         dist.all_reduce(x, group=self.device_group)
+        self._count(t0)
         return x
+
+    def _count(self, t0: float) -> None:
+        self.comm_s += time.perf_counter() - t0
+        self.num_collectives += 1
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's x concatenated along dim, in rank order."""
@@ -82,10 +92,13 @@ class TPGroup:
             return x
         import torch.distributed as dist
 
+        t0 = time.perf_counter()
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(parts, x, group=self.device_group)
-        return torch.cat(parts, dim=dim)
+        out = torch.cat(parts, dim=dim)
+        self._count(t0)
+        return out
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """x of group rank src on every rank (in place)."""
@@ -93,8 +106,10 @@ class TPGroup:
             return x
         import torch.distributed as dist
 
+        t0 = time.perf_counter()
         group = self.cpu_group if x.device.type == "cpu" else self.device_group
         dist.broadcast(x, src=self.ranks[src], group=group)
+        self._count(t0)
         return x
 
 

@@ -26,12 +26,22 @@ class LlamaMLP(nn.Module):
     """SwiGLU MLP with gate and up packed into one projection (gate_up_proj); with TP each
     rank holds its slice of the intermediate columns, down_proj sums the ranks' parts."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        reduce_results: bool = True,
+    ) -> None:
+        """reduce_results=False leaves the sum over TP ranks to the caller (a MoE block sums
+        its shared and routed experts' partial outputs first, then reduces once)."""
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size] * 2, ("gate_proj", "up_proj"), bias=bias
         )
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, reduce_results=reduce_results
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

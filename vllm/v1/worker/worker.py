@@ -17,6 +17,7 @@ from vllm.distributed.parallel_state import (
     PendingSend,
     destroy_distributed,
     get_pp_group,
+    get_tp_group,
     init_distributed,
     recv_tensor_dict,
     send_tensor_dict,
@@ -133,6 +134,7 @@ class Worker:
         """Run this stage. P > 1: non-first stages receive IntermediateTensors from the previous
         stage, non-last stages send theirs on (non-blocking) and return None."""
         if self.world_size == 1:
+            self._comm["steps"] += 1
             return self._runner().execute_model(so, intermediate_tensors)
         pp = get_pp_group()
         if not pp.is_first_rank and so.total_num_scheduled_tokens > 0:
@@ -191,7 +193,14 @@ class Worker:
         """Seconds this stage spent on pipeline communication so far."""
         handler = self.model_runner.pp_handler if self.model_runner else None
         bcast = handler.recv_wait_s if handler is not None else 0.0
-        return dict(self._comm, rank=self.rank, broadcast_wait_s=bcast)
+        tp = get_tp_group()
+        return dict(
+            self._comm,
+            rank=self.rank,
+            broadcast_wait_s=bcast,
+            tp_comm_s=tp.comm_s,
+            tp_collectives=tp.num_collectives,
+        )
 
     def check_health(self) -> bool:
         return True
