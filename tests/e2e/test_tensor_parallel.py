@@ -48,6 +48,21 @@ def deepseek_v3_fused_qlora_dir(tmp_path_factory) -> str:
     )
 
 
+@pytest.fixture(scope="module")
+def deepseek_v32_dir(tmp_path_factory) -> str:
+    """DeepSeek-V3.2 (DSA): the indexer's 8 heads split 4 + 4, its scores summed over ranks."""
+    from vllm.testing.dsa_checkpoints import make_deepseek_v32
+
+    return make_deepseek_v32(tmp_path_factory.mktemp("dsv32"))
+
+
+@pytest.fixture(scope="module")
+def glm_dsa_dir(tmp_path_factory) -> str:
+    from vllm.testing.dsa_checkpoints import make_glm_moe_dsa
+
+    return make_glm_moe_dsa(tmp_path_factory.mktemp("glm_dsa"))
+
+
 def _gen(llm: LLM, prompts: list[list[int]], sp: SamplingParams = GREEDY):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
 
@@ -70,7 +85,9 @@ def _check_hf(llm: LLM, model_dir: str) -> None:
     out = _gen(llm, [prompt], FULL)[0]
     assert_logprobs_match_hf(model_dir, out, prompt)
     prompts = make_prompts(vocab, [5, 17, 33], seed=2)
-    for p, o in zip(prompts, _gen(llm, prompts, SamplingParams(temperature=0, max_tokens=12))):
+    for p, o in zip(
+        prompts, _gen(llm, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    ):
         assert list(o.outputs[0].token_ids) == hf_greedy(model_dir, p, 12)
 
 
@@ -83,7 +100,14 @@ def test_tp2_llama_matches_hf(tp2_llama, llama_dir):
 
 @pytest.mark.parametrize(
     "model",
-    ["qwen2_dir", "llama_tied_kv1_dir", "deepseek_v3_dir", "deepseek_v3_fused_qlora_dir"],
+    [
+        "qwen2_dir",
+        "llama_tied_kv1_dir",
+        "deepseek_v3_dir",
+        "deepseek_v3_fused_qlora_dir",
+        "deepseek_v32_dir",
+        "glm_dsa_dir",
+    ],
 )
 def test_tp2_matches_hf(request, model, pp_forkserver):
     model_dir = str(request.getfixturevalue(model))

@@ -16,6 +16,7 @@ from vllm.distributed.utils import get_pp_indices
 from vllm.model_executor.layers.fused_moe import ExpertWeightLoader, check_experts_loaded
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
+    ColumnParallelPlainLinear,
     MergedColumnParallelLinear,
     MergedReplicatedLinear,
     RowParallelLinear,
@@ -30,6 +31,7 @@ from vllm.sequence import IntermediateTensors
 # Layers holding one TP rank's part of a checkpoint tensor (tp_shard_checkpoint_tensor).
 TP_SHARDED_LAYERS = (
     ColumnParallelLinear,
+    ColumnParallelPlainLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     ParallelLMHead,
