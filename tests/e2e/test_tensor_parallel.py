@@ -63,6 +63,22 @@ def glm_dsa_dir(tmp_path_factory) -> str:
     return make_glm_moe_dsa(tmp_path_factory.mktemp("glm_dsa"))
 
 
+@pytest.fixture(scope="module")
+def qwen3_5_dense_dir(tmp_path_factory) -> str:
+    """Qwen3.5 hybrid: Gated DeltaNet (2 key / 4 value heads: 1 / 2 per rank, the conv
+    channels and states split with them) and gated attention (4 q / 2 kv heads)."""
+    from vllm.testing.qwen3_5_checkpoints import make_qwen3_5
+
+    return make_qwen3_5(tmp_path_factory.mktemp("q35"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_moe_tp_dir(tmp_path_factory) -> str:
+    from vllm.testing.qwen3_5_checkpoints import make_qwen3_5
+
+    return make_qwen3_5(tmp_path_factory.mktemp("q35_moe"), moe=True, seed=1)
+
+
 def _gen(llm: LLM, prompts: list[list[int]], sp: SamplingParams = GREEDY):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
 
@@ -107,6 +123,8 @@ def test_tp2_llama_matches_hf(tp2_llama, llama_dir):
         "deepseek_v3_fused_qlora_dir",
         "deepseek_v32_dir",
         "glm_dsa_dir",
+        "qwen3_5_dense_dir",
+        "qwen3_5_moe_tp_dir",
     ],
 )
 def test_tp2_matches_hf(request, model, pp_forkserver):
@@ -168,7 +186,7 @@ def _edited(src: str, dst, **fields) -> str:
     return str(dst)
 
 
-def test_impossible_splits_are_refused(llama_dir, deepseek_v3_dir, tmp_path):
+def test_impossible_splits_are_refused(llama_dir, deepseek_v3_dir, deepseek_v3_mtp1_dir, tmp_path):
     """Refused in the engine, before any worker starts, naming the field."""
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\).*tensor_parallel_size \(3\)"):
         LLM(model=llama_dir, tensor_parallel_size=3, **COMMON)
@@ -189,8 +207,16 @@ def test_impossible_splits_are_refused(llama_dir, deepseek_v3_dir, tmp_path):
         LLM(model=llama_dir, tensor_parallel_size=0, **COMMON)
     with pytest.raises(ValueError, match="distributed_executor_backend='uni'"):
         LLM(model=llama_dir, tensor_parallel_size=2, distributed_executor_backend="uni")
-    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM does not support tensor"):
-        LLM(model=deepseek_v3_dir, tensor_parallel_size=2, **COMMON)
+    odd_experts = _edited(deepseek_v3_dir, tmp_path / "moe", moe_intermediate_size=30)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(30\)"):
+        LLM(model=odd_experts, tensor_parallel_size=4, **COMMON)
+    with pytest.raises(ValueError, match="speculative_config.*tensor_parallel_size=2"):
+        LLM(
+            model=deepseek_v3_mtp1_dir,
+            tensor_parallel_size=2,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+            **COMMON,
+        )
 
 
 # ---- Ray ---------------------------------------------------------------------------------------

@@ -92,7 +92,16 @@ class VllmConfig:
                 f"quantization={self.model_config.quantization!r} with tensor_parallel_size="
                 f"{tp} is not supported yet"
             )
-        for name in ("num_attention_heads", "intermediate_size", "vocab_size"):
+        for name in (
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "index_n_heads",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+        ):
             n = getattr(cfg, name, None)
             if isinstance(n, int) and n % tp:
                 raise ValueError(

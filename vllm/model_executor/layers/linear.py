@@ -262,6 +262,30 @@ def divide(n: int, parts: int, what: str) -> int:
     return n // parts
 
 
+class TPSharded:
+    """A layer that holds one TP rank's part of its checkpoint tensors: the loader hands it
+    each whole tensor and copies what tp_shard_checkpoint_tensor returns (a view)."""
+
+    def tp_shard_checkpoint_tensor(self, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def shard_packed_rows(
+    tensor: torch.Tensor, sizes: list[int], rank: int, tp_size: int, dim: int = 0
+) -> torch.Tensor:
+    """Rank `rank`'s part of each of the segments `sizes` (whole sizes along dim, in order)
+    of a checkpoint tensor that packs them, concatenated; a tensor of another size along dim
+    is returned as is (the loader's shape check names it)."""
+    if tp_size == 1 or tensor.dim() <= dim or tensor.shape[dim] != sum(sizes):
+        return tensor
+    parts, start = [], 0
+    for n in sizes:
+        k = n // tp_size
+        parts.append(tensor.narrow(dim, start + rank * k, k))
+        start += n
+    return torch.cat(parts, dim=dim)
+
+
 def _narrow_rows(tensor: torch.Tensor, dim: int, index: int, size: int, name: str) -> torch.Tensor:
     """Part `index` (of `size` along dim) of a checkpoint tensor, as a view; a tensor too
     small for it is left as is (the loader's shape check names it)."""
@@ -270,10 +294,12 @@ def _narrow_rows(tensor: torch.Tensor, dim: int, index: int, size: int, name: st
     return tensor.narrow(dim, index * size, size)
 
 
-class ColumnParallelLinear(ReplicatedLinear):
+class ColumnParallelLinear(ReplicatedLinear, TPSharded):
     """y = x @ W^T + b with W's output rows split over the TP ranks: rank r holds rows
     [r * out / TP, (r + 1) * out / TP) of W and b, and computes that slice of y (gathered
-    over the ranks only with gather_output)."""
+    over the ranks only with gather_output). packed_sizes: the checkpoint's one tensor packs
+    several projections (e.g. Gated DeltaNet's q, k, v) of these sizes: each is split on its
+    own, so rank r holds its part of each, in order."""
 
     def __init__(
         self,
@@ -282,13 +308,19 @@ class ColumnParallelLinear(ReplicatedLinear):
         bias: bool = True,
         params_dtype: torch.dtype | None = None,
         gather_output: bool = False,
+        packed_sizes: list[int] | None = None,
     ) -> None:
         self.tp_rank, self.tp_size = _tp()
+        self.packed_sizes = packed_sizes
+        for n in packed_sizes or [output_size]:
+            divide(int(n), self.tp_size, "output_size")
         self.output_size_per_partition = divide(int(output_size), self.tp_size, "output_size")
         super().__init__(input_size, self.output_size_per_partition, bias, params_dtype)
         self.gather_output = gather_output
 
     def tp_shard_checkpoint_tensor(self, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        if self.packed_sizes is not None:
+            return shard_packed_rows(tensor, self.packed_sizes, self.tp_rank, self.tp_size)
         n = self.output_size_per_partition
         return _narrow_rows(tensor, 0, self.tp_rank, n, leaf)
 
@@ -301,7 +333,7 @@ class ColumnParallelLinear(ReplicatedLinear):
         return y
 
 
-class RowParallelLinear(ReplicatedLinear):
+class RowParallelLinear(ReplicatedLinear, TPSharded):
     """y = x @ W^T + b with W's input columns split over the TP ranks: rank r holds columns
     [r * in / TP, (r + 1) * in / TP) (its slice of x comes from a column-parallel layer),
     computes a partial product, and the ranks' products are summed (all-reduce); the bias,
@@ -383,7 +415,10 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         bias: bool = True,
         params_dtype: torch.dtype | None = None,
         v_head_size: int | None = None,
+        q_head_size: int | None = None,
     ) -> None:
+        """q_head_size: rows per query head in q_proj (default head_size; Qwen3.5 packs each
+        head's output gate next to its query: twice that)."""
         _, tp = _tp()
         self.num_heads = divide(total_num_heads, tp, "num_attention_heads")
         if total_num_kv_heads >= tp:
@@ -398,9 +433,10 @@ class QKVParallelLinear(MergedColumnParallelLinear):
             self.num_kv_heads = 1
             kv_replicas = tp // total_num_kv_heads
         v = v_head_size or head_size
+        q = q_head_size or head_size
         super().__init__(
             input_size,
-            [total_num_heads * head_size, total_num_kv_heads * head_size, total_num_kv_heads * v],
+            [total_num_heads * q, total_num_kv_heads * head_size, total_num_kv_heads * v],
             ("q_proj", "k_proj", "v_proj"),
             bias=bias,
             params_dtype=params_dtype,
@@ -408,7 +444,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         )
 
 
-class ColumnParallelPlainLinear(nn.Linear):
+class ColumnParallelPlainLinear(nn.Linear, TPSharded):
     """An nn.Linear (never quantized, any dtype: e.g. the V3.2 indexer's float32 head weights)
     whose output rows are split over the TP ranks like ColumnParallelLinear's."""
 

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 from vllm.distributed.parallel_state import get_tp_group
-from vllm.model_executor.layers.linear import divide, linear
+from vllm.model_executor.layers.linear import TPSharded, divide, linear
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(nn.Embedding, TPSharded):
     """nn.Embedding over this rank's slice of the vocabulary (the whole one at TP = 1)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
@@ -48,7 +48,7 @@ class LMHead(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-class ParallelLMHead(LMHead):
+class ParallelLMHead(LMHead, TPSharded):
     """The LM head over this rank's vocabulary rows; forward gathers every rank's logits, so
     the result is the full [tokens, vocab] on each rank."""
 

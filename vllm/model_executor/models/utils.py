@@ -15,27 +15,12 @@ from vllm.distributed.parallel_state import get_pp_group
 from vllm.distributed.utils import get_pp_indices
 from vllm.model_executor.layers.fused_moe import ExpertWeightLoader, check_experts_loaded
 from vllm.model_executor.layers.linear import (
-    ColumnParallelLinear,
-    ColumnParallelPlainLinear,
     MergedColumnParallelLinear,
     MergedReplicatedLinear,
-    RowParallelLinear,
-)
-from vllm.model_executor.layers.vocab_parallel_embedding import (
-    ParallelLMHead,
-    VocabParallelEmbedding,
+    TPSharded,
 )
 from vllm.model_executor.model_loader.weight_utils import WeightLoadError, reject_quantized_tensor
 from vllm.sequence import IntermediateTensors
-
-# Layers holding one TP rank's part of a checkpoint tensor (tp_shard_checkpoint_tensor).
-TP_SHARDED_LAYERS = (
-    ColumnParallelLinear,
-    ColumnParallelPlainLinear,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    ParallelLMHead,
-)
 
 
 class PPMissingLayer(nn.Identity):
@@ -157,7 +142,7 @@ def load_params_strict(
                 continue
             name = f"{owner_name}.{leaf}"
         owner = modules.get(owner_name)
-        if isinstance(owner, TP_SHARDED_LAYERS):
+        if isinstance(owner, TPSharded):
             # This rank's part of the whole checkpoint tensor (a view: only it is copied).
             tensor = owner.tp_shard_checkpoint_tensor(leaf, tensor)
         load_weight = getattr(getattr(owner, "quant_method", None), "load_weight", None)
