@@ -327,3 +327,45 @@ def test_serve_tp2_pp2_equals_one_worker(llama_dir, tmp_path):
         assert server.stop(timeout=60) == 0, server.log_tail()
         _, alive = psutil.wait_procs(workers, timeout=30)
         assert not alive, f"processes left behind by the server: {alive}"
+
+
+# ---- FP8 ---------------------------------------------------------------------------------------
+def test_tp2_fp8_matches_hf_fp8_loader(tmp_path_factory, pp_forkserver):
+    """A block-FP8 DeepSeek-V3 ([8, 8] blocks) at TP = 2: each rank reads its rows / columns
+    of every FP8 weight and the matching rows / columns of its block scales (experts too);
+    full-vocab logprobs and greedy tokens equal HF's own FP8 loader's."""
+    import torch
+
+    from vllm.testing.fp8_checkpoints import load_hf_fp8, quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("tp_fp8")
+    src = checkpoints.make_deepseek_v3(root / "src")
+    fp8 = quantize_checkpoint(src, root / "fp8", block=(8, 8))
+    hf = load_hf_fp8(fp8)
+    llm = LLM(model=fp8, tensor_parallel_size=2, max_logprobs=-1, **COMMON)
+    try:
+        prompts = make_prompts(512, [21, 6], seed=3)
+        outs = _gen(llm, prompts, FULL)
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(prompts, outs):
+        gen = list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt + gen])).logits[0].float().log_softmax(-1)
+        dists = [out.prompt_logprobs[1:], out.outputs[0].logprobs]
+        ours = torch.stack(
+            [torch.tensor([e[i].logprob for i in sorted(e)]) for d in dists for e in d]
+        )
+        torch.testing.assert_close(ours, ref[: len(ours)], atol=2e-4, rtol=1e-4)
+        assert gen == ref[len(prompt) - 1 : -1].argmax(-1).tolist()
+
+
+def test_fp8_block_misaligned_split_is_refused(tmp_path_factory, pp_forkserver):
+    """[16, 24] blocks: a rank's half of a matrix would start inside a block."""
+    from vllm.testing.fp8_checkpoints import quantize_checkpoint
+
+    root = tmp_path_factory.mktemp("tp_fp8_bad")
+    src = checkpoints.make_deepseek_v3(root / "src")
+    fp8 = quantize_checkpoint(src, root / "fp8", block=(16, 24))
+    with pytest.raises(RuntimeError, match="weight_block_size"):
+        LLM(model=fp8, tensor_parallel_size=2, **COMMON)

@@ -87,11 +87,6 @@ class VllmConfig:
                 f"speculative decoding (speculative_config) with tensor_parallel_size={tp} is "
                 "not supported yet; use pipeline_parallel_size to split a model with a draft"
             )
-        if self.model_config.quantization is not None:
-            raise ValueError(
-                f"quantization={self.model_config.quantization!r} with tensor_parallel_size="
-                f"{tp} is not supported yet"
-            )
         for name in (
             "num_attention_heads",
             "intermediate_size",

@@ -152,13 +152,25 @@ class FusedMoE(nn.Module):
     ) -> torch.Tensor:
         return self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
 
-    def tp_shard_expert_tensor(self, proj: str, fused: bool, tensor: torch.Tensor) -> torch.Tensor:
+    def tp_shard_expert_tensor(
+        self, proj: str, fused: bool, tensor: torch.Tensor, scale: bool = False
+    ) -> torch.Tensor:
         """This rank's slice of an expert checkpoint tensor (gate / up: its intermediate rows,
-        down: its intermediate columns; a fused gate_up keeps its gate rows then up rows). A
-        tensor of another shape is returned as is (the loader's shape check names it)."""
+        down: its intermediate columns; a fused gate_up keeps its gate rows then up rows), or
+        of its block scales (in blocks: each rank's columns must start on a block boundary).
+        A tensor of another shape is returned as is (the loader's shape check names it)."""
         if self.tp_size == 1:
             return tensor
         n, r = self.intermediate_size, self.tp_rank
+        if scale:
+            block = self.quant_method.block[1 if proj == "down_proj" else 0]
+            if n % block:
+                raise ValueError(
+                    f"moe_intermediate_size: a tensor_parallel_size split gives each rank {n} "
+                    f"columns of every expert, not a multiple of the checkpoint's "
+                    f"weight_block_size ({block}); use a smaller tensor_parallel_size"
+                )
+            n //= block
         whole = n * self.tp_size
         if proj == "down_proj":
             if tensor.shape[-1] != whole:
@@ -287,9 +299,9 @@ class ExpertWeightLoader:
         num_experts = param.shape[0]
         dst = param.data
         module = modules.get(m["prefix"])
-        if isinstance(module, FusedMoE) and not scale:
+        if isinstance(module, FusedMoE):
             proj = m["fused"] or m["proj"]
-            tensor = module.tp_shard_expert_tensor(proj, bool(m["fused"]), tensor)
+            tensor = module.tp_shard_expert_tensor(proj, bool(m["fused"]), tensor, scale)
         if not m["fused"]:
             e = int(m["expert"])
             if e >= num_experts:

@@ -286,6 +286,23 @@ def shard_packed_rows(
     return torch.cat(parts, dim=dim)
 
 
+def shard_block_scale(
+    tensor: torch.Tensor, dim: int, index: int, size: int, block: int, what: str
+) -> torch.Tensor:
+    """Part `index` of a block-scale grid whose weight is split in parts of `size` along dim
+    (each part must start on a block boundary, so size must be a multiple of the block)."""
+    if size % block:
+        raise ValueError(
+            f"{what}: a tensor_parallel_size split gives each rank {size} rows / columns, not a "
+            f"multiple of the checkpoint's weight_block_size ({block}); use a smaller "
+            "tensor_parallel_size"
+        )
+    n = size // block
+    if tensor.dim() <= dim or tensor.shape[dim] < (index + 1) * n:
+        return tensor
+    return tensor.narrow(dim, index * n, n)
+
+
 def _narrow_rows(tensor: torch.Tensor, dim: int, index: int, size: int, name: str) -> torch.Tensor:
     """Part `index` (of `size` along dim) of a checkpoint tensor, as a view; a tensor too
     small for it is left as is (the loader's shape check names it)."""
@@ -319,9 +336,19 @@ class ColumnParallelLinear(ReplicatedLinear, TPSharded):
         self.gather_output = gather_output
 
     def tp_shard_checkpoint_tensor(self, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        n = self.output_size_per_partition
+        if leaf == "weight_scale_inv":
+            if self.tp_size == 1:
+                return tensor
+            bn = self.weight_block_size[0]
+            if self.packed_sizes is not None:
+                for size in self.packed_sizes:
+                    shard_block_scale(tensor, 0, 0, size // self.tp_size, bn, "weight_scale_inv")
+                units = [size // bn for size in self.packed_sizes]
+                return shard_packed_rows(tensor, units, self.tp_rank, self.tp_size)
+            return shard_block_scale(tensor, 0, self.tp_rank, n, bn, "weight_scale_inv")
         if self.packed_sizes is not None:
             return shard_packed_rows(tensor, self.packed_sizes, self.tp_rank, self.tp_size)
-        n = self.output_size_per_partition
         return _narrow_rows(tensor, 0, self.tp_rank, n, leaf)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -353,9 +380,13 @@ class RowParallelLinear(ReplicatedLinear, TPSharded):
         self.reduce_results = reduce_results
 
     def tp_shard_checkpoint_tensor(self, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        k = self.input_size_per_partition
+        if leaf == "weight_scale_inv" and self.tp_size > 1:
+            bk = self.weight_block_size[1]
+            return shard_block_scale(tensor, 1, self.tp_rank, k, bk, "weight_scale_inv")
         if leaf != "weight":
-            return tensor  # the bias (and per-tensor scales) are whole on every rank
-        return _narrow_rows(tensor, 1, self.tp_rank, self.input_size_per_partition, leaf)
+            return tensor  # the bias is whole on every rank
+        return _narrow_rows(tensor, 1, self.tp_rank, k, leaf)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -395,10 +426,20 @@ class MergedColumnParallelLinear(MergedReplicatedLinear):
         self.replicas = list(replicas)
         super().__init__(input_size, local, shard_names, bias, params_dtype)
 
-    def tp_shard_checkpoint_tensor(self, shard: int, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of sub-matrix `shard` (a whole checkpoint tensor)."""
+    def tp_shard_checkpoint_tensor(
+        self, shard: int, tensor: torch.Tensor, leaf: str = "weight"
+    ) -> torch.Tensor:
+        """This rank's rows of sub-matrix `shard` (a whole checkpoint tensor), or of its block
+        scales (leaf weight_scale_inv: the shard is a quantized layer of its own)."""
         part = self.tp_rank // self.replicas[shard]
-        return _narrow_rows(tensor, 0, part, self.output_sizes[shard], self.shard_names[shard])
+        rows = self.output_sizes[shard]
+        if leaf == "weight_scale_inv":
+            if self.tp_size == 1 or self.shards is None:
+                return tensor
+            sub = cast("ReplicatedLinear", self.shards[shard])
+            bn = sub.weight_block_size[0]
+            return shard_block_scale(tensor, 0, part, rows, bn, "weight_scale_inv")
+        return _narrow_rows(tensor, 0, part, rows, self.shard_names[shard])
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):

@@ -128,7 +128,7 @@ def load_params_strict(
             merged_name, shard = stacked[owner_name]
             merged = modules[merged_name]
             if isinstance(merged, MergedColumnParallelLinear):
-                tensor = merged.tp_shard_checkpoint_tensor(shard, tensor)
+                tensor = merged.tp_shard_checkpoint_tensor(shard, tensor, leaf)
             if merged.shards is not None:  # quantized: the shard is a layer of its own
                 owner_name = f"{merged_name}.shards.{shard}"
             else:
