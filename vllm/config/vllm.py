@@ -64,6 +64,14 @@ class VllmConfig:
         if self.parallel_config.tensor_parallel_size > 1:
             self._verify_tensor_parallel()
         spec = self.speculative_config
+        draft_tp = spec.draft_tensor_parallel_size if spec is not None else None
+        tp = self.parallel_config.tensor_parallel_size
+        if draft_tp is not None and draft_tp != tp:
+            raise ValueError(
+                f"speculative_config.draft_tensor_parallel_size={draft_tp!r} is not supported "
+                f"with tensor_parallel_size={tp}: the draft runs tensor-parallel with its "
+                f"target (leave it unset or set it to {tp})"
+            )
         if spec is not None and spec.draft_model_config is None:
             draft_path = spec.model or mc.model
             spec.draft_model_config = ModelConfig(
@@ -82,11 +90,6 @@ class VllmConfig:
         field): every rank must hold a whole number of heads, columns and vocabulary rows."""
         tp = self.parallel_config.tensor_parallel_size
         cfg = self.model_config.hf_text_config
-        if self.speculative_config is not None:
-            raise ValueError(
-                f"speculative decoding (speculative_config) with tensor_parallel_size={tp} is "
-                "not supported yet; use pipeline_parallel_size to split a model with a draft"
-            )
         for name in (
             "num_attention_heads",
             "intermediate_size",

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from vllm.config import VllmConfig
-from vllm.distributed.parallel_state import get_pp_group
+from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.model_executor.layers.attention import AttentionLayerBase
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.draft import DraftModel
@@ -184,6 +184,16 @@ class DraftModelSpeculator(BaseSpeculator):
         out = self.hidden_states[:n]
         out.copy_(hidden)
         return out
+
+    def agree(self, tokens: torch.Tensor) -> torch.Tensor:
+        """TP rank 0's draft tokens on every TP rank (the ranks drafted from the same
+        gathered logits, but the tokens every rank feeds its next draft pass and reports are
+        decided once, never by trusting identical floating point)."""
+        tp = get_tp_group()
+        if tp.world_size == 1:
+            return tokens
+        t = tokens.to(device="cpu", dtype=torch.int64).contiguous()
+        return tp.broadcast(t, src=0).to(tokens.device)
 
     def sample_draft(
         self, logits: torch.Tensor, positions: np.ndarray, sampling: SamplingArrays
