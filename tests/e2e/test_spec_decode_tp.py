@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
 """Speculative decoding under tensor parallelism (and TP x PP), on real worker processes: the
-drafts run tensor-parallel with their target (MTP layers, EAGLE3 / EAGLE-1 heads, DFlash /
-DSpark), TP rank 0 decides the sampled, accepted and drafted tokens and every rank follows it,
-and the greedy tokens and the spec-decode counters (drafts, draft tokens, accepted, per
-position) equal one worker's. A draft at TP 1 next to a TP 2 target is refused."""
+drafts run tensor-parallel with their target (the DeepSeek MTP layers: MLA heads and experts
+split) or whole on every rank (draft_tensor_parallel_size=1: the one-head EAGLE3 / EAGLE-1 /
+DFlash / DSpark test heads, sharing the target's vocab-parallel embedding and LM head), TP
+rank 0 decides the sampled, accepted and drafted tokens and every rank follows it, and the
+greedy tokens and the spec-decode counters (drafts, draft tokens, accepted, per position)
+equal one worker's. A draft the target's TP cannot split is refused naming the field."""
 
 from __future__ import annotations
 
@@ -74,9 +76,13 @@ class _Runs:
         if key not in self.cache:
             target, draft = self.dirs(model)
             _, _, method, k = MODELS[model]
-            cfg = {"method": method, "num_speculative_tokens": k} if spec else None
-            if cfg is not None and draft:
-                cfg["model"] = draft
+            cfg: dict | None = None
+            if spec:
+                cfg = {"method": method, "num_speculative_tokens": k}
+                if draft:
+                    cfg["model"] = draft
+                if tp > 1 and model != "mtp_v3":
+                    cfg["draft_tensor_parallel_size"] = 1
             llm = LLM(
                 model=target,
                 tensor_parallel_size=tp,
@@ -114,15 +120,31 @@ def test_spec_decode_tp_equals_one_worker(runs, model, tp, pp):
     print(f"{model} TP={tp} PP={pp}: drafts, draft tokens, accepted, per position = {counts}")
 
 
-def test_draft_tp1_next_to_tp2_target_is_refused(deepseek_v3_mtp2_4l_dir):  # noqa: F811
-    with pytest.raises(ValueError, match="draft_tensor_parallel_size=1.*tensor_parallel_size=2"):
+def test_unsplittable_drafts_are_refused(
+    deepseek_v3_mtp2_4l_dir,  # noqa: F811
+    llama_near_bigram_dir,  # noqa: F811
+    eagle3_llama_dir,  # noqa: F811
+):
+    """In the engine, before any worker starts."""
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size=3.*tensor_parallel_size=2"):
         LLM(
             model=deepseek_v3_mtp2_4l_dir,
             tensor_parallel_size=2,
             speculative_config={
                 "method": "mtp",
                 "num_speculative_tokens": 1,
-                "draft_tensor_parallel_size": 1,
+                "draft_tensor_parallel_size": 3,
+            },
+            **COMMON,
+        )
+    with pytest.raises(ValueError, match="num_attention_heads.*draft_tensor_parallel_size=1"):
+        LLM(
+            model=llama_near_bigram_dir,
+            tensor_parallel_size=2,
+            speculative_config={
+                "method": "eagle3",
+                "num_speculative_tokens": 2,
+                "model": eagle3_llama_dir,
             },
             **COMMON,
         )

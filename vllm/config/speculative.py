@@ -138,8 +138,9 @@ class SpeculativeConfig:
     draft_sample_method: str = "greedy"
     """greedy | probabilistic: how the draft picks its tokens."""
     draft_tensor_parallel_size: int | None = None
-    """The draft's TP: it runs tensor-parallel with the target, so only the target's
-    tensor_parallel_size (or None: the same) is accepted."""
+    """The draft's TP: None or the target's tensor_parallel_size (the draft's layers split
+    like the target's), or 1 (the draft whole on every TP rank of the last stage, each
+    computing the same; TP rank 0's tokens are used)."""
     draft_model_config: Any = field(default=None, repr=False)
     """The draft's ModelConfig (filled by VllmConfig)."""
 

@@ -113,6 +113,7 @@ class DeepseekV2MoE(nn.Module):
                 )
         self.renormalize = bool(getattr(config, "norm_topk_prob", False))
         self.routed_scaling_factor = float(getattr(config, "routed_scaling_factor", 1.0) or 1.0)
+        self.tp = get_tp_group()  # the group it was built for (a TP-1 draft: the trivial one)
         self.gate = DeepseekV2MoEGate(config.hidden_size, num_experts, topk_method == "noaux_tc")
         # With TP every rank holds its slice of each expert's intermediate columns (and of the
         # shared experts'); the partial outputs are summed over the ranks once, in forward.
@@ -141,7 +142,7 @@ class DeepseekV2MoE(nn.Module):
         out = self.experts(hidden_states, topk_weights, topk_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)
-        return get_tp_group().all_reduce(out)
+        return self.tp.all_reduce(out)
 
 
 def mla_softmax_scale(config: Any) -> float:

@@ -261,6 +261,7 @@ class Qwen3_5MoeSparseMoeBlock(nn.Module):
         h = config.hidden_size
         self.top_k = int(config.num_experts_per_tok)
         num_experts = int(config.num_experts)
+        self.tp = get_tp_group()  # the group it was built for (a TP-1 draft: the trivial one)
         self.gate = nn.Linear(h, num_experts, bias=False)
         # With TP: each expert's and the shared expert's columns split; one all-reduce.
         self.experts = FusedMoE(num_experts, h, int(config.moe_intermediate_size))
@@ -276,7 +277,7 @@ class Qwen3_5MoeSparseMoeBlock(nn.Module):
         out = self.experts(hidden_states, topk_weights.to(hidden_states.dtype), topk_ids)
         shared = self.shared_expert(hidden_states)
         out = out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
-        return get_tp_group().all_reduce(out)
+        return self.tp.all_reduce(out)
 
 
 class Qwen3_5DecoderLayer(DecoderLayerBase):
