@@ -5,7 +5,8 @@ full-vocab logprobs and greedy tokens for Llama (untied; tied with one KV head s
 ranks) and Qwen2 (q/k/v biases); TP = 2 x PP = 2 with chunked prefill and preemption gives the
 same tokens and top logprobs as one worker; the Ray backend gives mp's tokens; a killed TP rank
 makes the engine raise and leaves no worker behind; impossible splits are refused naming the
-field; `vllm serve -tp 2 -pp 2` answers like one worker."""
+field; `vllm serve -tp 2 -pp 2` with MTP answers like one worker; block-FP8 checkpoints
+split with their scales."""
 
 from __future__ import annotations
 
@@ -292,28 +293,36 @@ def test_killed_tp_rank_raises_and_leaves_no_process(llama_dir, pp_forkserver):
 
 
 # ---- server ------------------------------------------------------------------------------------
-def test_serve_tp2_pp2_equals_one_worker(llama_dir, tmp_path):
+def test_serve_tp2_pp2_mtp_equals_one_worker(tmp_path_factory, tmp_path):
+    """`vllm serve -tp 2 -pp 2 --speculative-config '{"method": "mtp", ...}'` (the command
+    DeepSeek users run) behind the openai client: the same text and logprobs as one worker
+    with the same MTP draft, and every worker gone after SIGTERM."""
     import openai
 
     from vllm.testing.remote_server import RemoteServer
+    from vllm.testing.spec_checkpoints import make_mtp_self_draft
 
-    ref_llm = LLM(model=llama_dir, **COMMON)
+    src = checkpoints.make_deepseek_v3(
+        tmp_path_factory.mktemp("serve_dsv3"), num_hidden_layers=4, num_nextn_predict_layers=1
+    )
+    model = make_mtp_self_draft(tmp_path_factory.mktemp("serve_near"), src, target_scale=0.2)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    ref_llm = LLM(model=model, speculative_config=spec, **COMMON)
     try:
         prompts = make_prompts(ref_llm.llm_engine.model_config.vocab_size, [6, 23], seed=7)
         ref = _gen(ref_llm, prompts)
     finally:
         ref_llm.shutdown()
-    with RemoteServer(
-        llama_dir,
-        ["-tp", "2", "-pp", "2", "--dtype", "float32", "--max-model-len", "128"],
-        tmp_path / "serve.log",
-    ) as server:
+    args = ["-tp", "2", "-pp", "2", "--dtype", "float32", "--max-model-len", "128"]
+    args += ["--speculative-config", json.dumps(spec)]
+    with RemoteServer(model, args, tmp_path / "serve.log") as server:
         server.wait_ready()
         workers = server.children()
+        assert len(workers) >= 4
         client = openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0, timeout=120)
         for r in ref:
             res = client.completions.create(
-                model=llama_dir,
+                model=model,
                 prompt=r.prompt_token_ids,
                 max_tokens=MAX_TOKENS,
                 temperature=0,
