@@ -178,6 +178,31 @@ def test_tp2_pp2_equals_one_worker(qwen2_dir, pp_forkserver):
     assert list(outs[0].outputs[0].token_ids) == hf_greedy(qwen2_dir, prompts[0], MAX_TOKENS)
 
 
+def test_tp2_seeded_sampling_prefix_cache_padding(llama_dir, pp_forkserver):
+    """Seeded random sampling (TP rank 0's draws, broadcast), prefix-cache hits (a shared
+    prompt prefix) and padded step sizes: the same tokens as one worker."""
+    extra = dict(compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]})
+    vocab = 512
+    base = make_prompts(vocab, [33], seed=9)[0]
+    prompts = [base + p for p in make_prompts(vocab, [3, 7, 11], seed=10)]
+    sps = [
+        SamplingParams(temperature=1.0, top_p=0.9, seed=s, max_tokens=12, ignore_eos=True)
+        for s in (1, 2, 3)
+    ]
+    results = []
+    for tp in (1, 2):
+        llm = LLM(model=llama_dir, tensor_parallel_size=tp, **extra, **COMMON)
+        try:
+            _gen(llm, prompts[:1], sps[0])  # fills the prefix cache
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
+            results.append(_tokens(outs))
+            metrics = {m.name: m for m in llm.get_metrics()}
+            assert metrics["vllm:prefix_cache_hits"].value > 0
+        finally:
+            llm.shutdown()
+    assert results[0] == results[1]
+
+
 # ---- refused splits ----------------------------------------------------------------------------
 def _edited(src: str, dst, **fields) -> str:
     shutil.copytree(src, dst)
