@@ -212,7 +212,7 @@ def _edited(src: str, dst, **fields) -> str:
     return str(dst)
 
 
-def test_impossible_splits_are_refused(llama_dir, deepseek_v3_dir, deepseek_v3_mtp1_dir, tmp_path):
+def test_impossible_splits_are_refused(llama_dir, deepseek_v3_dir, tmp_path):
     """Refused in the engine, before any worker starts, naming the field."""
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\).*tensor_parallel_size \(3\)"):
         LLM(model=llama_dir, tensor_parallel_size=3, **COMMON)
@@ -236,13 +236,6 @@ def test_impossible_splits_are_refused(llama_dir, deepseek_v3_dir, deepseek_v3_m
     odd_experts = _edited(deepseek_v3_dir, tmp_path / "moe", moe_intermediate_size=30)
     with pytest.raises(ValueError, match=r"moe_intermediate_size \(30\)"):
         LLM(model=odd_experts, tensor_parallel_size=4, **COMMON)
-    with pytest.raises(ValueError, match="speculative_config.*tensor_parallel_size=2"):
-        LLM(
-            model=deepseek_v3_mtp1_dir,
-            tensor_parallel_size=2,
-            speculative_config={"method": "mtp", "num_speculative_tokens": 1},
-            **COMMON,
-        )
 
 
 # ---- Ray ---------------------------------------------------------------------------------------
