@@ -261,7 +261,7 @@ def test_bad_engine_args(llama_dir, tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         LLM(model=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(model=llama_dir, tensor_parallel_size=2)
+        LLM(model=llama_dir, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(model=llama_dir, max_model_len=10**7)
     bad = tmp_path / "bad_arch"

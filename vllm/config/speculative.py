@@ -137,6 +137,10 @@ class SpeculativeConfig:
     """Draft checkpoint folder; for mtp defaults to the target checkpoint."""
     draft_sample_method: str = "greedy"
     """greedy | probabilistic: how the draft picks its tokens."""
+    draft_tensor_parallel_size: int | None = None
+    """The draft's TP: None or the target's tensor_parallel_size (the draft's layers split
+    like the target's), or 1 (the draft whole on every TP rank of the last stage, each
+    computing the same; TP rank 0's tokens are used)."""
     draft_model_config: Any = field(default=None, repr=False)
     """The draft's ModelConfig (filled by VllmConfig)."""
 
@@ -153,10 +157,14 @@ class SpeculativeConfig:
         d = _with_speculators_defaults(d)
         if "method" not in d:
             raise ValueError("speculative_config.method is required (e.g. 'mtp' or 'eagle3')")
-        names = ("method", "num_speculative_tokens", "model", "draft_sample_method")
+        names = (
+            "method",
+            "num_speculative_tokens",
+            "model",
+            "draft_sample_method",
+            "draft_tensor_parallel_size",
+        )
         keep: dict[str, Any] = {k: d[k] for k in names if d.get(k) is not None}
-        if d.get("draft_tensor_parallel_size") not in (None, 1):
-            raise ValueError("speculative_config.draft_tensor_parallel_size must be 1")
         return cls(**keep)
 
     def __post_init__(self) -> None:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.config.cache import CacheConfig
 from vllm.config.compilation import CompilationConfig
@@ -61,7 +62,17 @@ class VllmConfig:
 
             # Fail here, in the engine, on P > layers or a bad VLLM_PP_LAYER_PARTITION.
             get_pp_partition(mc.num_hidden_layers, self.parallel_config.pipeline_parallel_size)
+        if self.parallel_config.tensor_parallel_size > 1:
+            self._verify_tensor_parallel()
         spec = self.speculative_config
+        draft_tp = spec.draft_tensor_parallel_size if spec is not None else None
+        tp = self.parallel_config.tensor_parallel_size
+        if draft_tp is not None and draft_tp not in (1, tp):
+            raise ValueError(
+                f"speculative_config.draft_tensor_parallel_size={draft_tp!r} is not supported "
+                f"with tensor_parallel_size={tp}: the draft runs tensor-parallel with its "
+                f"target (unset or {tp}) or whole on every rank (1)"
+            )
         if spec is not None and spec.draft_model_config is None:
             draft_path = spec.model or mc.model
             spec.draft_model_config = ModelConfig(
@@ -74,6 +85,21 @@ class VllmConfig:
                 trust_remote_code=mc.trust_remote_code,
             )
             spec.verify_with_target(mc)
+        if spec is not None and tp > 1 and spec.draft_tensor_parallel_size != 1:
+            assert spec.draft_model_config is not None
+            try:
+                _check_tp_split(spec.draft_model_config.hf_text_config, tp)
+            except ValueError as e:
+                raise ValueError(
+                    f"speculative draft {spec.draft_model_config.model}: {e}; set "
+                    "speculative_config.draft_tensor_parallel_size=1 to run the draft whole "
+                    "on every rank"
+                ) from e
+
+    def _verify_tensor_parallel(self) -> None:
+        """Refuse, here in the engine, a split the model's shapes do not allow (naming the
+        field): every rank must hold a whole number of heads, columns and vocabulary rows."""
+        _check_tp_split(self.model_config.hf_text_config, self.parallel_config.tensor_parallel_size)
 
     def _resolve_prefix_caching(self) -> None:
         cc = self.cache_config
@@ -118,3 +144,34 @@ class VllmConfig:
         if self.enforce_eager:
             return num_tokens
         return self.compilation_config.padded_num_tokens(num_tokens)
+
+
+def _check_tp_split(cfg: Any, tp: int) -> None:
+    """Raise ValueError naming the first of the model config's sizes that TP ranks cannot
+    split: every rank must hold a whole number of heads, columns and vocabulary rows."""
+    for name in _TP_SPLIT_FIELDS:
+        n = getattr(cfg, name, None)
+        if isinstance(n, int) and n % tp:
+            raise ValueError(
+                f"the model's {name} ({n}) is not divisible by tensor_parallel_size ({tp})"
+            )
+    kv = getattr(cfg, "num_key_value_heads", None)
+    if isinstance(kv, int) and kv % tp and tp % kv:
+        raise ValueError(
+            f"the model's num_key_value_heads ({kv}) and tensor_parallel_size ({tp}) do not "
+            "divide each other (each rank needs whole KV heads, or one shared by TP / "
+            "num_key_value_heads ranks)"
+        )
+
+
+# Sizes split over the TP ranks (heads, MLP / expert columns, vocabulary rows).
+_TP_SPLIT_FIELDS = (
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "index_n_heads",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)

@@ -1,15 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""Pipeline-parallel group state of this process, its setup, and stage-to-stage tensor transfer.
+"""Tensor- and pipeline-parallel group state of this process, its setup, the tensor-parallel
+collectives, and stage-to-stage tensor transfer.
 
-With P = 1 (no torch.distributed) the group is the trivial one. Worker processes of a P > 1 run
-call init_distributed(...) before building the model.
+With one worker (no torch.distributed) both groups are the trivial ones. Worker processes of a
+TP x PP > 1 run call init_distributed(...) before building the model. Ranks are laid out as
+vLLM does, tensor parallelism inner: rank = pp_rank * tp_size + tp_rank. Each worker is in one
+TP group (the tp_size workers of its stage) and one PP group (the workers with its tp_rank,
+one per stage): a stage's TP rank t sends to and receives from TP rank t of its neighbours.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pickle
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -48,7 +54,110 @@ class PPGroup:
         return self.world_size - 1
 
 
+@dataclass
+class TPGroup:
+    """The tensor-parallel workers of this pipeline stage. rank / world_size are within the
+    group; ranks are their global ranks (ranks[0] is the group's source of decisions)."""
+
+    rank: int = 0
+    world_size: int = 1
+    ranks: tuple[int, ...] = (0,)
+    device_group: Any = field(default=None, repr=False)  # all-reduce / all-gather
+    cpu_group: Any = field(default=None, repr=False)  # gloo group for CPU-side broadcasts
+    # Seconds spent in this group's collectives and how many (benchmarks: comm_stats).
+    comm_s: float = 0.0
+    num_collectives: int = 0
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the group (in place; x itself is returned)."""
+        if self.world_size == 1:
+            return x
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        dist.all_reduce(x, group=self.device_group)
+        self._count(t0)
+        return x
+
+    def _count(self, t0: float) -> None:
+        self.comm_s += time.perf_counter() - t0
+        self.num_collectives += 1
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's x concatenated along dim, in rank order."""
+        if self.world_size == 1:
+            return x
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x, group=self.device_group)
+        out = torch.cat(parts, dim=dim)
+        self._count(t0)
+        return out
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """x of group rank src on every rank (in place)."""
+        if self.world_size == 1:
+            return x
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        group = self.cpu_group if x.device.type == "cpu" else self.device_group
+        dist.broadcast(x, src=self.ranks[src], group=group)
+        self._count(t0)
+        return x
+
+
 _PP: PPGroup = PPGroup()
+_TP: TPGroup = TPGroup()
+
+
+def get_tp_group() -> TPGroup:
+    return _TP
+
+
+def set_tp_group(group: TPGroup) -> None:
+    global _TP
+    _TP = group
+
+
+@contextlib.contextmanager
+def use_tp_group(group: TPGroup) -> Iterator[None]:
+    """Build layers under another TP group (a draft at draft_tensor_parallel_size=1 is built
+    under the trivial one: whole on every rank). Layers keep the group they were built with."""
+    global _TP
+    old, _TP = _TP, group
+    try:
+        yield
+    finally:
+        _TP = old
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _TP.rank
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _TP.world_size
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    return _TP.all_reduce(x)
+
+
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return _TP.all_gather(x, dim)
+
+
+def tp_pp_ranks(rank: int, tp_size: int) -> tuple[int, int]:
+    """(tp_rank, pp_rank) of a global rank (TP inner)."""
+    return rank % tp_size, rank // tp_size
 
 
 def get_pp_group() -> PPGroup:
@@ -70,14 +179,22 @@ def init_distributed(
     init_method: str,
     backend: str = "gloo",
     device: torch.device | None = None,
+    tensor_parallel_size: int = 1,
 ) -> PPGroup:
-    """Join the stage group: the default group carries the stage-to-stage tensors, a second
-    group the last stage's broadcasts (so they never queue behind the p2p traffic), and with
-    nccl a gloo group carries the CPU-side metadata."""
+    """Join the world of TP x PP workers and build this worker's groups. The PP group's
+    device group carries the stage-to-stage tensors, a second group the last stage's
+    broadcasts (so they never queue behind the p2p traffic), and with nccl a gloo group
+    carries the CPU-side metadata; the TP group carries the layers' all-reduces / gathers.
+    Every worker creates every group, in the same order (torch.distributed requires it)."""
     import torch.distributed as dist
 
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    tp = tensor_parallel_size
+    if tp < 1 or world_size % tp:
+        raise ValueError(f"world_size={world_size} is not a multiple of tensor_parallel_size={tp}")
+    pp_size = world_size // tp
+    tp_rank, pp_rank = tp_pp_ranks(rank, tp)
     timeout = comm_timeout()
     kwargs: dict[str, Any] = {}
     if backend == "nccl" and device is not None:
@@ -90,18 +207,35 @@ def init_distributed(
         timeout=timeout,
         **kwargs,
     )
-    ranks = list(range(world_size))
     world = dist.group.WORLD
-    broadcast_group = dist.new_group(ranks, backend=backend, timeout=timeout)
-    cpu_group = (
-        world if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=timeout)
-    )
+
+    def new(ranks: list[int], be: str) -> Any:
+        return dist.new_group(ranks, backend=be, timeout=timeout)
+
+    # PP groups: one per tp_rank (with TP = 1 the world itself carries the p2p traffic).
+    pp_groups: dict[str, Any] = {}
+    for t in range(tp):
+        ranks = [p * tp + t for p in range(pp_size)]
+        device_group = world if tp == 1 else new(ranks, backend)
+        broadcast_group = new(ranks, backend)
+        cpu_group = device_group if backend == "gloo" else new(ranks, "gloo")
+        if t == tp_rank:
+            pp_groups = {"d": device_group, "b": broadcast_group, "c": cpu_group}
+    tp_group = TPGroup()
+    if tp > 1:
+        for p in range(pp_size):
+            ranks = [p * tp + t for t in range(tp)]
+            device_group = new(ranks, backend)
+            cpu_group = device_group if backend == "gloo" else new(ranks, "gloo")
+            if p == pp_rank:
+                tp_group = TPGroup(tp_rank, tp, tuple(ranks), device_group, cpu_group)
+    set_tp_group(tp_group)
     group = PPGroup(
-        rank=rank,
-        world_size=world_size,
-        device_group=world,
-        broadcast_group=broadcast_group,
-        cpu_group=cpu_group,
+        rank=pp_rank,
+        world_size=pp_size,
+        device_group=pp_groups["d"],
+        broadcast_group=pp_groups["b"],
+        cpu_group=pp_groups["c"],
     )
     set_pp_group(group)
     return group
@@ -116,6 +250,7 @@ def destroy_distributed() -> None:
         except Exception:  # noqa: BLE001 - a dead peer must not stop our own teardown
             pass
     set_pp_group(PPGroup())
+    set_tp_group(TPGroup())
 
 
 # ---- stage-to-stage transfer of named tensors ---------------------------------------------

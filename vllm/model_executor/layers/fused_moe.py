@@ -123,7 +123,20 @@ class FusedMoE(nn.Module):
     fp8_gemm_scales: tuple[list[torch.Tensor], list[torch.Tensor]] | None
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        """intermediate_size is each expert's whole one: with TP a rank holds its slice of
+        every expert's columns (w13 rows, w2 columns) and forward returns its partial sum,
+        which the caller reduces over the ranks."""
         super().__init__()
+        from vllm.distributed.parallel_state import get_tp_group
+
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size = tp.rank, tp.world_size
+        if intermediate_size % self.tp_size:
+            raise ValueError(
+                f"moe_intermediate_size ({intermediate_size}) is not divisible by "
+                f"tensor_parallel_size ({self.tp_size})"
+            )
+        intermediate_size //= self.tp_size
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
         config = get_current_quant_config()
@@ -138,6 +151,40 @@ class FusedMoE(nn.Module):
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         return self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
+
+    def tp_shard_expert_tensor(
+        self, proj: str, fused: bool, tensor: torch.Tensor, scale: bool = False
+    ) -> torch.Tensor:
+        """This rank's slice of an expert checkpoint tensor (gate / up: its intermediate rows,
+        down: its intermediate columns; a fused gate_up keeps its gate rows then up rows), or
+        of its block scales (in blocks: each rank's columns must start on a block boundary).
+        A tensor of another shape is returned as is (the loader's shape check names it)."""
+        if self.tp_size == 1:
+            return tensor
+        n, r = self.intermediate_size, self.tp_rank
+        if scale:
+            block = self.quant_method.block[1 if proj == "down_proj" else 0]
+            if n % block:
+                raise ValueError(
+                    f"moe_intermediate_size: a tensor_parallel_size split gives each rank {n} "
+                    f"columns of every expert, not a multiple of the checkpoint's "
+                    f"weight_block_size ({block}); use a smaller tensor_parallel_size"
+                )
+            n //= block
+        whole = n * self.tp_size
+        if proj == "down_proj":
+            if tensor.shape[-1] != whole:
+                return tensor
+            return tensor.narrow(-1, r * n, n)
+        axis = 1 if fused else 0
+        if proj == "gate_up_proj":
+            if tensor.dim() != 3 or tensor.shape[1] != 2 * whole:
+                return tensor
+            gate, up = tensor.narrow(1, r * n, n), tensor.narrow(1, whole + r * n, n)
+            return torch.cat([gate, up], dim=1)
+        if tensor.dim() <= axis or tensor.shape[axis] != whole:
+            return tensor
+        return tensor.narrow(axis, r * n, n)
 
 
 def select_experts(
@@ -251,6 +298,10 @@ class ExpertWeightLoader:
             return False
         num_experts = param.shape[0]
         dst = param.data
+        module = modules.get(m["prefix"])
+        if isinstance(module, FusedMoE):
+            proj = m["fused"] or m["proj"]
+            tensor = module.tp_shard_expert_tensor(proj, bool(m["fused"]), tensor, scale)
         if not m["fused"]:
             e = int(m["expert"])
             if e >= num_experts:

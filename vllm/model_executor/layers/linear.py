@@ -286,3 +286,266 @@ class MergedReplicatedLinear(LinearLayerBase):
             f"in_features={self.in_features}, output_sizes={self.output_sizes}, "
             f"shards={self.shard_names}, {packed}"
         )
+
+
+# ---- tensor parallelism -----------------------------------------------------------------------
+# The TP layers keep their sharding in construction (local sizes) and in weight loading
+# (tp_shard_checkpoint_tensor: the rank's rows / columns of a checkpoint tensor); the matmul is
+# the replicated layer's, and the all-reduce follows it (RowParallelLinear).
+
+
+def _tp() -> tuple[int, int]:
+    from vllm.distributed.parallel_state import get_tp_group
+
+    tp = get_tp_group()
+    return tp.rank, tp.world_size
+
+
+def divide(n: int, parts: int, what: str) -> int:
+    """n / parts, refusing a split that does not divide (naming what is split)."""
+    if n % parts:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({parts})")
+    return n // parts
+
+
+class TPSharded:
+    """A layer that holds one TP rank's part of its checkpoint tensors: the loader hands it
+    each whole tensor and copies what tp_shard_checkpoint_tensor returns (a view)."""
+
+    def tp_shard_checkpoint_tensor(self, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def shard_packed_rows(
+    tensor: torch.Tensor, sizes: list[int], rank: int, tp_size: int, dim: int = 0
+) -> torch.Tensor:
+    """Rank `rank`'s part of each of the segments `sizes` (whole sizes along dim, in order)
+    of a checkpoint tensor that packs them, concatenated; a tensor of another size along dim
+    is returned as is (the loader's shape check names it)."""
+    if tp_size == 1 or tensor.dim() <= dim or tensor.shape[dim] != sum(sizes):
+        return tensor
+    parts, start = [], 0
+    for n in sizes:
+        k = n // tp_size
+        parts.append(tensor.narrow(dim, start + rank * k, k))
+        start += n
+    return torch.cat(parts, dim=dim)
+
+
+def shard_block_scale(
+    tensor: torch.Tensor, dim: int, index: int, size: int, block: int, what: str
+) -> torch.Tensor:
+    """Part `index` of a block-scale grid whose weight is split in parts of `size` along dim
+    (each part must start on a block boundary, so size must be a multiple of the block)."""
+    if size % block:
+        raise ValueError(
+            f"{what}: a tensor_parallel_size split gives each rank {size} rows / columns, not a "
+            f"multiple of the checkpoint's weight_block_size ({block}); use a smaller "
+            "tensor_parallel_size"
+        )
+    n = size // block
+    if tensor.dim() <= dim or tensor.shape[dim] < (index + 1) * n:
+        return tensor
+    return tensor.narrow(dim, index * n, n)
+
+
+def _narrow_rows(tensor: torch.Tensor, dim: int, index: int, size: int, name: str) -> torch.Tensor:
+    """Part `index` (of `size` along dim) of a checkpoint tensor, as a view; a tensor too
+    small for it is left as is (the loader's shape check names it)."""
+    if tensor.dim() <= dim or tensor.shape[dim] < (index + 1) * size:
+        return tensor
+    return tensor.narrow(dim, index * size, size)
+
+
+class ColumnParallelLinear(ReplicatedLinear, TPSharded):
+    """y = x @ W^T + b with W's output rows split over the TP ranks: rank r holds rows
+    [r * out / TP, (r + 1) * out / TP) of W and b, and computes that slice of y (gathered
+    over the ranks only with gather_output). packed_sizes: the checkpoint's one tensor packs
+    several projections (e.g. Gated DeltaNet's q, k, v) of these sizes: each is split on its
+    own, so rank r holds its part of each, in order."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        params_dtype: torch.dtype | None = None,
+        gather_output: bool = False,
+        packed_sizes: list[int] | None = None,
+    ) -> None:
+        self.tp_rank, self.tp_size = _tp()
+        self.packed_sizes = packed_sizes
+        for n in packed_sizes or [output_size]:
+            divide(int(n), self.tp_size, "output_size")
+        self.output_size_per_partition = divide(int(output_size), self.tp_size, "output_size")
+        super().__init__(input_size, self.output_size_per_partition, bias, params_dtype)
+        self.gather_output = gather_output
+
+    def tp_shard_checkpoint_tensor(self, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        n = self.output_size_per_partition
+        if leaf == "weight_scale_inv":
+            if self.tp_size == 1:
+                return tensor
+            bn = self.weight_block_size[0]
+            if self.packed_sizes is not None:
+                for size in self.packed_sizes:
+                    shard_block_scale(tensor, 0, 0, size // self.tp_size, bn, "weight_scale_inv")
+                units = [size // bn for size in self.packed_sizes]
+                return shard_packed_rows(tensor, units, self.tp_rank, self.tp_size)
+            return shard_block_scale(tensor, 0, self.tp_rank, n, bn, "weight_scale_inv")
+        if self.packed_sizes is not None:
+            return shard_packed_rows(tensor, self.packed_sizes, self.tp_rank, self.tp_size)
+        return _narrow_rows(tensor, 0, self.tp_rank, n, leaf)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.gather_output and self.tp_size > 1:
+            from vllm.distributed.parallel_state import tensor_model_parallel_all_gather
+
+            y = tensor_model_parallel_all_gather(y, dim=-1)
+        return y
+
+
+class RowParallelLinear(ReplicatedLinear, TPSharded):
+    """y = x @ W^T + b with W's input columns split over the TP ranks: rank r holds columns
+    [r * in / TP, (r + 1) * in / TP) (its slice of x comes from a column-parallel layer),
+    computes a partial product, and the ranks' products are summed (all-reduce); the bias,
+    held whole by every rank, is added once after the sum."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = True,
+        params_dtype: torch.dtype | None = None,
+        reduce_results: bool = True,
+    ) -> None:
+        self.tp_rank, self.tp_size = _tp()
+        self.input_size_per_partition = divide(int(input_size), self.tp_size, "input_size")
+        super().__init__(self.input_size_per_partition, output_size, bias, params_dtype)
+        self.reduce_results = reduce_results
+
+    def tp_shard_checkpoint_tensor(self, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        k = self.input_size_per_partition
+        if leaf == "weight_scale_inv" and self.tp_size > 1:
+            bk = self.weight_block_size[1]
+            return shard_block_scale(tensor, 1, self.tp_rank, k, bk, "weight_scale_inv")
+        if leaf != "weight":
+            return tensor  # the bias is whole on every rank
+        return _narrow_rows(tensor, 1, self.tp_rank, k, leaf)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(x)
+        y = self.quant_method.apply(self, x, None)
+        if self.reduce_results:
+            from vllm.distributed.parallel_state import tensor_model_parallel_all_reduce
+
+            y = tensor_model_parallel_all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+class MergedColumnParallelLinear(MergedReplicatedLinear):
+    """A packed projection (gate_up_proj, qkv_proj) whose every sub-matrix is split over the
+    TP ranks on its own: rank r packs its slice of each (vLLM's MergedColumnParallelLinear).
+    output_sizes are the whole sub-matrices' rows; replicas[i] > 1 says sub-matrix i has fewer
+    parts than ranks and each part is held by that many consecutive ranks (KV heads fewer
+    than TP)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        shard_names: tuple[str, ...],
+        bias: bool = True,
+        params_dtype: torch.dtype | None = None,
+        replicas: list[int] | None = None,
+    ) -> None:
+        self.tp_rank, self.tp_size = _tp()
+        replicas = replicas or [1] * len(output_sizes)
+        local = [
+            divide(int(n), self.tp_size // r, f"output_size of {name}")
+            for n, r, name in zip(output_sizes, replicas, shard_names)
+        ]
+        self.replicas = list(replicas)
+        super().__init__(input_size, local, shard_names, bias, params_dtype)
+
+    def tp_shard_checkpoint_tensor(
+        self, shard: int, tensor: torch.Tensor, leaf: str = "weight"
+    ) -> torch.Tensor:
+        """This rank's rows of sub-matrix `shard` (a whole checkpoint tensor), or of its block
+        scales (leaf weight_scale_inv: the shard is a quantized layer of its own)."""
+        part = self.tp_rank // self.replicas[shard]
+        rows = self.output_sizes[shard]
+        if leaf == "weight_scale_inv":
+            if self.tp_size == 1 or self.shards is None:
+                return tensor
+            sub = cast("ReplicatedLinear", self.shards[shard])
+            bn = sub.weight_block_size[0]
+            return shard_block_scale(tensor, 0, part, rows, bn, "weight_scale_inv")
+        return _narrow_rows(tensor, 0, part, rows, self.shard_names[shard])
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v packed, split by heads: each rank holds num_heads / TP query heads and
+    num_kv_heads / TP KV heads, or, with fewer KV heads than ranks, one KV head shared by
+    TP / num_kv_heads consecutive ranks."""
+
+    def __init__(
+        self,
+        input_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = True,
+        params_dtype: torch.dtype | None = None,
+        v_head_size: int | None = None,
+        q_head_size: int | None = None,
+    ) -> None:
+        """q_head_size: rows per query head in q_proj (default head_size; Qwen3.5 packs each
+        head's output gate next to its query: twice that)."""
+        _, tp = _tp()
+        self.num_heads = divide(total_num_heads, tp, "num_attention_heads")
+        if total_num_kv_heads >= tp:
+            self.num_kv_heads = divide(total_num_kv_heads, tp, "num_key_value_heads")
+            kv_replicas = 1
+        else:
+            if tp % total_num_kv_heads:
+                raise ValueError(
+                    f"tensor_parallel_size ({tp}) is not a multiple of num_key_value_heads "
+                    f"({total_num_kv_heads}), which is smaller"
+                )
+            self.num_kv_heads = 1
+            kv_replicas = tp // total_num_kv_heads
+        v = v_head_size or head_size
+        q = q_head_size or head_size
+        super().__init__(
+            input_size,
+            [total_num_heads * q, total_num_kv_heads * head_size, total_num_kv_heads * v],
+            ("q_proj", "k_proj", "v_proj"),
+            bias=bias,
+            params_dtype=params_dtype,
+            replicas=[1, kv_replicas, kv_replicas],
+        )
+
+
+class ColumnParallelPlainLinear(nn.Linear, TPSharded):
+    """An nn.Linear (never quantized, any dtype: e.g. the V3.2 indexer's float32 head weights)
+    whose output rows are split over the TP ranks like ColumnParallelLinear's."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        self.tp_rank, self.tp_size = _tp()
+        self.output_size_per_partition = divide(int(output_size), self.tp_size, "output_size")
+        super().__init__(input_size, self.output_size_per_partition, bias=bias, dtype=dtype)
+
+    def tp_shard_checkpoint_tensor(self, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        n = self.output_size_per_partition
+        return _narrow_rows(tensor, 0, self.tp_rank, n, leaf)

@@ -19,6 +19,7 @@ from vllm.model_executor.layers.quantization import (
 )
 from vllm.model_executor.model_loader.weight_utils import (
     TrackedWeights,
+    safetensors_mmap_iterator,
     safetensors_weights_iterator,
 )
 from vllm.model_executor.models.registry import resolve_model_cls
@@ -53,7 +54,11 @@ def get_model(
         model = cls(vllm_config=vllm_config, model_config=model_config, prefix="")
     stored = "weights"
     if load_weights:
-        weights = TrackedWeights(safetensors_weights_iterator(model_config.model))
+        # With TP each rank copies out only its part of most tensors: read them through a
+        # memory map, so only those parts' pages are read.
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        iterate = safetensors_mmap_iterator if tp > 1 else safetensors_weights_iterator
+        weights = TrackedWeights(iterate(model_config.model))
         with torch.no_grad():
             model.load_weights(weights)
             process_weights_after_loading(model)

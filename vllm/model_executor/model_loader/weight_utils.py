@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -34,6 +35,49 @@ def safetensors_weights_iterator(model_dir: str) -> Iterator[tuple[str, torch.Te
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             for name in fh.keys():
                 yield name, fh.get_tensor(name)
+
+
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def safetensors_mmap_iterator(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Like safetensors_weights_iterator, but each tensor is a view of a private (copy on
+    write) memory map of its file: nothing is read until used, so a tensor-parallel rank that
+    copies out only its rows of a tensor reads only the file pages holding them (its columns:
+    the pages each row's part lies in). Views stay valid as long as they are referenced."""
+    for f in safetensors_files(model_dir):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        base = 8 + n
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _ST_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ValueError(f"{f}: tensor {name!r} has unsupported dtype {info['dtype']}")
+            start, end = info["data_offsets"]
+            shape = tuple(int(d) for d in info["shape"])
+            count = (end - start) // torch.empty(0, dtype=dtype).element_size()
+            if count == 0:
+                yield name, torch.empty(shape, dtype=dtype)
+                continue
+            flat = torch.frombuffer(mm, dtype=dtype, count=count, offset=base + start)
+            yield name, flat.view(shape)
 
 
 def safetensors_weight_names(model_dir: str) -> set[str]:

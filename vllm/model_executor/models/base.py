@@ -15,7 +15,10 @@ from torch import nn
 from vllm.config import ModelConfig, VllmConfig
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import RoutedLinear
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
 from vllm.model_executor.models.interfaces import EagleModelMixin, SupportsPP, TargetShares
 from vllm.model_executor.models.utils import (
     PPMissingLayer,
@@ -43,15 +46,11 @@ def tie_word_embeddings(model_config: ModelConfig) -> bool:
     return bool(getattr(model_config.hf_text_config, "tie_word_embeddings", False))
 
 
-class LMHead(RoutedLinear):
-    """The vocabulary projection: an nn.Linear (never quantized) whose product runs through
-    the shared linear() (the CPU small-M kernel for the rows being sampled)."""
-
-
 def build_lm_head(config: Any, tie_to: nn.Module | None = None) -> nn.Linear:
-    """The vocabulary projection (an nn.Linear: never quantized), sharing tie_to's weight
-    when given (tied word embeddings)."""
-    head = LMHead(config.hidden_size, config.vocab_size, bias=False)
+    """The vocabulary projection (an nn.Linear: never quantized; split over the vocabulary
+    with TP, its logits gathered), sharing tie_to's weight when given (tied word
+    embeddings: the same rows of the vocabulary on each rank)."""
+    head = ParallelLMHead(config.hidden_size, config.vocab_size, bias=False)
     if tie_to is not None:
         head.weight = tie_to.get_parameter("weight")
     return head
@@ -128,7 +127,7 @@ class DecoderModelBase(nn.Module, EagleModelMixin):
             tied = bool(getattr(config, "tie_word_embeddings", False))
         pp = get_pp_group()
         if pp.is_first_rank or ((tied or keep_embed) and pp.is_last_rank):
-            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = PPMissingLayer()
         self.start_layer, self.end_layer, self.layers = make_layers(
@@ -227,6 +226,8 @@ class CausalLMBase(ModelBase, SupportsPP):
     """
 
     supports_pp: ClassVar[bool] = True
+    # Its layers are split over tensor-parallel ranks (heads, columns); others refuse TP > 1.
+    supports_tp: ClassVar[bool] = False
     # Takes multimodal input (its encoder runs on the first stage, with the embedding).
     supports_multimodal: ClassVar[bool] = False
     model_cls: ClassVar[type[DecoderModelBase]]

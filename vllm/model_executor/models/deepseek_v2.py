@@ -9,10 +9,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm.distributed.parallel_state import get_tp_group
 from vllm.model_executor.layers.attention import MLAAttention
 from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    divide,
+)
 from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params, yarn_get_mscale
 from vllm.model_executor.models.base import CausalLMBase, DecoderLayerBase, DecoderModelBase
 from vllm.model_executor.models.llama import LlamaMLP
@@ -107,7 +113,10 @@ class DeepseekV2MoE(nn.Module):
                 )
         self.renormalize = bool(getattr(config, "norm_topk_prob", False))
         self.routed_scaling_factor = float(getattr(config, "routed_scaling_factor", 1.0) or 1.0)
+        self.tp = get_tp_group()  # the group it was built for (a TP-1 draft: the trivial one)
         self.gate = DeepseekV2MoEGate(config.hidden_size, num_experts, topk_method == "noaux_tc")
+        # With TP every rank holds its slice of each expert's intermediate columns (and of the
+        # shared experts'); the partial outputs are summed over the ranks once, in forward.
         self.experts = FusedMoE(num_experts, config.hidden_size, int(config.moe_intermediate_size))
         n_shared = int(getattr(config, "n_shared_experts", 0) or 0)
         self.shared_experts: LlamaMLP | None = None
@@ -116,6 +125,7 @@ class DeepseekV2MoE(nn.Module):
                 config.hidden_size,
                 int(config.moe_intermediate_size) * n_shared,
                 bool(getattr(config, "mlp_bias", False)),
+                reduce_results=False,
             )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -132,7 +142,7 @@ class DeepseekV2MoE(nn.Module):
         out = self.experts(hidden_states, topk_weights, topk_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden_states)
-        return out
+        return self.tp.all_reduce(out)
 
 
 def mla_softmax_scale(config: Any) -> float:
@@ -148,12 +158,16 @@ def mla_softmax_scale(config: Any) -> float:
 
 
 class DeepseekV2MLAAttention(nn.Module):
-    """MLA: queries (optionally low-rank), one shared latent kv_c plus a shared rotary key."""
+    """MLA: queries (optionally low-rank), one shared latent kv_c plus a shared rotary key.
+    With TP each rank runs num_attention_heads / TP heads (q_proj / q_b_proj and kv_b_proj
+    split by heads, o_proj summed over the ranks); the latent projection and its cache are
+    the same on every rank."""
 
     def __init__(self, config: Any, prefix: str) -> None:
         super().__init__()
         h = config.hidden_size
-        self.num_heads = int(config.num_attention_heads)
+        total_heads = int(config.num_attention_heads)
+        self.num_heads = divide(total_heads, get_tp_group().world_size, "num_attention_heads")
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         self.kv_lora_rank = int(config.kv_lora_rank)
         self.qk_nope_head_dim = int(config.qk_nope_head_dim)
@@ -162,24 +176,24 @@ class DeepseekV2MLAAttention(nn.Module):
         qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         bias = bool(getattr(config, "attention_bias", False))
         if self.q_lora_rank is None:
-            self.q_proj = ReplicatedLinear(h, self.num_heads * qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(h, total_heads * qk_head_dim, bias=False)
         else:
             self.q_a_proj = ReplicatedLinear(h, self.q_lora_rank, bias=bias)
             # HF and the reference code use the default eps (not rms_norm_eps) for the latents.
             self.q_a_layernorm = RMSNorm(self.q_lora_rank)
-            self.q_b_proj = ReplicatedLinear(
-                self.q_lora_rank, self.num_heads * qk_head_dim, bias=False
+            self.q_b_proj = ColumnParallelLinear(
+                self.q_lora_rank, total_heads * qk_head_dim, bias=False
             )
         self.kv_a_proj_with_mqa = ReplicatedLinear(
             h, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias
         )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
-        self.kv_b_proj = ReplicatedLinear(
+        self.kv_b_proj = ColumnParallelLinear(
             self.kv_lora_rank,
-            self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
+            total_heads * (self.qk_nope_head_dim + self.v_head_dim),
             bias=False,
         )
-        self.o_proj = ReplicatedLinear(self.num_heads * self.v_head_dim, h, bias=bias)
+        self.o_proj = RowParallelLinear(total_heads * self.v_head_dim, h, bias=bias)
         theta, scaling = rope_params(config)
         # DeepSeek rotates interleaved pairs (x0, x1), (x2, x3)...; V2 always, V3 unless the
         # checkpoint's rope_interleave is false. q_pe and k_pe share the layout, so their dot
@@ -269,9 +283,10 @@ class DeepseekV2Model(DecoderModelBase):
 
 
 class DeepseekV2ForCausalLM(CausalLMBase):
-    """DeepSeek-V2 causal LM (MLA + MoE); supports pipeline parallelism."""
+    """DeepSeek-V2 causal LM (MLA + MoE); supports tensor and pipeline parallelism."""
 
     model_cls = DeepseekV2Model
+    supports_tp = True
 
     def skip_weight(self, name: str) -> bool:
         # MTP layers (model.layers.{N+i}) are the MTP drafter's.

@@ -51,6 +51,13 @@ def _weight(module: nn.Module | None) -> torch.Tensor | None:
     return w if isinstance(w, torch.Tensor) else None
 
 
+def _logical_shape(module: nn.Module | None, w: torch.Tensor) -> tuple[int, ...]:
+    """A weight's shape as the whole model sees it: a vocab-parallel embedding / LM head
+    holds its rank's rows of org_vocab_size."""
+    vocab = getattr(module, "org_vocab_size", None)
+    return (int(vocab), *w.shape[1:]) if isinstance(vocab, int) else tuple(w.shape)
+
+
 def _same_weights(a: nn.Module, b: nn.Module) -> bool:
     wa, wb = _weight(a), _weight(b)
     if wa is None or wb is None or wa.shape != wb.shape:
@@ -125,11 +132,13 @@ class DraftModel(ModelBase, SupportsPP):
             if slot.own and not _same_weights(current, offered):
                 continue
             dw, tw = _weight(current), _weight(offered)
-            if not slot.own and dw is not None and tw is not None and dw.shape != tw.shape:
-                raise RuntimeError(
-                    f"the draft ships no {slot.kind} and cannot share the target's: the draft "
-                    f"expects {tuple(dw.shape)}, the target has {tuple(tw.shape)}"
-                )
+            if not slot.own and dw is not None and tw is not None:
+                want, have = _logical_shape(current, dw), _logical_shape(offered, tw)
+                if want != have:
+                    raise RuntimeError(
+                        f"the draft ships no {slot.kind} and cannot share the target's: the "
+                        f"draft expects {want}, the target has {have}"
+                    )
             setattr(slot.owner, slot.name, offered)
         self.gather_mm_embeds = self.supports_mm_inputs and shares.has_encoder_outputs
         self.bound_shares = shares

@@ -12,21 +12,36 @@ from torch import nn
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import MergedReplicatedLinear, ReplicatedLinear
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params
 from vllm.model_executor.models.base import CausalLMBase, DecoderLayerBase, DecoderModelBase
 from vllm.model_executor.models.interfaces import SupportsEagle3
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU MLP with gate and up packed into one projection (gate_up_proj)."""
+    """SwiGLU MLP with gate and up packed into one projection (gate_up_proj); with TP each
+    rank holds its slice of the intermediate columns, down_proj sums the ranks' parts."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        reduce_results: bool = True,
+    ) -> None:
+        """reduce_results=False leaves the sum over TP ranks to the caller (a MoE block sums
+        its shared and routed experts' partial outputs first, then reduces once)."""
         super().__init__()
-        self.gate_up_proj = MergedReplicatedLinear(
+        self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size] * 2, ("gate_proj", "up_proj"), bias=bias
         )
-        self.down_proj = ReplicatedLinear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, reduce_results=reduce_results
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -36,25 +51,24 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     """GQA attention with RoPE; q, k and v packed into one projection (qkv_proj).
     input_size: width of what the projection reads (default hidden_size; EAGLE3's draft
-    layer reads twice that)."""
+    layer reads twice that). With TP each rank runs num_heads / TP query heads and its KV
+    heads (one shared head when there are fewer KV heads than ranks)."""
 
     def __init__(
         self, config: Any, qkv_bias: bool, prefix: str, input_size: int | None = None
     ) -> None:
         super().__init__()
         h = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or h // self.num_heads
+        total_heads = int(config.num_attention_heads)
+        total_kv = int(getattr(config, "num_key_value_heads", None) or total_heads)
+        self.head_dim = getattr(config, "head_dim", None) or h // total_heads
         o_bias = bool(getattr(config, "attention_bias", False)) and not qkv_bias
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedReplicatedLinear(
-            input_size or h,
-            [q_size, kv_size, kv_size],
-            ("q_proj", "k_proj", "v_proj"),
-            bias=qkv_bias,
+        self.qkv_proj = QKVParallelLinear(
+            input_size or h, self.head_dim, total_heads, total_kv, bias=qkv_bias
         )
-        self.o_proj = ReplicatedLinear(q_size, h, bias=o_bias)
+        # This rank's heads.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, h, bias=o_bias)
         theta, scaling = rope_params(config)
         self.rotary_emb = get_rope(
             self.head_dim,
@@ -101,6 +115,8 @@ class LlamaModel(DecoderModelBase):
 
 
 class LlamaForCausalLM(CausalLMBase, SupportsEagle3):
-    """Llama causal LM; supports pipeline parallelism and EAGLE3 aux hidden states."""
+    """Llama causal LM; supports tensor and pipeline parallelism and EAGLE3 aux hidden
+    states."""
 
     model_cls = LlamaModel
+    supports_tp = True

@@ -13,12 +13,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm.distributed.parallel_state import get_tp_group
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import MergedReplicatedLinear, ReplicatedLinear
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    TPSharded,
+    divide,
+    shard_packed_rows,
+)
 from vllm.model_executor.layers.mamba import MambaBase
 from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_varlen
 from vllm.model_executor.layers.mamba.ops.gated_delta_rule import (
@@ -75,22 +84,44 @@ class Qwen3_5RMSNormGated(nn.Module):
         return (y * F.silu(gate.float())).to(dtype)
 
 
-class Qwen3_5GatedDeltaNet(MambaBase):
+class _ShardedConv1d(nn.Conv1d, TPSharded):
+    """The depthwise conv over the packed [q; k; v] channels: each rank holds its part of
+    each (as in_proj_qkv's rows), so its conv state is per rank too."""
+
+    def __init__(self, packed_sizes: list[int], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.packed_sizes = packed_sizes
+        self.tp_rank, self.tp_size = get_tp_group().rank, get_tp_group().world_size
+
+    def tp_shard_checkpoint_tensor(self, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        return shard_packed_rows(tensor, self.packed_sizes, self.tp_rank, self.tp_size)
+
+
+class Qwen3_5GatedDeltaNet(MambaBase, TPSharded):
     """Linear attention: causal depthwise conv over [q; k; v], then the gated delta rule with
-    a per-head decay and step size, then a gated RMSNorm and the output projection."""
+    a per-head decay and step size, then a gated RMSNorm and the output projection. With TP
+    each rank runs linear_num_key_heads / TP key heads and their value heads (projections,
+    conv channels, decay and step parameters, conv and recurrent states split by heads);
+    out_proj sums the ranks' parts."""
 
     def __init__(self, config: Any, prefix: str) -> None:
         super().__init__(prefix)
         h = config.hidden_size
-        self.num_k_heads = int(config.linear_num_key_heads)
-        self.num_v_heads = int(config.linear_num_value_heads)
+        tp = get_tp_group()
+        self.tp_rank, self.tp_size = tp.rank, tp.world_size
+        total_k = int(config.linear_num_key_heads)
+        total_v = int(config.linear_num_value_heads)
         self.head_k_dim = int(config.linear_key_head_dim)
         self.head_v_dim = int(config.linear_value_head_dim)
-        if self.num_v_heads % self.num_k_heads:
+        if total_v % total_k:
             raise ValueError(
-                f"Qwen3.5: linear_num_value_heads={self.num_v_heads} is not a multiple of "
-                f"linear_num_key_heads={self.num_k_heads}"
+                f"Qwen3.5: linear_num_value_heads={total_v} is not a multiple of "
+                f"linear_num_key_heads={total_k}"
             )
+        self.num_k_heads = divide(total_k, self.tp_size, "linear_num_key_heads")
+        self.num_v_heads = divide(total_v, self.tp_size, "linear_num_value_heads")
+        total_key_dim, total_value_dim = total_k * self.head_k_dim, total_v * self.head_v_dim
+        packed = [total_key_dim, total_key_dim, total_value_dim]
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
         self.conv_dim = 2 * self.key_dim + self.value_dim
@@ -100,11 +131,12 @@ class Qwen3_5GatedDeltaNet(MambaBase):
                 f"Qwen3.5: linear_conv_kernel_dim must be >= 2, got {self.conv_kernel_size}"
             )
         eps = getattr(config, "rms_norm_eps", 1e-6)
-        self.in_proj_qkv = ReplicatedLinear(h, self.conv_dim, bias=False)
-        self.in_proj_z = ReplicatedLinear(h, self.value_dim, bias=False)
-        self.in_proj_b = ReplicatedLinear(h, self.num_v_heads, bias=False)
-        self.in_proj_a = ReplicatedLinear(h, self.num_v_heads, bias=False)
-        self.conv1d = nn.Conv1d(
+        self.in_proj_qkv = ColumnParallelLinear(h, sum(packed), bias=False, packed_sizes=packed)
+        self.in_proj_z = ColumnParallelLinear(h, total_value_dim, bias=False)
+        self.in_proj_b = ColumnParallelLinear(h, total_v, bias=False)
+        self.in_proj_a = ColumnParallelLinear(h, total_v, bias=False)
+        self.conv1d = _ShardedConv1d(
+            packed,
             self.conv_dim,
             self.conv_dim,
             self.conv_kernel_size,
@@ -115,7 +147,14 @@ class Qwen3_5GatedDeltaNet(MambaBase):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = Qwen3_5RMSNormGated(self.head_v_dim, eps)
-        self.out_proj = ReplicatedLinear(self.value_dim, h, bias=False)
+        self.out_proj = RowParallelLinear(total_value_dim, h, bias=False)
+
+    def tp_shard_checkpoint_tensor(self, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        # dt_bias / A_log: one entry per value head.
+        n = self.num_v_heads
+        if self.tp_size == 1 or tensor.dim() != 1 or tensor.shape[0] != n * self.tp_size:
+            return tensor
+        return tensor.narrow(0, self.tp_rank * n, n)
 
     def state_shapes(self) -> list[tuple[int, ...]]:
         return [
@@ -168,19 +207,18 @@ class Qwen3_5Attention(nn.Module):
     def __init__(self, config: Any, prefix: str) -> None:
         super().__init__()
         h = config.hidden_size
-        self.num_heads = int(config.num_attention_heads)
-        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
-        self.head_dim = int(getattr(config, "head_dim", None) or h // self.num_heads)
+        total_heads = int(config.num_attention_heads)
+        total_kv = int(getattr(config, "num_key_value_heads", None) or total_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or h // total_heads)
         bias = bool(getattr(config, "attention_bias", False))
         eps = getattr(config, "rms_norm_eps", 1e-6)
-        kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedReplicatedLinear(
-            h,
-            [self.num_heads * self.head_dim * 2, kv_size, kv_size],
-            ("q_proj", "k_proj", "v_proj"),
-            bias=bias,
+        # q_proj holds each head's query and gate rows next to each other: twice the width,
+        # split by heads like k and v (KV heads replicated when fewer than the ranks).
+        self.qkv_proj = QKVParallelLinear(
+            h, self.head_dim, total_heads, total_kv, bias=bias, q_head_size=2 * self.head_dim
         )
-        self.o_proj = ReplicatedLinear(self.num_heads * self.head_dim, h, bias=bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, h, bias=bias)
         self.q_norm = Qwen3_5RMSNorm(self.head_dim, eps)
         self.k_norm = Qwen3_5RMSNorm(self.head_dim, eps)
         theta, scaling = rope_params(config)
@@ -226,9 +264,13 @@ class Qwen3_5MoeSparseMoeBlock(nn.Module):
         h = config.hidden_size
         self.top_k = int(config.num_experts_per_tok)
         num_experts = int(config.num_experts)
+        self.tp = get_tp_group()  # the group it was built for (a TP-1 draft: the trivial one)
         self.gate = nn.Linear(h, num_experts, bias=False)
+        # With TP: each expert's and the shared expert's columns split; one all-reduce.
         self.experts = FusedMoE(num_experts, h, int(config.moe_intermediate_size))
-        self.shared_expert = LlamaMLP(h, int(config.shared_expert_intermediate_size))
+        self.shared_expert = LlamaMLP(
+            h, int(config.shared_expert_intermediate_size), reduce_results=False
+        )
         self.shared_expert_gate = ReplicatedLinear(h, 1, bias=False)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -237,7 +279,8 @@ class Qwen3_5MoeSparseMoeBlock(nn.Module):
         )
         out = self.experts(hidden_states, topk_weights.to(hidden_states.dtype), topk_ids)
         shared = self.shared_expert(hidden_states)
-        return out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
+        out = out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
+        return self.tp.all_reduce(out)
 
 
 class Qwen3_5DecoderLayer(DecoderLayerBase):
@@ -290,6 +333,7 @@ class Qwen3_5ForCausalLM(CausalLMBase):
     whose `model.language_model.*` weights load here and whose vision weights are skipped)."""
 
     model_cls = Qwen3_5Model
+    supports_tp = True
     skip_prefixes = ("mtp.",)  # the MTP draft (qwen3_5_mtp.py) loads these
     hf_to_vllm_prefix = {"model.language_model.": "model."}
     _skipped_vision = 0

@@ -14,7 +14,11 @@ from torch import nn
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.distributed.utils import get_pp_indices
 from vllm.model_executor.layers.fused_moe import ExpertWeightLoader, check_experts_loaded
-from vllm.model_executor.layers.linear import MergedReplicatedLinear
+from vllm.model_executor.layers.linear import (
+    MergedColumnParallelLinear,
+    MergedReplicatedLinear,
+    TPSharded,
+)
 from vllm.model_executor.model_loader.weight_utils import WeightLoadError, reject_quantized_tensor
 from vllm.sequence import IntermediateTensors
 
@@ -123,6 +127,8 @@ def load_params_strict(
         if owner_name in stacked:
             merged_name, shard = stacked[owner_name]
             merged = modules[merged_name]
+            if isinstance(merged, MergedColumnParallelLinear):
+                tensor = merged.tp_shard_checkpoint_tensor(shard, tensor, leaf)
             if merged.shards is not None:  # quantized: the shard is a layer of its own
                 owner_name = f"{merged_name}.shards.{shard}"
             else:
@@ -136,6 +142,9 @@ def load_params_strict(
                 continue
             name = f"{owner_name}.{leaf}"
         owner = modules.get(owner_name)
+        if isinstance(owner, TPSharded):
+            # This rank's part of the whole checkpoint tensor (a view: only it is copied).
+            tensor = owner.tp_shard_checkpoint_tensor(leaf, tensor)
         load_weight = getattr(getattr(owner, "quant_method", None), "load_weight", None)
         with torch.no_grad():
             if load_weight is not None and load_weight(owner, leaf, tensor, ckpt_name):

@@ -17,6 +17,8 @@ from vllm.v1.outputs import ModelRunnerOutput
 class Executor(ABC):
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
+        if vllm_config.parallel_config.tensor_parallel_size > 1:
+            verify_supports_tp(vllm_config)
 
     @staticmethod
     def get_class(vllm_config: VllmConfig) -> type[Executor]:
@@ -63,6 +65,18 @@ class Executor(ABC):
 
     def check_health(self) -> None:  # noqa: B027 - optional hook: healthy by default
         pass
+
+
+def verify_supports_tp(vllm_config: VllmConfig) -> None:
+    """Refuse, before any worker starts, a model whose layers are not split over TP ranks."""
+    from vllm.model_executor.models.registry import resolve_model_cls
+
+    cls = resolve_model_cls(vllm_config.model_config.architecture)
+    if not getattr(cls, "supports_tp", False):
+        raise ValueError(
+            f"tensor_parallel_size={vllm_config.parallel_config.tensor_parallel_size}: "
+            f"{cls.__name__} does not support tensor parallelism yet (supported: Llama, Qwen2)"
+        )
 
 
 class DistributedExecutorBase(Executor):

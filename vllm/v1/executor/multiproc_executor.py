@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""MultiprocExecutor: one spawned process per pipeline stage; the engine process only schedules.
+"""MultiprocExecutor: one spawned process per worker (TP x PP of them, TP rank inner); the
+engine process only schedules.
 
-Each stage process runs a Worker and reads (method, args) messages from its pipe. Every stage
-receives every SchedulerOutput in the same order; only the last stage answers execute_model
-(with the ModelRunnerOutput), the others speak only to report an error. A stage that raises or
-dies makes the engine raise a RuntimeError at once and every stage process is stopped. So does
-a stage that hangs (stopped, deadlocked): a step, or an idle liveness ping, that gets no answer
-within VLLM_PP_STEP_TIMEOUT_S fails the same way.
+Each worker process runs a Worker and reads (method, args) messages from its pipe. Every worker
+receives every SchedulerOutput in the same order; only TP rank 0 of the last stage answers
+execute_model (with the ModelRunnerOutput), the others speak only to report an error. A worker
+that raises or dies makes the engine raise a RuntimeError at once and every worker process is
+stopped. So does a worker that hangs (stopped, deadlocked): a step, or an idle liveness ping,
+that gets no answer within VLLM_PP_STEP_TIMEOUT_S fails the same way.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def _stage_main(
 
     threading.Thread(target=read, name="stage-inbox", daemon=True).start()
     worker = None
-    is_last = rank == vllm_config.parallel_config.pipeline_parallel_size - 1
+    is_last = rank == vllm_config.parallel_config.output_rank
     try:
         worker = Worker(vllm_config, rank, init_method)
         worker.init_device()
@@ -153,7 +154,10 @@ def _stop_processes(procs: list, conns: list, graceful: bool = True) -> None:
 class MultiprocExecutor(DistributedExecutorBase):
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
-        self.world_size = vllm_config.parallel_config.pipeline_parallel_size
+        pc = vllm_config.parallel_config
+        self.parallel_config = pc
+        self.world_size = pc.world_size  # worker processes
+        self.output_rank = pc.output_rank
         self.step_timeout_s = envs.VLLM_PP_STEP_TIMEOUT_S  # read now: a bad value fails at start
         self._failed: str | None = None
         self._inflight = 0
@@ -169,7 +173,12 @@ class MultiprocExecutor(DistributedExecutorBase):
                 proc = ctx.Process(
                     target=_stage_main,
                     args=(vllm_config, rank, init_method, child, envs.vllm_env()),
-                    name=f"VllmWorker-PP{rank}",
+                    name=(
+                        f"VllmWorker-PP{rank}"
+                        if pc.tensor_parallel_size == 1
+                        else f"VllmWorker-PP{rank // pc.tensor_parallel_size}"
+                        f"-TP{rank % pc.tensor_parallel_size}"
+                    ),
                     daemon=True,
                 )
                 proc.start()
@@ -182,14 +191,16 @@ class MultiprocExecutor(DistributedExecutorBase):
             self.shutdown()
             raise
         logger.info(
-            "started %d pipeline stage processes (pids %s)",
+            "started %d worker processes (TP %d x PP %d; pids %s)",
             self.world_size,
+            pc.tensor_parallel_size,
+            pc.pipeline_parallel_size,
             [p.pid for p in self._procs],
         )
 
     @property
     def max_concurrent_batches(self) -> int:
-        return self.world_size
+        return self.parallel_config.pipeline_parallel_size
 
     @property
     def worker_pids(self) -> list[int]:
@@ -213,7 +224,7 @@ class MultiprocExecutor(DistributedExecutorBase):
         proc = self._procs[rank]
         proc.join(timeout=1.0)  # reap it, for its exit code
         self._fail(
-            f"pipeline stage {rank} (pid {proc.pid}) died unexpectedly "
+            f"{self.parallel_config.describe_rank(rank)} (pid {proc.pid}) died unexpectedly "
             f"(exit code {proc.exitcode}){then}"
         )
 
@@ -242,12 +253,13 @@ class MultiprocExecutor(DistributedExecutorBase):
             # The stage's traceback goes to the log; the error (and so every client) gets the
             # exception's first line only.
             report = msg[1] or "unknown error"
-            logger.error("pipeline stage %d failed:\n%s", rank, report)
+            who = self.parallel_config.describe_rank(rank)
+            logger.error("%s failed:\n%s", who, report)
             first = report.splitlines()[0]
             culprit = self._silently_dead(exclude=rank)
             if culprit is not None:
-                self._died(culprit, then=f"; then stage {rank} failed: {first}")
-            self._fail(f"pipeline stage {rank} failed: {first}")
+                self._died(culprit, then=f"; then {who} failed: {first}")
+            self._fail(f"{who} failed: {first}")
         return msg[1]
 
     def _hung(self, waited: float, what: str) -> None:
@@ -255,7 +267,8 @@ class MultiprocExecutor(DistributedExecutorBase):
         for r, p in enumerate(self._procs):
             try:
                 if psutil.Process(p.pid).status() == psutil.STATUS_STOPPED:
-                    stuck.append(f"stage {r} (pid {p.pid}) is stopped")
+                    who = self.parallel_config.describe_rank(r)
+                    stuck.append(f"{who} (pid {p.pid}) is stopped")
             except psutil.Error:
                 pass
         detail = "; ".join(stuck) or "a stage hangs"
@@ -329,7 +342,7 @@ class MultiprocExecutor(DistributedExecutorBase):
             try:
                 c.send_bytes(data)
             except (BrokenPipeError, OSError) as e:
-                self._fail(f"pipeline stage {r} is unreachable: {e}")
+                self._fail(f"{self.parallel_config.describe_rank(r)} is unreachable: {e}")
 
     def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
         """Call Worker.method(*args) on every stage and return their results (rank order);
@@ -356,7 +369,7 @@ class MultiprocExecutor(DistributedExecutorBase):
         self._check_alive()
         if not self._inflight:
             raise RuntimeError("get_output() with no step in flight")
-        out = self._wait_for(self.world_size - 1, self.step_timeout_s, "a step")
+        out = self._wait_for(self.output_rank, self.step_timeout_s, "a step")
         self._inflight -= 1
         return out
 
@@ -366,7 +379,7 @@ class MultiprocExecutor(DistributedExecutorBase):
         self._check_alive()
         for r, p in enumerate(self._procs):
             if not p.is_alive():
-                self._fail(f"pipeline stage {r} (pid {p.pid}) is not running")
+                self._fail(f"{self.parallel_config.describe_rank(r)} (pid {p.pid}) is not running")
         if not self._inflight:
             self.collective_rpc("check_health", timeout=self.step_timeout_s)
 

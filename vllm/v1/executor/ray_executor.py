@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""RayExecutor: one Ray actor per pipeline stage, placed by a placement group.
+"""RayExecutor: one Ray actor per worker (TP x PP of them, TP rank inner), placed by a
+placement group.
 
 Joins the cluster named by RAY_ADDRESS (or an already initialised Ray); otherwise starts a local
 Ray with a bounded number of CPUs and shuts it down again with the executor. The actors run the
@@ -107,7 +108,10 @@ class RayExecutor(DistributedExecutorBase):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.world_size = P = vllm_config.parallel_config.pipeline_parallel_size
+        pc = vllm_config.parallel_config
+        self.parallel_config = pc
+        self.world_size = P = pc.world_size  # actors
+        self.output_rank = pc.output_rank
         self.step_timeout_s = envs.VLLM_PP_STEP_TIMEOUT_S  # read now: a bad value fails at start
         self._failed: str | None = None
         self._inflight: deque[list] = deque()
@@ -132,7 +136,7 @@ class RayExecutor(DistributedExecutorBase):
                 ray.get(pg.ready(), timeout=_READY_TIMEOUT_S)
             except ray.exceptions.GetTimeoutError as e:
                 raise RuntimeError(
-                    f"Ray could not place {P} pipeline stages with {bundle} each "
+                    f"Ray could not place {P} workers with {bundle} each "
                     f"(cluster resources: {ray.cluster_resources()})"
                 ) from e
             env = envs.vllm_env()
@@ -160,11 +164,19 @@ class RayExecutor(DistributedExecutorBase):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("started %d pipeline stage actors on Ray", P)
+        logger.info(
+            "started %d worker actors on Ray (TP %d x PP %d)",
+            P,
+            pc.tensor_parallel_size,
+            pc.pipeline_parallel_size,
+        )
 
     @property
     def max_concurrent_batches(self) -> int:
-        return self.world_size
+        return self.parallel_config.pipeline_parallel_size
+
+    def _who(self, rank: int | str) -> str:
+        return self.parallel_config.describe_rank(rank) if isinstance(rank, int) else "a worker"
 
     @property
     def worker_pids(self) -> list[int]:
@@ -206,8 +218,9 @@ class RayExecutor(DistributedExecutorBase):
         if timeout is None or time.monotonic() - since < timeout:
             return
         ranks = sorted({self._rank_of.get(r, "?") for r in pending}, key=str)
+        who = ", ".join(self._who(r) for r in ranks)
         self._fail(
-            f"no answer to {what} from pipeline stage(s) {ranks} within {timeout:.0f} s "
+            f"no answer to {what} from {who} within {timeout:.0f} s "
             "(VLLM_PP_STEP_TIMEOUT_S): a stage hangs"
         )
 
@@ -231,8 +244,8 @@ class RayExecutor(DistributedExecutorBase):
                     except ray.exceptions.RayError:
                         pass
             what = "died" if isinstance(cause, ray.exceptions.RayActorError) else "failed"
-            logger.error("pipeline stage %s %s:\n%s", culprit, what, cause)
-            self._fail(f"pipeline stage {culprit} {what}: {_summary(cause)}", cause)
+            logger.error("%s %s:\n%s", self._who(culprit), what, cause)
+            self._fail(f"{self._who(culprit)} {what}: {_summary(cause)}", cause)
 
     def _check_unchecked(self) -> None:
         if not self._unchecked:
@@ -267,10 +280,10 @@ class RayExecutor(DistributedExecutorBase):
     def get_output(self) -> ModelRunnerOutput:
         self._check_alive()
         refs = self._inflight.popleft()
-        last = refs[-1]
-        # Watch every stage's call of this step (and earlier unchecked ones): a stage that dies
-        # or raises upstream leaves the last stage waiting, so its error must surface instead.
-        watch = [last, *refs[:-1], *self._unchecked]
+        last = refs[self.output_rank]
+        # Watch every worker's call of this step (and earlier unchecked ones): a worker that
+        # dies or raises leaves the output rank waiting, so its error must surface instead.
+        watch = [last, *(r for r in refs if r is not last), *self._unchecked]
         self._unchecked = []
         timeout = self.step_timeout_s
         last_progress = time.monotonic()

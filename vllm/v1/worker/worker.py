@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""Worker: one per pipeline stage; owns the device, the model slice and its KV cache."""
+"""Worker: one per (pipeline stage, tensor-parallel rank); owns the device, its shard of the
+stage's model slice and its KV cache."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from vllm.distributed.parallel_state import (
     PendingSend,
     destroy_distributed,
     get_pp_group,
+    get_tp_group,
     init_distributed,
     recv_tensor_dict,
     send_tensor_dict,
@@ -39,8 +41,12 @@ class Worker:
         if vllm_config.device_config.device == "cpu":
             configure_cpu_process_memory()
         self.vllm_config = vllm_config
+        pc = vllm_config.parallel_config
         self.rank = rank
-        self.world_size = vllm_config.parallel_config.pipeline_parallel_size
+        # Pipeline stages (the send / receive pipeline); every worker of the run: world.
+        self.world_size = pc.pipeline_parallel_size
+        self.tp_size = pc.tensor_parallel_size
+        self.num_workers = pc.world_size
         self.distributed_init_method = distributed_init_method
         self.device = torch.device(vllm_config.device_config.device)
         self.model_runner: ModelRunner | None = None
@@ -61,18 +67,22 @@ class Worker:
             if self.device.index is None:
                 self.device = torch.device("cuda", self.rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
-        if self.world_size > 1:
+        if self.num_workers > 1:
             if self.distributed_init_method is None:
-                raise ValueError("pipeline_parallel_size > 1 needs a distributed_init_method")
+                raise ValueError(
+                    "tensor_parallel_size x pipeline_parallel_size > 1 needs a "
+                    "distributed_init_method"
+                )
             if self.device.type == "cpu" and envs.OMP_NUM_THREADS is None:
-                # Stages share the host's cores; oversubscribing them slows every stage.
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+                # Workers share the host's cores; oversubscribing them slows every one.
+                torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.num_workers))
             init_distributed(
                 self.rank,
-                self.world_size,
+                self.num_workers,
                 self.distributed_init_method,
                 backend="nccl" if self.device.type == "cuda" else "gloo",
                 device=self.device if self.device.type == "cuda" else None,
+                tensor_parallel_size=self.tp_size,
             )
         torch.manual_seed(self.vllm_config.model_config.seed)
         self.model_runner = ModelRunner(self.vllm_config, self.device)
@@ -124,6 +134,7 @@ class Worker:
         """Run this stage. P > 1: non-first stages receive IntermediateTensors from the previous
         stage, non-last stages send theirs on (non-blocking) and return None."""
         if self.world_size == 1:
+            self._comm["steps"] += 1
             return self._runner().execute_model(so, intermediate_tensors)
         pp = get_pp_group()
         if not pp.is_first_rank and so.total_num_scheduled_tokens > 0:
@@ -182,12 +193,19 @@ class Worker:
         """Seconds this stage spent on pipeline communication so far."""
         handler = self.model_runner.pp_handler if self.model_runner else None
         bcast = handler.recv_wait_s if handler is not None else 0.0
-        return dict(self._comm, rank=self.rank, broadcast_wait_s=bcast)
+        tp = get_tp_group()
+        return dict(
+            self._comm,
+            rank=self.rank,
+            broadcast_wait_s=bcast,
+            tp_comm_s=tp.comm_s,
+            tp_collectives=tp.num_collectives,
+        )
 
     def check_health(self) -> bool:
         return True
 
     def shutdown(self) -> None:
         self._pending_sends.clear()
-        if self.world_size > 1:
+        if self.num_workers > 1:
             destroy_distributed()

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from vllm.config import VllmConfig
-from vllm.distributed.parallel_state import get_pp_group
+from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.forward_context import decode_rows, set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import AttentionLayerBase
@@ -53,6 +53,7 @@ class ModelRunner:
         self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.num_spec = vllm_config.num_speculative_tokens
         self.pp = get_pp_group()
+        self.tp = get_tp_group()
         self.max_blocks_per_req = cdiv(self.max_model_len + self.num_spec + 1, self.block_size) + 1
         self.states = RequestStates(
             self.max_num_reqs, self.max_model_len, self.max_blocks_per_req, self.num_spec
@@ -281,6 +282,8 @@ class ModelRunner:
             positions = batch.positions_np[batch.logits_indices_np] + 1
             self._apply_min_tokens(logits, rslots, positions)
             tokens = SamplingArrays.of(st, rslots).sample(logits, positions).cpu().numpy()
+            if self.tp.world_size > 1:
+                tokens = self._tp_agree(tokens)
         sampled, num_sampled = self.rejection_sampler(batch, tokens)
         num_rejected = np.where(num_sampled > 0, batch.num_draft_tokens_np + 1 - num_sampled, 0)
         drafts = None
@@ -337,6 +340,13 @@ class ModelRunner:
         if not rows:
             return None
         return np.array(rows, dtype=np.int64), torch.stack(embeds)
+
+    def _tp_agree(self, tokens: np.ndarray) -> np.ndarray:
+        """TP rank 0's sampled tokens on every TP rank of this stage: the ranks sampled from
+        the same gathered logits, but what is verified, applied and broadcast down the
+        pipeline is decided once, never by trusting identical floating point."""
+        t = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)).clone()
+        return self.tp.broadcast(t, src=0).numpy()
 
     def _logprobs(
         self, batch: InputBatch, logits: torch.Tensor | None, result: StepResult

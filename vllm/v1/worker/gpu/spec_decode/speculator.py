@@ -15,7 +15,12 @@ import torch
 from torch import nn
 
 from vllm.config import VllmConfig
-from vllm.distributed.parallel_state import get_pp_group
+from vllm.distributed.parallel_state import (
+    TPGroup,
+    get_pp_group,
+    get_tp_group,
+    use_tp_group,
+)
 from vllm.model_executor.layers.attention import AttentionLayerBase
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.draft import DraftModel
@@ -192,6 +197,16 @@ class DraftModelSpeculator(BaseSpeculator):
         out.copy_(hidden)
         return out
 
+    def agree(self, tokens: torch.Tensor) -> torch.Tensor:
+        """TP rank 0's draft tokens on every TP rank (the ranks drafted from the same
+        gathered logits, but the tokens every rank feeds its next draft pass and reports are
+        decided once, never by trusting identical floating point)."""
+        tp = get_tp_group()
+        if tp.world_size == 1:
+            return tokens
+        t = tokens.to(device="cpu", dtype=torch.int64).contiguous()
+        return tp.broadcast(t, src=0).to(tokens.device)
+
     def sample_draft(
         self, logits: torch.Tensor, positions: np.ndarray, sampling: SamplingArrays
     ) -> torch.Tensor:
@@ -216,7 +231,12 @@ def load_draft_model(vllm_config: VllmConfig, device: torch.device) -> DraftMode
     multi_stage = get_pp_group().world_size > 1
     if multi_stage:
         check_supports_pp(resolve_model_cls(spec.draft_model_config.architecture))
-    draft = get_model(vllm_config, model_config=spec.draft_model_config, device=device)
+    if spec.draft_tensor_parallel_size == 1 and get_tp_group().world_size > 1:
+        # Whole on every TP rank (each computes the same; agree() keeps their tokens one).
+        with use_tp_group(TPGroup()):
+            draft = get_model(vllm_config, model_config=spec.draft_model_config, device=device)
+    else:
+        draft = get_model(vllm_config, model_config=spec.draft_model_config, device=device)
     if multi_stage:
         check_supports_pp(draft)
     if not isinstance(draft, DraftModel):

@@ -214,7 +214,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             )
             with decode_rows():
                 logits = self._compute_logits(logits_h[lti], 0)
-            drafts[:, 0] = self.sample_draft(logits, draft_pos, db.sampling).cpu().numpy()
+            first = self.agree(self.sample_draft(logits, draft_pos, db.sampling))
+            drafts[:, 0] = first.cpu().numpy()
         if K > 1:
             with self._hooked(self.on_multi_step_decode_begin, self.on_multi_step_decode_end, R):
                 for step in range(1, K):
@@ -229,7 +230,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                     rows = torch.from_numpy(np.asarray(inp.draft_rows)).to(dev)
                     with decode_rows():
                         logits = self._compute_logits(logits_h[rows], step)
-                    tok = self.sample_draft(logits, draft_pos + step, db.sampling)
+                    tok = self.agree(self.sample_draft(logits, draft_pos + step, db.sampling))
                     drafts[:, step] = tok.cpu().numpy()
         self._end_draft(db)
         return drafts.copy()

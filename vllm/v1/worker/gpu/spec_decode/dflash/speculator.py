@@ -91,8 +91,8 @@ class DFlashSpeculator(DraftModelSpeculator):
         m = self._dflash
         if self.draft_sample_method != "probabilistic":
             tok = draft_logits.argmax(-1)
-            return tok if m.draft_to_target is None else m.draft_to_target[tok]
-        return self.sample_draft(m.scatter_to_target(draft_logits), positions, sampling)
+            return self.agree(tok if m.draft_to_target is None else m.draft_to_target[tok])
+        return self.agree(self.sample_draft(m.scatter_to_target(draft_logits), positions, sampling))
 
     def _draft_block(
         self,
