@@ -21,8 +21,6 @@ _UNUSED: tuple[Any, ...] = (None, [], {}, "")
 # vLLM field -> why it is refused. Any value other than None / empty / its default is a 400.
 REFUSED: dict[str, str] = {
     # sampling controls not implemented here
-    "allowed_token_ids": "allowed_token_ids is not supported",
-    "bad_words": "bad_words is not supported",
     "logits_processors": "logits_processors is not supported",
     "logprob_token_ids": "logprob_token_ids is not supported",
     "watermarking": "watermarking is not supported",

@@ -161,6 +161,8 @@ class _SamplingRequest(OpenAIBaseModel):
     frequency_penalty: FiniteFloat | None = 0.0
     repetition_penalty: FiniteFloat | None = None
     logit_bias: dict[str, FiniteFloat] | None = None
+    allowed_token_ids: list[NonNegInt64] | None = None
+    bad_words: list[str] | None = None
     best_of: Int64 | None = None
     user: str | None = None
     # ---- vLLM's extra request fields, implemented here --------------------------------------
@@ -182,15 +184,6 @@ class _SamplingRequest(OpenAIBaseModel):
     return_mm_kwargs: bool = True
 
     def _check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ValueError(f"{name} is not supported (got {getattr(self, name)!r})")
-        if self.repetition_penalty not in (None, 1, 1.0):
-            raise ValueError(
-                f"repetition_penalty is not supported (got {self.repetition_penalty!r})"
-            )
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of != n is not supported (best_of={self.best_of}, n={self.n})")
         if self.stream_options is not None and not self.stream:
@@ -214,12 +207,29 @@ class _SamplingRequest(OpenAIBaseModel):
     ) -> SamplingParams:
         self._check_unsupported()
         kwargs: dict[str, Any] = {}
-        for name in ("temperature", "top_p", "top_k", "min_p"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             v = getattr(self, name)
             if v is not None:
                 kwargs[name] = v
+        logit_bias = None
+        if self.logit_bias:
+            # As vLLM / OpenAI: token id strings, biases clamped to [-100, 100].
+            logit_bias = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tid = int(k)
+                except ValueError:
+                    raise VLLMValidationError(
+                        f"logit_bias keys must be token ids, got {k!r}", parameter="logit_bias"
+                    ) from None
+                logit_bias[tid] = min(100.0, max(-100.0, v))
         return SamplingParams(
             n=self.n,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,

@@ -234,6 +234,26 @@ class LLMEngine:
                 parameter="stop_token_ids",
                 value=bad[0],
             )
+        for name, ids in (
+            ("logit_bias", list(params.logit_bias or ())),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise VLLMValidationError(
+                    f"{name} contains out-of-vocab token id {bad[0]} (vocab_size={vocab})",
+                    parameter=name,
+                    value=bad[0],
+                )
+        if params.bad_words:
+            params.update_bad_words(lambda w: self.encode(w, add_special_tokens=False))
+            bad = [t for ids in params.bad_words_token_ids for t in ids if t >= vocab]
+            if bad:
+                raise VLLMValidationError(
+                    f"bad_words tokenize to token ids outside the vocabulary (vocab_size="
+                    f"{vocab}): {bad}",
+                    parameter="bad_words",
+                )
         limit = self.model_config.max_logprobs
         limit = vocab if limit == -1 else limit
         for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):

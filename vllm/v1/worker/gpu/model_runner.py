@@ -27,6 +27,7 @@ from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.worker.gpu.input_batch import InputBatch, prepare_inputs
 from vllm.v1.worker.gpu.linear_attn_states import LinearAttnStates
 from vllm.v1.worker.gpu.pp_utils import PPHandler
+from vllm.v1.worker.gpu.sample.logit_controls import apply_logit_controls
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays, compute_logprobs
 from vllm.v1.worker.gpu.spec_decode import init_speculator
 
@@ -260,7 +261,10 @@ class ModelRunner:
             rslots = slots[batch.logits_req_np]
             # Position of the token each logits row predicts.
             positions = batch.positions_np[batch.logits_indices_np] + 1
-            self._apply_min_tokens(logits, rslots, positions)
+            # Penalties, bias, allowed ids, bad words, min_tokens: per verify position.
+            logits = apply_logit_controls(
+                logits, st, rslots, positions, batch.input_ids_np[batch.logits_indices_np]
+            )
             tokens = SamplingArrays.of(st, rslots).sample(logits, positions).cpu().numpy()
         sampled, num_sampled = self.rejection_sampler(batch, tokens)
         num_rejected = np.where(num_sampled > 0, batch.num_draft_tokens_np + 1 - num_sampled, 0)
@@ -325,18 +329,6 @@ class ModelRunner:
         for r, lp in zip(req.tolist(), lps):
             out[r].append(lp)
         return out
-
-    def _apply_min_tokens(
-        self, logits: torch.Tensor, rslots: np.ndarray, positions: np.ndarray
-    ) -> None:
-        """Mask EOS / stop_token_ids on rows whose request has fewer than min_tokens outputs."""
-        st = self.states
-        num_out = positions - st.num_prompt[rslots]  # index of the output token each row samples
-        rows = np.nonzero(num_out < st.min_tokens[rslots])[0]
-        for r in rows.tolist():
-            stop_ids = st.params[rslots[r]].all_stop_token_ids
-            if stop_ids:
-                logits[r, list(stop_ids)] = float("-inf")
 
     def _prompt_logprobs(
         self, batch: InputBatch, hidden: torch.Tensor
