@@ -38,6 +38,59 @@ def _is_real(v: object) -> bool:
     )
 
 
+@dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a grammar (vLLM's fields): exactly one of json (a JSON
+    schema, as a dict or its text), regex, choice (one of these strings), grammar (EBNF, as
+    xgrammar reads it) or json_object (any JSON object)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            raise VLLMValidationError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {kinds or 'none'}",
+                parameter="structured_outputs",
+            )
+        checks = {
+            "json": (str, dict),
+            "regex": (str,),
+            "grammar": (str,),
+        }
+        k = kinds[0]
+        if k in checks and not isinstance(getattr(self, k), checks[k]):
+            raise VLLMTypeError(
+                f"structured_outputs.{k} must be {' or '.join(t.__name__ for t in checks[k])}, "
+                f"got {getattr(self, k)!r:.80}",
+                parameter="structured_outputs",
+            )
+        if k == "choice" and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise VLLMTypeError(
+                f"structured_outputs.choice must be a non-empty list of strings, "
+                f"got {self.choice!r:.80}",
+                parameter="structured_outputs",
+            )
+
+    @property
+    def kind(self) -> str:
+        for k in ("json", "regex", "choice", "grammar"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
+
+
 def _token_key(k: Any) -> Any:
     """A logit_bias key as a token id (JSON objects have string keys)."""
     if isinstance(k, str):
@@ -85,6 +138,8 @@ class SamplingParams:
     """Added to the logits of these token ids before sampling."""
     allowed_token_ids: list[int] | None = None
     """Only these token ids can be sampled."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (xgrammar)."""
     bad_words: list[str] | None = None
     """Words never generated: a one-token word is banned outright, a longer one's last token
     is banned after its other tokens (the engine tokenizes them)."""
@@ -211,6 +266,9 @@ class SamplingParams:
             bw = self.bad_words
             if not isinstance(bw, list) or not all(isinstance(w, str) for w in bw):
                 raise bad("bad_words", bw, "must be a list of strings", VLLMTypeError)
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise bad("structured_outputs", so, "must be a StructuredOutputsParams", VLLMTypeError)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", self.output_kind, "must be a RequestOutputKind", VLLMTypeError)
 

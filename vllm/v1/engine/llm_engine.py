@@ -24,6 +24,7 @@ from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from vllm.v1.metrics.reader import Metric, get_metrics_snapshot
 from vllm.v1.metrics.stats import IterationStats
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import get_backend
 
 logger = init_logger(__name__)
 
@@ -254,6 +255,12 @@ class LLMEngine:
                     f"{vocab}): {bad}",
                     parameter="bad_words",
                 )
+        if params.structured_outputs is not None:
+            # A grammar that does not compile is refused here, naming the problem.
+            assert self.model_config.tokenizer is not None
+            get_backend(self.model_config.tokenizer, vocab, self.tokenizer).compile(
+                params.structured_outputs
+            )
         limit = self.model_config.max_logprobs
         limit = vocab if limit == -1 else limit
         for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):

@@ -29,6 +29,7 @@ from vllm.v1.worker.gpu.linear_attn_states import LinearAttnStates
 from vllm.v1.worker.gpu.pp_utils import PPHandler
 from vllm.v1.worker.gpu.sample.logit_controls import apply_logit_controls
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays, compute_logprobs
+from vllm.v1.worker.gpu.sample.structured_outputs import StructuredOutputStates
 from vllm.v1.worker.gpu.spec_decode import init_speculator
 
 if TYPE_CHECKING:
@@ -71,6 +72,11 @@ class ModelRunner:
         self.pp_handler: PPHandler | None = None
         if self.pp.world_size > 1:
             self.pp_handler = PPHandler(self.max_num_reqs, self.num_spec, self.device)
+        # Last stage: the grammar matchers of requests with structured outputs.
+        self.structured: StructuredOutputStates | None = None
+        if self.pp.is_last_rank:
+            assert mc.tokenizer is not None  # ModelConfig resolves it
+            self.structured = StructuredOutputStates(mc.tokenizer, mc.vocab_size)
         # Slots whose request entered this step (the speculator keeps nothing from before).
         self._new_slots = np.zeros(0, dtype=np.int64)
 
@@ -152,8 +158,14 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         st = self.states
         for rid in so.finished_req_ids:
-            st.remove(rid)
+            s = st.remove(rid)
+            if s is not None and self.structured is not None:
+                self.structured.remove(s)
         self._new_slots = np.array([st.add(d) for d in so.scheduled_new_reqs], dtype=np.int64)
+        if self.structured is not None:
+            for d, s in zip(so.scheduled_new_reqs, self._new_slots.tolist()):
+                outputs = d.prefill_token_ids[d.num_prompt_tokens :]
+                self.structured.add(s, d.sampling_params, outputs)
         cr = so.scheduled_cached_reqs
         for rid, blocks, nc in zip(cr.req_ids, cr.new_block_ids, cr.num_computed_tokens):
             s = st.slot(rid)
@@ -261,10 +273,12 @@ class ModelRunner:
             rslots = slots[batch.logits_req_np]
             # Position of the token each logits row predicts.
             positions = batch.positions_np[batch.logits_indices_np] + 1
-            # Penalties, bias, allowed ids, bad words, min_tokens: per verify position.
-            logits = apply_logit_controls(
-                logits, st, rslots, positions, batch.input_ids_np[batch.logits_indices_np]
-            )
+            row_inputs = batch.input_ids_np[batch.logits_indices_np]
+            # The grammar's bitmask, then penalties, bias, allowed ids, bad words, min_tokens:
+            # per verify position, each seeing the drafts before it as accepted.
+            if self.structured is not None:
+                logits = self.structured.apply_bitmasks(logits, rslots, row_inputs)
+            logits = apply_logit_controls(logits, st, rslots, positions, row_inputs)
             tokens = SamplingArrays.of(st, rslots).sample(logits, positions).cpu().numpy()
         sampled, num_sampled = self.rejection_sampler(batch, tokens)
         num_rejected = np.where(num_sampled > 0, batch.num_draft_tokens_np + 1 - num_sampled, 0)
@@ -290,6 +304,8 @@ class ModelRunner:
                 )
             )
         result = StepResult(sampled, num_sampled, num_rejected, drafts)
+        if self.structured is not None:
+            self.structured.accept(slots, sampled, num_sampled)
         apply_step_result(st, result, np.where(batch.need_sample_np, slots, -1))
         if self.pp_handler is not None:
             self.pp_handler.broadcast(result, batch)
