@@ -154,6 +154,13 @@ def _check_grammar(outs: list[tuple[list[int], str, str]]) -> None:
     assert re.fullmatch(DIGITS, texts[6]), texts[6]
 
 
+def _param(name: str, *rest, id: str):
+    """SmolLM2 runs (~1 min each on 2 cores) are slow-marked like the repo's other SmolLM2
+    tests; the bundled tiny model covers the same ground by default."""
+    marks = (pytest.mark.slow,) if name.startswith("smollm2") else ()
+    return pytest.param(name, *rest, marks=marks, id=id)
+
+
 CASES = [
     ("smollm2_eagle3", 3, 1),
     ("smollm2_eagle3", 3, 2),
@@ -164,13 +171,13 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [_param(n, id=n) for n in MODELS])
 def test_outputs_follow_their_grammars(name) -> None:
     outs, _ = _run(name, 0, 1)
     _check_grammar(outs)
 
 
-@pytest.mark.parametrize("name,k,pp", CASES, ids=[f"{n}-k{k}-pp{p}" for n, k, p in CASES])
+@pytest.mark.parametrize("name,k,pp", [_param(n, k, p, id=f"{n}-k{k}-pp{p}") for n, k, p in CASES])
 def test_identical_with_and_without_speculation(name, k, pp) -> None:
     ref, _ = _run(name, 0, 1)
     outs, counts = _run(name, k, pp)
@@ -180,10 +187,10 @@ def test_identical_with_and_without_speculation(name, k, pp) -> None:
         assert counts[1] > 0 and counts[2] < counts[1], counts  # drafts, some rejected
 
 
-def test_forbidden_drafts_are_rejected_not_emitted() -> None:
+@pytest.mark.parametrize("name", [_param(n, id=n) for n in MODELS])
+def test_forbidden_drafts_are_rejected_not_emitted(name) -> None:
     """Only digits are allowed; the drafters propose text: the drafts are rejected (counted),
     the output is still the grammar's, equal to the run without speculation."""
-    name = "smollm2_eagle3"
     model = _model(name)
     prompt = "Tell me about the weather in Paris."
     sp = SamplingParams(
@@ -195,7 +202,10 @@ def test_forbidden_drafts_are_rejected_not_emitted() -> None:
     for k in (0, 3):
         llm = LLM(model=model, speculative_config=_spec(name, k), max_model_len=256)
         try:
-            out = llm.chat([{"role": "user", "content": prompt}], sp, use_tqdm=False)[0]
+            if name == "tiny_mtp":
+                out = llm.generate(["def weather(city):\n    "], sp, use_tqdm=False)[0]
+            else:
+                out = llm.chat([{"role": "user", "content": prompt}], sp, use_tqdm=False)[0]
             texts.append(out.outputs[0].text)
             counts.append(spec_decode_counts(llm))
         finally:
