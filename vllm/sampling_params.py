@@ -49,6 +49,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # The request field these came from (errors name it): structured_outputs, response_format,
+    # guided_json, ... or tool_choice.
+    _source: str = field(default="structured_outputs", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]

@@ -111,12 +111,12 @@ EXAMPLES: dict[str, tuple[dict, str]] = {
     "logprob_token_ids": ({"logprobs": 1, "logprob_token_ids": [5]}, REFUSE),
     "prompt_embeds": ({"prompt_embeds": "AAAA"}, REFUSE),
     "add_special_tokens": ({"add_special_tokens": None}, OK),  # set per endpoint below
-    "response_format": ({"response_format": {"type": "json_object"}}, EITHER),
-    "structured_outputs": ({"structured_outputs": {"regex": "a+"}}, EITHER),
-    "guided_json": ({"guided_json": {"type": "object"}}, EITHER),
-    "guided_regex": ({"guided_regex": "a+"}, EITHER),
-    "guided_choice": ({"guided_choice": ["a", "b"]}, EITHER),
-    "guided_grammar": ({"guided_grammar": "root ::= 'a'"}, EITHER),
+    "response_format": ({"response_format": {"type": "json_object"}}, OK),
+    "structured_outputs": ({"structured_outputs": {"regex": "a+"}}, OK),
+    "guided_json": ({"guided_json": {"type": "object"}}, OK),
+    "guided_regex": ({"guided_regex": "a+"}, OK),
+    "guided_choice": ({"guided_choice": ["a", "b"]}, OK),
+    "guided_grammar": ({"guided_grammar": 'root ::= "a"'}, OK),
     "structural_tag": ({"structural_tag": "{}"}, EITHER),
     "guided_decoding_backend": ({"guided_decoding_backend": "xgrammar"}, EITHER),
     "guided_whitespace_pattern": ({"guided_whitespace_pattern": " "}, EITHER),
@@ -490,7 +490,9 @@ def test_usage_reports_cached_prompt_tokens(server, client):
 # ---- errors, stop conditions, beam search ------------------------------------------------
 def test_errors_name_the_field_and_the_server_keeps_serving(server, client):
     cases = [
-        ({"prompt": "a", "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ({"prompt": "a", "structured_outputs": {"regex": "a["}}, "structured_outputs"),
+        ({"prompt": "a", "response_format": {"type": "json_schema"}}, "response_format"),
+        ({"prompt": "a", "guided_regex": "a+", "guided_choice": ["a"]}, "guided_regex"),
         ({"prompt": "a", "stop_token_ids": [10**6]}, "stop_token_ids"),
         ({"prompt": "a", "logprobs": MAX_LOGPROBS + 1}, "logprobs"),
         ({"prompt": "a", "logprobs": -1}, "logprobs"),  # the whole vocabulary > max_logprobs

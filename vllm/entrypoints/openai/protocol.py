@@ -12,7 +12,13 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from vllm.entrypoints.openai.field_rules import refuse_unsupported, warn_unknown
 from vllm.exceptions import VLLMValidationError
-from vllm.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams
+from vllm.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 MAX_N = 16
 """Most completions one request may ask for (`n`)."""
@@ -165,6 +171,12 @@ class _SamplingRequest(OpenAIBaseModel):
     bad_words: list[str] | None = None
     best_of: Int64 | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # ---- vLLM's extra request fields, implemented here --------------------------------------
     spaces_between_special_tokens: bool = True
     prompt_logprobs: NumLogprobs | None = None
@@ -199,13 +211,72 @@ class _SamplingRequest(OpenAIBaseModel):
                 f"{name} only applies to beam search (use_beam_search=true)", parameter=name
             )
 
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The request's grammar: vLLM's structured_outputs, its older guided_* fields, or
+        OpenAI's response_format (json_object / json_schema); at most one of them."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        if self.structured_outputs:
+            found.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, key in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            if getattr(self, name) is not None:
+                found.append((name, {key: getattr(self, name)}))
+        rf = self.response_format
+        if rf:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else None
+                if not isinstance(schema, dict):
+                    raise VLLMValidationError(
+                        "response_format json_schema needs json_schema.schema (an object)",
+                        parameter="response_format",
+                    )
+                found.append(("response_format", {"json": schema}))
+            elif kind not in (None, "text"):
+                raise VLLMValidationError(
+                    f"response_format type {kind!r} is not supported "
+                    "(text, json_object, json_schema)",
+                    parameter="response_format",
+                )
+        if not found:
+            return None
+        if len(found) > 1:
+            names = [n for n, _ in found]
+            raise VLLMValidationError(
+                f"only one of {names} may constrain the output", parameter=names[0]
+            )
+        name, fields = found[0]
+        known = {"json", "regex", "choice", "grammar", "json_object"}
+        ignored = {"disable_fallback", "disable_any_whitespace", "disable_additional_properties"}
+        extra = set(fields) - known - ignored
+        if extra:
+            raise VLLMValidationError(
+                f"{name}: unsupported keys {sorted(extra)} (supported: {sorted(known)})",
+                parameter=name,
+            )
+        try:
+            kw = {k: v for k, v in fields.items() if k in known}
+            return StructuredOutputsParams(**kw, _source=name)
+        except ValueError as e:  # TypeError is a ValueError subclass here (VLLMTypeError)
+            raise VLLMValidationError(f"{name}: {e}", parameter=name) from None
+
     def _sampling_params(
         self,
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         self._check_unsupported()
+        if structured_outputs is None:
+            structured_outputs = self._structured_outputs()
         kwargs: dict[str, Any] = {}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             v = getattr(self, name)
@@ -230,6 +301,7 @@ class _SamplingRequest(OpenAIBaseModel):
             logit_bias=logit_bias,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            structured_outputs=structured_outputs,
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -362,7 +434,6 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     # ---- vLLM's chat extras implemented here -------------------------------------------------
     echo: bool = False
     add_special_tokens: bool = False
@@ -375,10 +446,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def to_sampling_params(self) -> SamplingParams:
         if self.tools:
             raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError(
-                f"response_format {self.response_format.get('type')!r} is not supported"
-            )
         if self.tool_choice not in (None, "none"):
             raise VLLMValidationError(
                 f"tool_choice {self.tool_choice!r} is not supported", parameter="tool_choice"

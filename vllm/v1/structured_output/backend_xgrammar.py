@@ -50,13 +50,15 @@ class XgrammarBackend:
                     alts = " | ".join(_ebnf_literal(c) for c in so.choice)
                     return self.compiler.compile_grammar(f"root ::= {alts}")
                 assert so.grammar is not None
+                if "::=" not in so.grammar:  # Lark syntax (rule: ...), as vLLM accepts
+                    return self.compiler.compile_lark(so.grammar)
                 return self.compiler.compile_grammar(so.grammar)
         except (RuntimeError, ValueError, TypeError) as e:
             # Drop xgrammar's "[time] source.cc:line: " prefix.
             msg = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", " ".join(str(e).split()))
             raise VLLMValidationError(
-                f"structured_outputs.{kind} does not compile: {msg[:500]}",
-                parameter="structured_outputs",
+                f"{so._source}: structured_outputs.{kind} does not compile: {msg[:500]}",
+                parameter=so._source,
             ) from None
 
     def new_matcher(self, so: StructuredOutputsParams) -> Any:
