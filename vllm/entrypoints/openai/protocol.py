@@ -440,16 +440,15 @@ class ChatCompletionRequest(_SamplingRequest):
     documents: list[dict[str, str]] | None = None
     reasoning_effort: str | None = None  # handed to the chat template, as vLLM does
     include_reasoning: bool = True  # no reasoning parser: all text is content either way
-    parallel_tool_calls: bool | None = None  # only meaningful with tools (refused)
+    parallel_tool_calls: bool | None = None  # false: tool_choice "required" makes one call
     return_prompt_text: bool | None = None
 
     def to_sampling_params(self) -> SamplingParams:
+        from vllm.entrypoints.openai.tool_calls import check_tools, tool_grammar
+
         if self.tools:
-            raise ValueError("tools are not supported")
-        if self.tool_choice not in (None, "none"):
-            raise VLLMValidationError(
-                f"tool_choice {self.tool_choice!r} is not supported", parameter="tool_choice"
-            )
+            check_tools(self.tools)
+        tool_so = tool_grammar(self.tools, self.tool_choice, self.parallel_tool_calls)
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         max_tokens = self.max_completion_tokens
@@ -459,7 +458,13 @@ class ChatCompletionRequest(_SamplingRequest):
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo and self.logprobs:
             prompt_logprobs = self.top_logprobs or 0
-        return self._sampling_params(max_tokens, logprobs, prompt_logprobs)
+        if tool_so is not None and self._structured_outputs() is not None:
+            raise VLLMValidationError(
+                "tool_choice 'required' or a named function cannot be combined with "
+                "response_format / structured_outputs",
+                parameter="tool_choice",
+            )
+        return self._sampling_params(max_tokens, logprobs, prompt_logprobs, tool_so)
 
     def conversation(self) -> list[dict[str, Any]]:
         """Messages as plain dicts for the chat template; text parts are joined."""
@@ -483,9 +488,28 @@ class ChatCompletionRequest(_SamplingRequest):
         return out
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
+
+
 class ChatMessageOut(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class TopLogprob(OpenAIBaseModel):
@@ -529,6 +553,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
