@@ -95,6 +95,7 @@ def _requests(model_dir: str) -> tuple[list[list[int]], list[SamplingParams]]:
             repetition_penalty=1.6,
             frequency_penalty=0.7,
             presence_penalty=0.4,
+            logprobs=2,
             **plain,
         ),
         SamplingParams(
@@ -104,6 +105,7 @@ def _requests(model_dir: str) -> tuple[list[list[int]], list[SamplingParams]]:
             frequency_penalty=1.2,
             allowed_token_ids=list(range(3, 400, 3)),
             logit_bias={9: 2.0, 12: -3.0},
+            logprobs=0,
             **plain,
         ),
         SamplingParams(
@@ -163,10 +165,19 @@ def _bad_words_ids(model_dir: str, words: list[str]) -> list[list[int]]:
 
 def reference(model_dir: str, prompt: list[int], sp: SamplingParams) -> list[int]:
     """One request by brute force: HF logits of the whole sequence for every new token."""
+    return reference_with_logprobs(model_dir, prompt, sp)[0]
+
+
+def reference_with_logprobs(
+    model_dir: str, prompt: list[int], sp: SamplingParams
+) -> tuple[list[int], list[float]]:
+    """(tokens, the log-probability of each under the adjusted logits: the controls applied,
+    before temperature)."""
     m = hf_model(model_dir)
     stop = _stop_ids(model_dir, sp)
     bad = _bad_words_ids(model_dir, sp.bad_words or [])
     out: list[int] = []
+    lps: list[float] = []
     while len(out) < (sp.max_tokens or MAX_TOKENS):
         with torch.no_grad():
             logits = m(torch.tensor([prompt + out])).logits[0, -1].float().clone()
@@ -202,9 +213,10 @@ def reference(model_dir: str, prompt: list[int], sp: SamplingParams) -> list[int
             noise = exponential_noise(np.array([sp.seed]), np.array([pos]), V, torch.device("cpu"))
             t_new = int((probs / noise[0]).argmax())
         out.append(t_new)
+        lps.append(float(logits.log_softmax(-1)[t_new]))
         if t_new in stop:
             break
-    return out
+    return out, lps
 
 
 @pytest.fixture(scope="module")
@@ -215,7 +227,7 @@ def references(request) -> dict:
         if model not in cache:
             path = request.getfixturevalue(MODELS[model])
             prompts, sps = _requests(path)
-            cache[model] = [reference(path, p, sp) for p, sp in zip(prompts, sps)]
+            cache[model] = [reference_with_logprobs(path, p, sp) for p, sp in zip(prompts, sps)]
         return cache[model]
 
     return get  # type: ignore[return-value]
@@ -226,7 +238,11 @@ def _generate(path: str, spec: dict | None, pp: int):
     llm = LLM(model=path, speculative_config=spec, pipeline_parallel_size=pp, **COMMON)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outs], spec_decode_counts(llm)
+        lps = [
+            [e[t].logprob for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs or [])]
+            for o in outs
+        ]
+        return [list(o.outputs[0].token_ids) for o in outs], lps, spec_decode_counts(llm)
     finally:
         llm.shutdown()
 
@@ -237,9 +253,11 @@ def _generate(path: str, spec: dict | None, pp: int):
 def test_controls_equal_brute_force_reference(request, references, model, spec, pp) -> None:
     path = request.getfixturevalue(MODELS[model])
     ref = references(model)
-    got, counts = _generate(path, _spec(request, model) if spec == "spec" else None, pp)
-    for i, (g, r) in enumerate(zip(got, ref)):
+    got, lps, counts = _generate(path, _spec(request, model) if spec == "spec" else None, pp)
+    for i, (g, (r, r_lps)) in enumerate(zip(got, ref)):
         assert g == r, f"request {i}: {g} != reference {r}"
+        if _requests(path)[1][i].logprobs is not None:  # the target's, after the controls
+            np.testing.assert_allclose(lps[i], r_lps, atol=1e-4, rtol=1e-4)
     if spec == "spec":
         drafted, accepted = counts[1], counts[2]
         assert 0 < accepted < drafted, counts  # drafts both accepted and rejected
@@ -251,7 +269,7 @@ def test_controls_change_the_output(request, references) -> None:
     stop token after at least min_tokens tokens."""
     path = request.getfixturevalue("llama_target")
     prompts, sps = _requests(path)
-    ref = references("llama")
+    ref = [r for r, _ in references("llama")]
     for i in (1, 2, 3, 4):
         sp = sps[i]
         plain = SamplingParams(
