@@ -39,6 +39,18 @@ BAD = [
     (dict(top_p=math.nan), "top_p"),
     (dict(min_p=-math.inf), "min_p"),
     (dict(ignore_eos="no"), "ignore_eos"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-2.01), "frequency_penalty"),
+    (dict(frequency_penalty=math.nan), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=math.inf), "repetition_penalty"),
+    (dict(logit_bias={"a": 1.0}), "logit_bias"),
+    (dict(logit_bias={3: math.nan}), "logit_bias"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[-3]), "allowed_token_ids"),
+    (dict(allowed_token_ids=[True]), "allowed_token_ids"),
+    (dict(bad_words=[3]), "bad_words"),
 ]
 
 
@@ -80,3 +92,26 @@ def test_seed_int64_max_with_n2_wraps(llm):
     one = llm.generate(["x = "], SamplingParams(seed=INT64_MIN, **kw), use_tqdm=False)[0]
     assert len(two.outputs) == 2
     assert two.outputs[1].token_ids == one.outputs[0].token_ids
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(logit_bias={10**6: 1.0}), "logit_bias"),
+        (dict(allowed_token_ids=[1, 10**6]), "allowed_token_ids"),
+    ],
+)
+def test_engine_refuses_token_ids_outside_the_vocabulary(llm, kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        llm.generate(["a"], SamplingParams(max_tokens=2, **kwargs), use_tqdm=False)
+
+
+def test_logit_bias_string_keys_and_bad_words_tokenized(llm):
+    sp = SamplingParams(logit_bias={"5": 1.0}, bad_words=" hello")
+    assert sp.logit_bias == {5: 1.0} and sp.bad_words == [" hello"]
+    tok = llm.get_tokenizer()
+    llm.llm_engine.check_request(sp)
+    plain = tok.encode("hello", add_special_tokens=False)
+    spaced = tok.encode(" hello", add_special_tokens=False)
+    want = [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+    assert sp.bad_words_token_ids == want

@@ -39,10 +39,87 @@ def _is_real(v: object) -> bool:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain a request's output to a grammar (vLLM's fields): exactly one of json (a JSON
+    schema, as a dict or its text), regex, choice (one of these strings), grammar (EBNF, as
+    xgrammar reads it) or json_object (any JSON object)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # The request field these came from (errors name it): structured_outputs, response_format,
+    # guided_json, ... or tool_choice.
+    _source: str = field(default="structured_outputs", repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            raise VLLMValidationError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {kinds or 'none'}",
+                parameter="structured_outputs",
+            )
+        checks = {
+            "json": (str, dict),
+            "regex": (str,),
+            "grammar": (str,),
+        }
+        k = kinds[0]
+        if k in checks and not isinstance(getattr(self, k), checks[k]):
+            raise VLLMTypeError(
+                f"structured_outputs.{k} must be {' or '.join(t.__name__ for t in checks[k])}, "
+                f"got {getattr(self, k)!r:.80}",
+                parameter="structured_outputs",
+            )
+        if k == "choice" and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or not all(isinstance(c, str) for c in self.choice)
+        ):
+            raise VLLMTypeError(
+                f"structured_outputs.choice must be a non-empty list of strings, "
+                f"got {self.choice!r:.80}",
+                parameter="structured_outputs",
+            )
+
+    @property
+    def kind(self) -> str:
+        for k in ("json", "regex", "choice", "grammar"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
+
+
+def _token_key(k: Any) -> Any:
+    """A logit_bias key as a token id (JSON objects have string keys)."""
+    if isinstance(k, str):
+        try:
+            return int(k)
+        except ValueError:
+            raise VLLMTypeError(
+                f"SamplingParams.logit_bias keys must be token ids, got {k!r}",
+                parameter="logit_bias",
+                value=k,
+            ) from None
+    return k
+
+
+@dataclass
 class SamplingParams:
     """Sampling and stopping parameters of one request. temperature 0 means greedy."""
 
     n: int = 1
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already in the output (OpenAI's)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it occurs in the output (OpenAI's)."""
+    repetition_penalty: float = 1.0
+    """Divides positive / multiplies negative logits of tokens in the prompt or the output
+    (HF's / vLLM's); 1 is off."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -60,9 +137,19 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None
+    """Added to the logits of these token ids before sampling."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids can be sampled."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice or grammar (xgrammar)."""
+    bad_words: list[str] | None = None
+    """Words never generated: a one-token word is banned outright, a longer one's last token
+    is banned after its other tokens (the engine tokenizes them)."""
     # Filled by the engine: eos id of the tokenizer, and ids that stop besides stop_token_ids.
     _eos_token_id: int | None = field(default=None, repr=False)
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +174,12 @@ class SamplingParams:
                 value=self.stop_token_ids,
             )
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k is None or (_is_int(self.top_k) and self.top_k == -1):
             self.top_k = 0
         self._verify()
@@ -119,6 +212,9 @@ class SamplingParams:
                 raise bad(name, v, why)
 
         integer("n", 1)
+        for name in ("presence_penalty", "frequency_penalty"):
+            real(name, -2.0, 2.0, "must be in [-2, 2]")
+        real("repetition_penalty", 0.0, _FLOAT32_MAX, "must be greater than zero", lo_open=True)
         real("temperature", 0.0, _FLOAT32_MAX, "must be a finite number >= 0")
         real("top_p", 0.0, 1.0, "must be in (0, 1]", lo_open=True)
         integer("top_k", -1, why="must be -1/0 (off) or a positive 64-bit integer")
@@ -151,6 +247,31 @@ class SamplingParams:
         ):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, getattr(self, name), "must be a bool", VLLMTypeError)
+        if self.logit_bias is not None:
+            lb = self.logit_bias
+            if not isinstance(lb, dict) or not all(_is_int(k) for k in lb):
+                raise bad("logit_bias", lb, "must be a dict of token id -> bias", VLLMTypeError)
+            if not all(_is_real(v) for v in lb.values()):
+                raise bad("logit_bias", lb, "must map token ids to numbers", VLLMTypeError)
+            if not all(0 <= k <= INT64_MAX for k in lb) or not all(
+                math.isfinite(v) for v in lb.values()
+            ):
+                raise bad("logit_bias", lb, "must map non-negative token ids to finite numbers")
+        if self.allowed_token_ids is not None:
+            a = self.allowed_token_ids
+            if not isinstance(a, list) or not all(_is_int(t) for t in a):
+                raise bad("allowed_token_ids", a, "must be a list of token ids", VLLMTypeError)
+            if not a:
+                raise bad("allowed_token_ids", a, "must not be empty")
+            if not all(0 <= t <= INT64_MAX for t in a):
+                raise bad("allowed_token_ids", a, ids_why)
+        if self.bad_words is not None:
+            bw = self.bad_words
+            if not isinstance(bw, list) or not all(isinstance(w, str) for w in bw):
+                raise bad("bad_words", bw, "must be a list of strings", VLLMTypeError)
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise bad("structured_outputs", so, "must be a StructuredOutputsParams", VLLMTypeError)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", self.output_kind, "must be a RequestOutputKind", VLLMTypeError)
 
@@ -161,6 +282,39 @@ class SamplingParams:
                 "SamplingParams.stop and stop_token_ids must be lists when set after construction"
             )
         self._verify()
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Whether sampling adjusts this request's logits beyond temperature / top-k / top-p /
+        min-p / min_tokens (penalties, bias, allowed ids, bad words)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.allowed_token_ids is not None
+            or self._bad_words_token_ids
+        )
+
+    def update_bad_words(self, encode: Any) -> None:
+        """Tokenize bad_words as vLLM does: each word as written (leading spaces stripped) and
+        with one leading space, the latter only when it tokenizes to a different first token
+        and the same length."""
+        self._bad_words_token_ids = []
+        for word in self.bad_words or ():
+            for prefix_space in (False, True):
+                ids = list(encode((" " if prefix_space else "") + word.lstrip()))
+                if not ids:
+                    continue
+                if prefix_space:
+                    prev = self._bad_words_token_ids[-1] if self._bad_words_token_ids else None
+                    if prev is None or ids[0] == prev[0] or len(ids) != len(prev):
+                        continue
+                self._bad_words_token_ids.append(ids)
+
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        return self._bad_words_token_ids
 
     @property
     def greedy(self) -> bool:

@@ -73,13 +73,13 @@ EXAMPLES: dict[str, tuple[dict, str]] = {
     "messages": ({}, OK),
     "best_of": ({"best_of": 2, "n": 2, "temperature": 1.0}, OK),
     "echo": ({"echo": True}, OK),
-    "frequency_penalty": ({"frequency_penalty": 0.5}, EITHER),
-    "presence_penalty": ({"presence_penalty": 0.5}, EITHER),
-    "repetition_penalty": ({"repetition_penalty": 1.2}, EITHER),
-    "logit_bias": ({"logit_bias": {"5": 1.0}}, EITHER),
-    "allowed_token_ids": ({"allowed_token_ids": [5, 6]}, EITHER),
-    "bad_words": ({"bad_words": ["x"]}, EITHER),
-    "min_p": ({"min_p": 0.1}, EITHER),
+    "frequency_penalty": ({"frequency_penalty": 0.5}, OK),
+    "presence_penalty": ({"presence_penalty": 0.5}, OK),
+    "repetition_penalty": ({"repetition_penalty": 1.2}, OK),
+    "logit_bias": ({"logit_bias": {"5": 1.0}}, OK),
+    "allowed_token_ids": ({"allowed_token_ids": [5, 6]}, OK),
+    "bad_words": ({"bad_words": ["x"]}, OK),
+    "min_p": ({"min_p": 0.1}, OK),
     "logprobs": ({"logprobs": 2}, OK),  # chat: replaced by True below
     "top_logprobs": ({"logprobs": True, "top_logprobs": 2}, OK),
     "max_tokens": ({"max_tokens": 1}, OK),
@@ -111,17 +111,17 @@ EXAMPLES: dict[str, tuple[dict, str]] = {
     "logprob_token_ids": ({"logprobs": 1, "logprob_token_ids": [5]}, REFUSE),
     "prompt_embeds": ({"prompt_embeds": "AAAA"}, REFUSE),
     "add_special_tokens": ({"add_special_tokens": None}, OK),  # set per endpoint below
-    "response_format": ({"response_format": {"type": "json_object"}}, EITHER),
-    "structured_outputs": ({"structured_outputs": {"regex": "a+"}}, EITHER),
-    "guided_json": ({"guided_json": {"type": "object"}}, EITHER),
-    "guided_regex": ({"guided_regex": "a+"}, EITHER),
-    "guided_choice": ({"guided_choice": ["a", "b"]}, EITHER),
-    "guided_grammar": ({"guided_grammar": "root ::= 'a'"}, EITHER),
+    "response_format": ({"response_format": {"type": "json_object"}}, OK),
+    "structured_outputs": ({"structured_outputs": {"regex": "a+"}}, OK),
+    "guided_json": ({"guided_json": {"type": "object"}}, OK),
+    "guided_regex": ({"guided_regex": "a+"}, OK),
+    "guided_choice": ({"guided_choice": ["a", "b"]}, OK),
+    "guided_grammar": ({"guided_grammar": 'root ::= "a"'}, OK),
     "structural_tag": ({"structural_tag": "{}"}, EITHER),
     "guided_decoding_backend": ({"guided_decoding_backend": "xgrammar"}, EITHER),
     "guided_whitespace_pattern": ({"guided_whitespace_pattern": " "}, EITHER),
-    "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, EITHER),
-    "tool_choice": ({"tool_choice": "auto"}, EITHER),
+    "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, OK),
+    "tool_choice": ({"tool_choice": "none"}, OK),
     "parallel_tool_calls": ({"parallel_tool_calls": False}, OK),  # no effect without tools
     "priority": ({"priority": 1}, OK),  # the server runs --scheduling-policy priority
     "request_id": ({"request_id": "walk"}, OK),
@@ -490,7 +490,9 @@ def test_usage_reports_cached_prompt_tokens(server, client):
 # ---- errors, stop conditions, beam search ------------------------------------------------
 def test_errors_name_the_field_and_the_server_keeps_serving(server, client):
     cases = [
-        ({"prompt": "a", "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ({"prompt": "a", "structured_outputs": {"regex": "a["}}, "structured_outputs"),
+        ({"prompt": "a", "response_format": {"type": "json_schema"}}, "response_format"),
+        ({"prompt": "a", "guided_regex": "a+", "guided_choice": ["a"]}, "guided_regex"),
         ({"prompt": "a", "stop_token_ids": [10**6]}, "stop_token_ids"),
         ({"prompt": "a", "logprobs": MAX_LOGPROBS + 1}, "logprobs"),
         ({"prompt": "a", "logprobs": -1}, "logprobs"),  # the whole vocabulary > max_logprobs
@@ -508,11 +510,39 @@ def test_errors_name_the_field_and_the_server_keeps_serving(server, client):
         {
             "messages": [{"role": "user", "content": "a"}],
             "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "auto",  # this server has no --enable-auto-tool-choice
         },
     )
-    assert r.status_code == 400 and "tools" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "tool_choice" in r.json()["error"]["message"], r.text
     res = client.completions.create(model=NAME, prompt="ok", max_tokens=2, logprobs=MAX_LOGPROBS)
     assert res.usage.completion_tokens == 2
+
+
+def test_sampling_controls_over_http(server, client, tok):
+    """The controls reach the sampler (their exact effect is tested against a brute-force
+    reference in tests/e2e/test_logit_controls.py), and bad values are 400s naming them."""
+    kw = dict(model=NAME, prompt="def f(x):", max_tokens=12, temperature=0)
+    free = client.completions.create(**kw, extra_body={"return_token_ids": True})
+    first = free.choices[0].token_ids[0]
+    allowed = client.completions.create(
+        **kw, extra_body={"allowed_token_ids": [5, 6], "return_token_ids": True}
+    )
+    assert set(allowed.choices[0].token_ids) <= {5, 6}
+    banned = client.completions.create(
+        **kw, logit_bias={str(first): -100}, extra_body={"return_token_ids": True}
+    )
+    assert banned.choices[0].token_ids[0] != first
+    pen = client.completions.create(**kw, frequency_penalty=2.0, presence_penalty=2.0)
+    assert pen.choices[0].text != free.choices[0].text
+    for body, field in [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"allowed_token_ids": [10**6]}, "allowed_token_ids"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {str(10**6): 1}}, "logit_bias"),
+    ]:
+        r = post(server, "/v1/completions", {"prompt": "a", "max_tokens": 2, **body})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (body, r.text)
 
 
 def test_min_tokens_holds_back_stop_strings(client):

@@ -87,6 +87,18 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "a file, or the template itself",
     )
     parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto": read tool calls out of the model\'s text with --tool-call-parser',
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        type=str,
+        default=None,
+        choices=["hermes"],
+        help="How the model writes tool calls (hermes: <tool_call>{json}</tool_call>)",
+    )
+    parser.add_argument(
         "--enable-prompt-tokens-details",
         action="store_true",
         help="Report usage.prompt_tokens_details.cached_tokens (prompt tokens from the prefix "

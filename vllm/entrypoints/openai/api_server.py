@@ -306,7 +306,11 @@ def run_server(args: argparse.Namespace) -> int:
         return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
         chat_template=load_chat_template(getattr(args, "chat_template", None)),
         trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+        enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(args, "tool_call_parser", None),
     )
+    if options.enable_auto_tool_choice and not options.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     sock = bind_socket(args.host, args.port)
 
     def on_dead(error: BaseException) -> None:

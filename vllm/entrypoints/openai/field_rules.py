@@ -21,23 +21,15 @@ _UNUSED: tuple[Any, ...] = (None, [], {}, "")
 # vLLM field -> why it is refused. Any value other than None / empty / its default is a 400.
 REFUSED: dict[str, str] = {
     # sampling controls not implemented here
-    "allowed_token_ids": "allowed_token_ids is not supported",
-    "bad_words": "bad_words is not supported",
     "logits_processors": "logits_processors is not supported",
     "logprob_token_ids": "logprob_token_ids is not supported",
     "watermarking": "watermarking is not supported",
     "repetition_detection": "repetition_detection is not supported",
     "thinking_token_budget": "thinking_token_budget needs a reasoning parser (none is configured)",
     # structured outputs (and vLLM's older guided_* spellings of them)
-    "structured_outputs": "structured_outputs is not supported",
-    "guided_json": "guided_json is not supported",
-    "guided_regex": "guided_regex is not supported",
-    "guided_choice": "guided_choice is not supported",
-    "guided_grammar": "guided_grammar is not supported",
     "guided_decoding_backend": "guided_decoding_backend is not supported",
     "guided_whitespace_pattern": "guided_whitespace_pattern is not supported",
     "structural_tag": "structural_tag is not supported",
-    "response_format": "response_format is not supported",
     # inputs and transports this server does not have
     "prompt_embeds": "prompt_embeds is not supported",
     "media_io_kwargs": "media_io_kwargs is not supported (no multimodal inputs)",

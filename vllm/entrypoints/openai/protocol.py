@@ -13,7 +13,13 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 from vllm.entrypoints.openai.field_rules import refuse_unsupported, warn_unknown
 from vllm.exceptions import VLLMValidationError
 from vllm.multimodal.chat import split_images
-from vllm.sampling_params import INT64_MAX, INT64_MIN, RequestOutputKind, SamplingParams
+from vllm.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 MAX_N = 16
 """Most completions one request may ask for (`n`)."""
@@ -162,8 +168,16 @@ class _SamplingRequest(OpenAIBaseModel):
     frequency_penalty: FiniteFloat | None = 0.0
     repetition_penalty: FiniteFloat | None = None
     logit_bias: dict[str, FiniteFloat] | None = None
+    allowed_token_ids: list[NonNegInt64] | None = None
+    bad_words: list[str] | None = None
     best_of: Int64 | None = None
     user: str | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # ---- vLLM's extra request fields, implemented here --------------------------------------
     spaces_between_special_tokens: bool = True
     prompt_logprobs: NumLogprobs | None = None
@@ -183,15 +197,6 @@ class _SamplingRequest(OpenAIBaseModel):
     return_mm_kwargs: bool = True
 
     def _check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ValueError(f"{name} is not supported (got {getattr(self, name)!r})")
-        if self.repetition_penalty not in (None, 1, 1.0):
-            raise ValueError(
-                f"repetition_penalty is not supported (got {self.repetition_penalty!r})"
-            )
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of != n is not supported (best_of={self.best_of}, n={self.n})")
         if self.stream_options is not None and not self.stream:
@@ -207,20 +212,97 @@ class _SamplingRequest(OpenAIBaseModel):
                 f"{name} only applies to beam search (use_beam_search=true)", parameter=name
             )
 
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The request's grammar: vLLM's structured_outputs, its older guided_* fields, or
+        OpenAI's response_format (json_object / json_schema); at most one of them."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        if self.structured_outputs:
+            found.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, key in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            if getattr(self, name) is not None:
+                found.append((name, {key: getattr(self, name)}))
+        rf = self.response_format
+        if rf:
+            kind = rf.get("type")
+            if kind == "json_object":
+                found.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else None
+                if not isinstance(schema, dict):
+                    raise VLLMValidationError(
+                        "response_format json_schema needs json_schema.schema (an object)",
+                        parameter="response_format",
+                    )
+                found.append(("response_format", {"json": schema}))
+            elif kind not in (None, "text"):
+                raise VLLMValidationError(
+                    f"response_format type {kind!r} is not supported "
+                    "(text, json_object, json_schema)",
+                    parameter="response_format",
+                )
+        if not found:
+            return None
+        if len(found) > 1:
+            names = [n for n, _ in found]
+            raise VLLMValidationError(
+                f"only one of {names} may constrain the output", parameter=names[0]
+            )
+        name, fields = found[0]
+        known = {"json", "regex", "choice", "grammar", "json_object"}
+        ignored = {"disable_fallback", "disable_any_whitespace", "disable_additional_properties"}
+        extra = set(fields) - known - ignored
+        if extra:
+            raise VLLMValidationError(
+                f"{name}: unsupported keys {sorted(extra)} (supported: {sorted(known)})",
+                parameter=name,
+            )
+        try:
+            kw = {k: v for k, v in fields.items() if k in known}
+            return StructuredOutputsParams(**kw, _source=name)
+        except ValueError as e:  # TypeError is a ValueError subclass here (VLLMTypeError)
+            raise VLLMValidationError(f"{name}: {e}", parameter=name) from None
+
     def _sampling_params(
         self,
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> SamplingParams:
         self._check_unsupported()
+        if structured_outputs is None:
+            structured_outputs = self._structured_outputs()
         kwargs: dict[str, Any] = {}
-        for name in ("temperature", "top_p", "top_k", "min_p"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             v = getattr(self, name)
             if v is not None:
                 kwargs[name] = v
+        logit_bias = None
+        if self.logit_bias:
+            # As vLLM / OpenAI: token id strings, biases clamped to [-100, 100].
+            logit_bias = {}
+            for k, v in self.logit_bias.items():
+                try:
+                    tid = int(k)
+                except ValueError:
+                    raise VLLMValidationError(
+                        f"logit_bias keys must be token ids, got {k!r}", parameter="logit_bias"
+                    ) from None
+                logit_bias[tid] = min(100.0, max(-100.0, v))
         return SamplingParams(
             n=self.n,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            logit_bias=logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            structured_outputs=structured_outputs,
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -353,27 +435,21 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     # ---- vLLM's chat extras implemented here -------------------------------------------------
     echo: bool = False
     add_special_tokens: bool = False
     documents: list[dict[str, str]] | None = None
     reasoning_effort: str | None = None  # handed to the chat template, as vLLM does
     include_reasoning: bool = True  # no reasoning parser: all text is content either way
-    parallel_tool_calls: bool | None = None  # only meaningful with tools (refused)
+    parallel_tool_calls: bool | None = None  # false: tool_choice "required" makes one call
     return_prompt_text: bool | None = None
 
     def to_sampling_params(self) -> SamplingParams:
+        from vllm.entrypoints.openai.tool_calls import check_tools, tool_grammar
+
         if self.tools:
-            raise ValueError("tools are not supported")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError(
-                f"response_format {self.response_format.get('type')!r} is not supported"
-            )
-        if self.tool_choice not in (None, "none"):
-            raise VLLMValidationError(
-                f"tool_choice {self.tool_choice!r} is not supported", parameter="tool_choice"
-            )
+            check_tools(self.tools)
+        tool_so = tool_grammar(self.tools, self.tool_choice, self.parallel_tool_calls)
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         max_tokens = self.max_completion_tokens
@@ -383,7 +459,13 @@ class ChatCompletionRequest(_SamplingRequest):
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo and self.logprobs:
             prompt_logprobs = self.top_logprobs or 0
-        return self._sampling_params(max_tokens, logprobs, prompt_logprobs)
+        if tool_so is not None and self._structured_outputs() is not None:
+            raise VLLMValidationError(
+                "tool_choice 'required' or a named function cannot be combined with "
+                "response_format / structured_outputs",
+                parameter="tool_choice",
+            )
+        return self._sampling_params(max_tokens, logprobs, prompt_logprobs, tool_so)
 
     def conversation(
         self, image_placeholder: str | None = None, allowed_media_domains: list[str] | None = None
@@ -402,9 +484,28 @@ class ChatCompletionRequest(_SamplingRequest):
         return split_images(messages, image_placeholder, allowed_media_domains)
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
+
+
 class ChatMessageOut(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class TopLogprob(OpenAIBaseModel):
@@ -448,6 +549,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):

@@ -24,20 +24,27 @@ from vllm.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatMessageOut,
     DeltaMessage,
+    DeltaToolCall,
+    ToolCall,
     TopLogprob,
 )
 from vllm.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
     ServingOptions,
+    final_outputs,
     final_usage,
     finite,
     prompt_logprobs_json,
+    sse,
+    stream_error,
     stream_events,
     token_text,
     usage_info,
 )
+from vllm.entrypoints.openai.tool_calls import named_function, parse_tool_calls, tool_choice_mode
 from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 
 
@@ -112,6 +119,16 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
         params = req.to_sampling_params()
+        if req.tools and req.tool_choice == "auto" and not self._auto_tools():
+            raise APIError(
+                'tool_choice "auto" requires --enable-auto-tool-choice and --tool-call-parser '
+                "to be set",
+                400,
+                "tool_choice",
+            )
+        if req.stream and self._tool_mode(req) != "none":
+            # Tool calls are read from the whole text: one final output per choice.
+            params.output_kind = RequestOutputKind.FINAL_ONLY
         engine = self.llm.engine
         # Image parts: placeholders in the text, the images as the prompt's multi_modal_data.
         conversation, images = req.conversation_and_images(
@@ -143,6 +160,8 @@ class OpenAIServingChat(OpenAIServing):
             kwargs["documents"] = req.documents
         if req.reasoning_effort is not None:
             kwargs["reasoning_effort"] = req.reasoning_effort
+        if req.tools:
+            kwargs["tools"] = req.tools
         limit = self.llm.max_prompt_bytes
         size = _text_bytes(conversation) + _text_bytes(kwargs)
         if size > limit:
@@ -190,6 +209,37 @@ class OpenAIServingChat(OpenAIServing):
             template,
         )
 
+    def _auto_tools(self) -> bool:
+        return self.options.enable_auto_tool_choice and bool(self.options.tool_call_parser)
+
+    def _tool_mode(self, req: ChatCompletionRequest) -> str:
+        """How this request's text becomes tool calls ("none": it does not)."""
+        if not req.tools:
+            return "none"
+        mode = tool_choice_mode(req.tool_choice, True)
+        if mode == "auto" and not self._auto_tools():
+            return "none"  # tool_choice left unset without auto tools: plain text
+        return mode
+
+    def _message(
+        self, req: ChatCompletionRequest, role: str, text: str, finish_reason: str | None
+    ) -> tuple[ChatMessageOut, str | None]:
+        """The message of one choice (tool calls read out of the text) and its finish
+        reason ("tool_calls" when the model chose to call, as OpenAI's)."""
+        mode = self._tool_mode(req)
+        if mode == "none":
+            return ChatMessageOut(role=role, content=text), finish_reason
+        named = named_function(req.tool_choice) if mode == "named" else None  # type: ignore[arg-type]
+        content, calls = parse_tool_calls(text, mode, named, self.options.tool_call_parser)
+        if not calls:
+            return ChatMessageOut(role=role, content=text), finish_reason
+        msg = ChatMessageOut(
+            role=role, content=content, tool_calls=[ToolCall.model_validate(c) for c in calls]
+        )
+        if mode != "named" and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return msg, finish_reason
+
     @staticmethod
     def _role(req: ChatCompletionRequest) -> str:
         # As vLLM: the answer continues the last message's role unless a new turn is prompted.
@@ -211,17 +261,19 @@ class OpenAIServingChat(OpenAIServing):
         role = self._role(req)
         echo = self._echo_text(req, role)
         ro = finals[0]
-        choices = [
-            ChatCompletionResponseChoice(
-                index=c.index,
-                message=ChatMessageOut(role=role, content=echo + c.text),
-                logprobs=chat_logprobs(c, self.tokenizer, top_n, as_ids),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-                token_ids=list(c.token_ids) if req.return_token_ids else None,
+        choices = []
+        for c in ro.outputs:
+            message, finish_reason = self._message(req, role, echo + c.text, c.finish_reason)
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=chat_logprobs(c, self.tokenizer, top_n, as_ids),
+                    finish_reason=finish_reason,
+                    stop_reason=c.stop_reason,
+                    token_ids=list(c.token_ids) if req.return_token_ids else None,
+                )
             )
-            for c in ro.outputs
-        ]
         res = self._response(
             ChatCompletionResponse,
             rid,
@@ -238,6 +290,43 @@ class OpenAIServingChat(OpenAIServing):
         return res
 
     def _stream(
+        self, req: ChatCompletionRequest, streams: list[RequestStream], rid: str, created: int
+    ) -> AsyncIterator[str]:
+        if self._tool_mode(req) != "none":
+            return self._stream_tool_calls(req, streams, rid, created)
+        return self._stream_text(req, streams, rid, created)
+
+    async def _stream_tool_calls(
+        self, req: ChatCompletionRequest, streams: list[RequestStream], rid: str, created: int
+    ) -> AsyncIterator[str]:
+        """Tool calls are known once the text is complete: the stream carries each choice's
+        role, then its content and tool calls (id, name, whole arguments) in one delta, then
+        its finish reason, as OpenAI's chunks do."""
+        chunk = functools.partial(self._response, ChatCompletionStreamResponse, rid, created)
+        try:
+            res = self._full(req, await final_outputs(streams), rid, created)
+            for ch in res.choices:
+                yield sse(chunk([_delta_choice(ch.index, DeltaMessage(role=ch.message.role))]))
+                delta = DeltaMessage(
+                    content=ch.message.content,
+                    tool_calls=[
+                        DeltaToolCall(index=j, id=tc.id, type="function", function=tc.function)
+                        for j, tc in enumerate(ch.message.tool_calls)
+                    ]
+                    or None,
+                )
+                yield sse(chunk([_delta_choice(ch.index, delta)]))
+                done = ChatCompletionResponseStreamChoice(
+                    index=ch.index, delta=DeltaMessage(), finish_reason=ch.finish_reason
+                )
+                yield sse(chunk([done]))
+            if req.stream_options and req.stream_options.include_usage:
+                yield sse(chunk([], res.usage))
+        except Exception as e:  # noqa: BLE001 - reported in-band: the headers are sent
+            yield sse(stream_error(e))
+        yield "data: [DONE]\n\n"
+
+    def _stream_text(
         self, req: ChatCompletionRequest, streams: list[RequestStream], rid: str, created: int
     ) -> AsyncIterator[str]:
         top_n = req.top_logprobs or 0
@@ -296,3 +385,7 @@ class OpenAIServingChat(OpenAIServing):
             first,
             details=self.options.enable_prompt_tokens_details,
         )
+
+
+def _delta_choice(index: int, delta: DeltaMessage) -> ChatCompletionResponseStreamChoice:
+    return ChatCompletionResponseStreamChoice(index=index, delta=delta)

@@ -322,6 +322,10 @@ class ServingOptions:
     """The chat template (--chat-template), instead of the tokenizer's own."""
     trust_request_chat_template: bool = False
     """Accept chat_template in requests (rendered in a sandbox)."""
+    enable_auto_tool_choice: bool = False
+    """tool_choice "auto" reads tool calls out of the text (--enable-auto-tool-choice)."""
+    tool_call_parser: str | None = None
+    """How auto tool calls are written (--tool-call-parser: hermes)."""
 
 
 def truncate_prompt(

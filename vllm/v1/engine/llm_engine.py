@@ -26,6 +26,7 @@ from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from vllm.v1.metrics.reader import Metric, get_metrics_snapshot
 from vllm.v1.metrics.stats import IterationStats
 from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import get_backend
 
 logger = init_logger(__name__)
 
@@ -272,6 +273,32 @@ class LLMEngine:
                 f"(vocab_size={vocab})",
                 parameter="stop_token_ids",
                 value=bad[0],
+            )
+        for name, ids in (
+            ("logit_bias", list(params.logit_bias or ())),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise VLLMValidationError(
+                    f"{name} contains out-of-vocab token id {bad[0]} (vocab_size={vocab})",
+                    parameter=name,
+                    value=bad[0],
+                )
+        if params.bad_words:
+            params.update_bad_words(lambda w: self.encode(w, add_special_tokens=False))
+            bad = [t for ids in params.bad_words_token_ids for t in ids if t >= vocab]
+            if bad:
+                raise VLLMValidationError(
+                    f"bad_words tokenize to token ids outside the vocabulary (vocab_size="
+                    f"{vocab}): {bad}",
+                    parameter="bad_words",
+                )
+        if params.structured_outputs is not None:
+            # A grammar that does not compile is refused here, naming the problem.
+            assert self.model_config.tokenizer is not None
+            get_backend(self.model_config.tokenizer, vocab, self.tokenizer).compile(
+                params.structured_outputs
             )
         limit = self.model_config.max_logprobs
         limit = vocab if limit == -1 else limit

@@ -28,7 +28,9 @@ from vllm.v1.worker.gpu.input_batch import InputBatch, prepare_inputs
 from vllm.v1.worker.gpu.linear_attn_states import LinearAttnStates
 from vllm.v1.worker.gpu.mm_utils import MultiModalRunnerState
 from vllm.v1.worker.gpu.pp_utils import PPHandler
+from vllm.v1.worker.gpu.sample.logit_controls import apply_logit_controls
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays, compute_logprobs
+from vllm.v1.worker.gpu.sample.structured_outputs import StructuredOutputStates
 from vllm.v1.worker.gpu.spec_decode import init_speculator
 
 if TYPE_CHECKING:
@@ -74,6 +76,11 @@ class ModelRunner:
             self.pp_handler = PPHandler(self.max_num_reqs, self.num_spec, self.device)
         # Multimodal requests: images, M-RoPE positions, encoder outputs (first stage).
         self.mm = MultiModalRunnerState(self.device)
+        # Last stage: the grammar matchers of requests with structured outputs.
+        self.structured: StructuredOutputStates | None = None
+        if self.pp.is_last_rank:
+            assert mc.tokenizer is not None  # ModelConfig resolves it
+            self.structured = StructuredOutputStates(mc.tokenizer, mc.vocab_size)
         # Slots whose request entered this step (the speculator keeps nothing from before).
         self._new_slots = np.zeros(0, dtype=np.int64)
 
@@ -155,11 +162,17 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         st = self.states
         for rid in so.finished_req_ids:
-            st.remove(rid)
+            s = st.remove(rid)
+            if s is not None and self.structured is not None:
+                self.structured.remove(s)
             self.mm.remove(rid)
         for d in so.scheduled_new_reqs:
             self.mm.add(d.req_id, d.mm_inputs)
         self._new_slots = np.array([st.add(d) for d in so.scheduled_new_reqs], dtype=np.int64)
+        if self.structured is not None:
+            for d, s in zip(so.scheduled_new_reqs, self._new_slots.tolist()):
+                outputs = d.prefill_token_ids[d.num_prompt_tokens :]
+                self.structured.add(s, d.sampling_params, outputs)
         cr = so.scheduled_cached_reqs
         for rid, blocks, nc in zip(cr.req_ids, cr.new_block_ids, cr.num_computed_tokens):
             s = st.slot(rid)
@@ -280,7 +293,12 @@ class ModelRunner:
             rslots = slots[batch.logits_req_np]
             # Position of the token each logits row predicts.
             positions = batch.positions_np[batch.logits_indices_np] + 1
-            self._apply_min_tokens(logits, rslots, positions)
+            row_inputs = batch.input_ids_np[batch.logits_indices_np]
+            # The grammar's bitmask, then penalties, bias, allowed ids, bad words, min_tokens:
+            # per verify position, each seeing the drafts before it as accepted.
+            if self.structured is not None:
+                logits = self.structured.apply_bitmasks(logits, rslots, row_inputs)
+            logits = apply_logit_controls(logits, st, rslots, positions, row_inputs)
             tokens = SamplingArrays.of(st, rslots).sample(logits, positions).cpu().numpy()
             if self.tp.world_size > 1:
                 tokens = self._tp_agree(tokens)
@@ -309,6 +327,8 @@ class ModelRunner:
                 )
             )
         result = StepResult(sampled, num_sampled, num_rejected, drafts)
+        if self.structured is not None:
+            self.structured.accept(slots, sampled, num_sampled)
         apply_step_result(st, result, np.where(batch.need_sample_np, slots, -1))
         if self.pp_handler is not None:
             self.pp_handler.broadcast(result, batch)
@@ -375,18 +395,6 @@ class ModelRunner:
         for r, lp in zip(req.tolist(), lps):
             out[r].append(lp)
         return out
-
-    def _apply_min_tokens(
-        self, logits: torch.Tensor, rslots: np.ndarray, positions: np.ndarray
-    ) -> None:
-        """Mask EOS / stop_token_ids on rows whose request has fewer than min_tokens outputs."""
-        st = self.states
-        num_out = positions - st.num_prompt[rslots]  # index of the output token each row samples
-        rows = np.nonzero(num_out < st.min_tokens[rslots])[0]
-        for r in rows.tolist():
-            stop_ids = st.params[rslots[r]].all_stop_token_ids
-            if stop_ids:
-                logits[r, list(stop_ids)] = float("-inf")
 
     def _prompt_logprobs(
         self, batch: InputBatch, hidden: torch.Tensor

@@ -1,0 +1,97 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Grammar state of the requests with structured outputs, on the stage that samples.
+
+Every logits row of such a request gets the grammar's bitmask for its position: row 0 from the
+matcher's state, row j after the matcher also accepted the drafts of rows 0 .. j - 1 (they are
+rolled back once the masks are built). A draft the grammar forbids cannot equal the target's
+masked sample at its row, so the verifier rejects it and the rows after it are never emitted
+(their masks are left open). Once the step's tokens are known the matcher accepts them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from vllm.v1.structured_output import XgrammarBackend, get_backend
+
+if TYPE_CHECKING:
+    from vllm.sampling_params import SamplingParams
+
+
+class StructuredOutputStates:
+    def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self._backend: XgrammarBackend | None = None
+        self.matchers: dict[int, Any] = {}  # request-state slot -> GrammarMatcher
+
+    @property
+    def backend(self) -> XgrammarBackend:
+        if self._backend is None:
+            self._backend = get_backend(self.tokenizer_path, self.vocab_size)
+        return self._backend
+
+    def add(self, slot: int, params: SamplingParams, output_token_ids: list[int]) -> None:
+        """A request entering the batch; a resumed one replays the outputs it already has."""
+        self.matchers.pop(slot, None)
+        if params.structured_outputs is None:
+            return
+        m = self.backend.new_matcher(params.structured_outputs)
+        for t in output_token_ids:
+            m.accept_token(int(t))
+        self.matchers[slot] = m
+
+    def remove(self, slot: int) -> None:
+        self.matchers.pop(slot, None)
+
+    def apply_bitmasks(
+        self, logits: torch.Tensor, row_slots: np.ndarray, row_inputs: np.ndarray
+    ) -> torch.Tensor:
+        """logits [N, V] with each grammar row's disallowed tokens at -inf (in place)."""
+        if not self.matchers or not len(row_slots):
+            return logits
+        import xgrammar as xgr
+
+        N, V = logits.shape
+        rows_of: dict[int, list[int]] = {}
+        for i, s in enumerate(row_slots.tolist()):
+            if s in self.matchers:
+                rows_of.setdefault(s, []).append(i)
+        if not rows_of:
+            return logits
+        bitmask = xgr.allocate_token_bitmask(N, V)  # all allowed
+        masked: list[int] = []
+        for s, rows in rows_of.items():
+            m = self.matchers[s]
+            if m.is_terminated():
+                continue  # only a stop token was left; nothing to constrain
+            accepted = 0
+            for j, row in enumerate(rows):
+                m.fill_next_token_bitmask(bitmask, row)
+                masked.append(row)
+                if j + 1 == len(rows) or not m.accept_token(int(row_inputs[rows[j + 1]])):
+                    break  # the last row, or a forbidden draft: the rows after are not emitted
+                accepted += 1
+            if accepted:
+                m.rollback(accepted)
+        if masked:
+            xgr.apply_token_bitmask_inplace(
+                logits, bitmask.to(logits.device), vocab_size=V, indices=masked
+            )
+        return logits
+
+    def accept(self, slots: np.ndarray, sampled: np.ndarray, num_sampled: np.ndarray) -> None:
+        """Advance each grammar request's matcher over the tokens the step emitted."""
+        if not self.matchers:
+            return
+        for i, s in enumerate(slots.tolist()):
+            m = self.matchers.get(s)
+            if m is None:
+                continue
+            for t in sampled[i, : int(num_sampled[i])].tolist():
+                if m.is_terminated():
+                    break
+                m.accept_token(int(t))
