@@ -62,7 +62,11 @@ class VllmConfig:
             # Fail here, in the engine, on P > layers or a bad VLLM_PP_LAYER_PARTITION.
             get_pp_partition(mc.num_hidden_layers, self.parallel_config.pipeline_parallel_size)
         spec = self.speculative_config
-        if spec is not None and spec.draft_model_config is None:
+        if (
+            spec is not None
+            and spec.draft_model_config is None
+            and spec.method_info.has_draft_model
+        ):
             draft_path = spec.model or mc.model
             spec.draft_model_config = ModelConfig(
                 model=draft_path,

@@ -32,6 +32,15 @@ class SchedulerStepResult:
     stats: SchedulerStats | None = None
 
 
+def valid_drafts(row: list[int]) -> list[int]:
+    """A row of proposed drafts up to its first padding entry (negative: no draft there; a
+    drafter without a match, or a step that drafted fewer than K)."""
+    for i, t in enumerate(row):
+        if t < 0:
+            return list(row[:i])
+    return list(row)
+
+
 class Scheduler:
     def __init__(self, vllm_config: VllmConfig, num_blocks: int, num_state_slots: int = 0):
         sc = vllm_config.scheduler_config
@@ -306,7 +315,7 @@ class Scheduler:
                 self.running.remove(req)
                 self._free(req)
             elif runner_out.draft_token_ids is not None and sampled:
-                req.spec_token_ids = list(runner_out.draft_token_ids[idx])
+                req.spec_token_ids = valid_drafts(runner_out.draft_token_ids[idx])
             if out.new_token_ids or out.finish_reason or out.prompt_logprobs:
                 result.outputs[rid] = out
         result.stats = SchedulerStats(

@@ -283,6 +283,8 @@ class ModelRunner:
                     next_prefill_token_ids=next_prefill,
                     sampling=SamplingArrays.of(st, slots),
                     new_req_mask=np.isin(slots, self._new_slots),
+                    token_ids=st.token_ids,
+                    num_tokens=st.num_tokens,
                 )
             )
         result = StepResult(sampled, num_sampled, num_rejected, drafts)

@@ -47,6 +47,9 @@ class ProposeInputs:
     next_prefill_token_ids: np.ndarray
     sampling: SamplingArrays
     new_req_mask: np.ndarray
+    token_ids: np.ndarray | None = None
+    num_tokens: np.ndarray | None = None
+    num_draft_steps: int | None = None
 
     def __post_init__(self) -> None:
         self.num_sampled = np.asarray(self.num_sampled, dtype=np.int64)
