@@ -105,7 +105,11 @@ class _Cache:
         if key not in self.runs:
             spec = None
             if method is not None:
-                spec = {"model": self.head(target, method, k), "num_speculative_tokens": k}
+                spec = {
+                    "model": self.head(target, method, k),
+                    "adaptive_num_speculative_tokens": False,
+                    "num_speculative_tokens": k,
+                }
                 spec.update(spec_kw)
             self.runs[key] = _run(self.targets[target], self.prompts, params, spec, pp)
         return self.runs[key]
