@@ -179,7 +179,13 @@ def test_serve_pp2_dspark(cache, tmp_path):
     k = 3
     target = cache.targets["llama"]
     ref = cache.reference("llama", k)
-    spec = json.dumps({"method": "dspark", "model": cache.head("llama", "dspark", k)})
+    spec = json.dumps(
+        {
+            "method": "dspark",
+            "model": cache.head("llama", "dspark", k),
+            "adaptive_num_speculative_tokens": False,
+        }
+    )
     with RemoteServer(
         target,
         ["-pp", "2", "--dtype", "float32", "--max-model-len", "128", "--speculative-config", spec],
