@@ -58,7 +58,13 @@ def make_llm(model: str, dtype: str, spec: dict | None):
     from vllm import LLM
 
     return LLM(
-        model=model, dtype=dtype, speculative_config=spec, max_model_len=1024, max_num_seqs=4
+        model=model,
+        dtype=dtype,
+        speculative_config=spec,
+        max_model_len=512,
+        # A small step budget keeps start-up's warm-up short (it prefills a full budget).
+        max_num_batched_tokens=256,
+        max_num_seqs=4,
     )
 
 

@@ -34,7 +34,9 @@ def make_llm(model: str, dtype: str, spec: dict | None, max_seqs: int):
         model=model,
         dtype=dtype,
         speculative_config=spec,
-        max_model_len=1024,
+        max_model_len=512,
+        # A small step budget keeps start-up's warm-up short (it prefills a full budget).
+        max_num_batched_tokens=256,
         max_num_seqs=max_seqs,
     )
 
