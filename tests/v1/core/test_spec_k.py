@@ -99,3 +99,19 @@ def test_cost_model_interpolates_and_extrapolates():
     assert abs(COSTS.verify(10) - 1.3) < 1e-9
     assert abs(COSTS.verify(128) - 5.0) < 1e-9  # the last segment's slope
     assert abs(COSTS.draft_step(8) - (0.05 + 0.05 * 7 / 15)) < 1e-9
+
+
+def test_measured_verify_times_are_fitted_by_a_line():
+    from vllm.v1.engine.warmup import _fit_line
+
+    xs = [1, 2, 4, 5, 10, 20]
+    line = [2.0 + 0.5 * x for x in xs]
+    assert all(abs(a - b) < 1e-9 for a, b in zip(_fit_line(xs, line), line))
+    # One timing taken while the machine was busy does not make 4 tokens dearer than 5.
+    noisy = list(line)
+    noisy[2] *= 2
+    fit = _fit_line(xs, noisy)
+    assert fit == sorted(fit) and fit[2] < noisy[2]
+    # Never a negative slope, whatever the noise.
+    down = _fit_line(xs, [5.0, 4.0, 3.0, 2.0, 1.5, 1.0])
+    assert down == sorted(down)

@@ -145,17 +145,33 @@ def measure_step_costs(
         verify.setdefault(b * (k + 1), []).append(med[(k, 0)])
         draft_step[b] = max(med[(k, k)] - med[(k, 0)], 0.0) / k
     tokens = sorted(verify)
+    raw = [sum(verify[t]) / len(verify[t]) for t in tokens]
     model = StepCostModel(
         tokens=tokens,
-        verify_s=[sum(verify[t]) / len(verify[t]) for t in tokens],
+        verify_s=_fit_line(tokens, raw),
         batch_sizes=sizes,
         draft_step_s=[draft_step[b] for b in sizes],
     )
     logger.info(
-        "Step costs for the adaptive K (%.2f s): verify ms by tokens %s, one draft step ms by "
-        "batch size %s",
+        "Step costs for the adaptive K (%.2f s): verify ms by tokens %s (fitted line %s), one "
+        "draft step ms by batch size %s",
         time.perf_counter() - t0,
+        {t: round(v * 1e3, 2) for t, v in zip(tokens, raw)},
         {t: round(v * 1e3, 2) for t, v in zip(model.tokens, model.verify_s)},
         {b: round(v * 1e3, 2) for b, v in zip(model.batch_sizes, model.draft_step_s)},
     )
     return model
+
+
+def _fit_line(xs: list[int], ys: list[float]) -> list[float]:
+    """The least-squares line a + b x (b >= 0) through the measured verify times, at xs: a
+    step's cost grows about linearly with its tokens at these sizes, and one timing of a busy
+    machine can be off by half, which a per-point curve would take for a real step."""
+    if len(xs) < 3:
+        return list(ys)
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    b = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 0.0) if var else 0.0
+    a = max(my - b * mx, min(ys) / 2)
+    return [a + b * x for x in xs]
