@@ -133,7 +133,7 @@ def heads(llama_dir, deepseek_v3_mtp1_dir, deepseek_v3_mtp2_dir, tmp_path_factor
     made: dict[str, tuple[str, dict]] = {}
 
     def mtp(src: str, name: str) -> tuple[str, dict]:
-        d = make_mtp_self_draft(tmp.mktemp(name), src, target_scale=0.2, draft_block_scale=0.5)
+        d = make_mtp_self_draft(tmp.mktemp(name), src, target_scale=0.2, draft_block_scale=2.0)
         return d, {"method": "mtp"}
 
     def eagle3() -> tuple[str, dict]:
