@@ -150,7 +150,8 @@ def measure_step_costs(
         tokens=tokens,
         verify_s=_fit_line(tokens, raw),
         batch_sizes=sizes,
-        draft_step_s=[draft_step[b] for b in sizes],
+        # A difference of two timings: fitted the same way (one noisy pair can read 0).
+        draft_step_s=_fit_line(sizes, [draft_step[b] for b in sizes]),
     )
     logger.info(
         "Step costs for the adaptive K (%.2f s): verify ms by tokens %s (fitted line %s), one "
@@ -164,14 +165,14 @@ def measure_step_costs(
 
 
 def _fit_line(xs: list[int], ys: list[float]) -> list[float]:
-    """The least-squares line a + b x (b >= 0) through the measured verify times, at xs: a
-    step's cost grows about linearly with its tokens at these sizes, and one timing of a busy
-    machine can be off by half, which a per-point curve would take for a real step."""
+    """The least-squares line a + b x (b >= 0) through measured times, at xs: a step's cost
+    grows about linearly with its tokens (or batch size) at these sizes, and one timing of a
+    busy machine can be off by half, which a per-point curve would take for a real step."""
     if len(xs) < 3:
         return list(ys)
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     var = sum((x - mx) ** 2 for x in xs)
     b = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 0.0) if var else 0.0
-    a = max(my - b * mx, min(ys) / 2)
+    a = max(my - b * mx, min(ys) / 2, 0.0)
     return [a + b * x for x in xs]
