@@ -115,3 +115,17 @@ def test_measured_verify_times_are_fitted_by_a_line():
     # Never a negative slope, whatever the noise.
     down = _fit_line(xs, [5.0, 4.0, 3.0, 2.0, 1.5, 1.0])
     assert down == sorted(down)
+
+
+def test_unseen_positions_are_explored_when_all_drafts_are_accepted():
+    """A draft step costing half a plain step: with every draft accepted K = 3 pays, which the
+    policy only finds by trying position k + 1 while all k drafts are accepted (an unseen
+    position is taken to be accepted like the one before it)."""
+    dear_drafts = StepCostModel(
+        tokens=[1, 2, 4, 8, 16],
+        verify_s=[4.23, 4.37, 4.65, 5.21, 6.33],
+        batch_sizes=[1, 4],
+        draft_step_s=[1.94, 1.94],
+    )
+    ks = _run(_policy(costs=dear_drafts), "a", 30, lambda s, k: k)
+    assert ks[6:] == [K] * 24

@@ -8,7 +8,8 @@ each request's K is chosen every step so the batch's expected tokens per second 
 
 - acceptance: per request and draft position i, a running (decaying) estimate of the
   probability that draft i is accepted given drafts 0..i-1 were, with the engine-wide estimate
-  for that position as its prior (a new request starts from what the head does elsewhere);
+  for that position as its prior (a new request starts from what the head does elsewhere), and
+  a position not observed anywhere yet taken to be accepted like the one before it;
   draft j adds prod_{i<j} alpha_i expected tokens;
 - cost: the step time measured at start-up (StepCostModel): verify time by the step's total
   tokens, and the time of one more draft step by the batch size;
@@ -125,9 +126,13 @@ class SpecKPolicy:
         """Estimated acceptance of draft i given the ones before it were accepted."""
         s, g = self._req(req_id).stats, self._global
         out = []
+        prev = 0.5
         for i in range(self.K):
-            prior = (g.accepted[i] + 0.5) / (g.reached[i] + 1.0)
-            out.append((s.accepted[i] + PRIOR_WEIGHT * prior) / (s.reached[i] + PRIOR_WEIGHT))
+            # A position seen nowhere yet is taken to be accepted like the one before it (so a
+            # request that keeps accepting all of its k drafts tries k + 1).
+            prior = (g.accepted[i] + prev) / (g.reached[i] + 1.0)
+            prev = (s.accepted[i] + PRIOR_WEIGHT * prior) / (s.reached[i] + PRIOR_WEIGHT)
+            out.append(prev)
         return out
 
     def decide(self, req_ids: list[str], batch_size: int) -> dict[str, int]:
