@@ -148,13 +148,13 @@ def measure_step_costs(
     raw = [sum(verify[t]) / len(verify[t]) for t in tokens]
     model = StepCostModel(
         tokens=tokens,
-        verify_s=_fit_line(tokens, raw),
+        verify_s=_monotone(raw),
         batch_sizes=sizes,
         # A difference of two timings: fitted the same way (one noisy pair can read 0).
         draft_step_s=_fit_line(sizes, [draft_step[b] for b in sizes]),
     )
     logger.info(
-        "Step costs for the adaptive K (%.2f s): verify ms by tokens %s (fitted line %s), one "
+        "Step costs for the adaptive K (%.2f s): verify ms by tokens %s (made monotone %s), one "
         "draft step ms by batch size %s",
         time.perf_counter() - t0,
         {t: round(v * 1e3, 2) for t, v in zip(tokens, raw)},
@@ -176,3 +176,20 @@ def _fit_line(xs: list[int], ys: list[float]) -> list[float]:
     b = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 0.0) if var else 0.0
     a = max(my - b * mx, min(ys) / 2, 0.0)
     return [a + b * x for x in xs]
+
+
+def _monotone(ys: list[float]) -> list[float]:
+    """The closest non-decreasing sequence (pool adjacent violators): a step with more tokens
+    never costs less. Keeps a real jump (on a CPU, a single-row step runs a matrix-vector path
+    and two rows cost much more) and averages out a timing the busy machine inflated."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for y in ys:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    out: list[float] = []
+    for s, c in blocks:
+        out += [s / c] * int(c)
+    return out
