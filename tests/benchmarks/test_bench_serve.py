@@ -17,7 +17,10 @@ from vllm.config import DEFAULT_MODEL_DIR
 from vllm.entrypoints.cli.main import main
 from vllm.testing.remote_server import RemoteServer, serving
 
-MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+# K fixed: the adaptive K follows start-up timings, and the counts are compared across P.
+MTP = json.dumps(
+    {"method": "mtp", "num_speculative_tokens": 2, "adaptive_num_speculative_tokens": False}
+)
 ARGS = ["--max-model-len", "128", "--speculative-config", MTP, "--disable-uvicorn-access-log"]
 VLLM_KEYS = """duration completed total_input_tokens total_output_tokens request_throughput
 output_throughput total_token_throughput input_lens output_lens ttfts itls generated_texts errors

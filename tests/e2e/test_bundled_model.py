@@ -34,7 +34,11 @@ def _spec_metrics(llm: LLM) -> dict:
 
 
 def _run(pp: int, k: int):
-    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    spec = (
+        {"method": "mtp", "adaptive_num_speculative_tokens": False, "num_speculative_tokens": k}
+        if k
+        else None
+    )
     llm = LLM(pipeline_parallel_size=pp, speculative_config=spec, max_model_len=512)
     try:
         sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)

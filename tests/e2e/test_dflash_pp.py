@@ -105,7 +105,11 @@ class _Cache:
         if key not in self.runs:
             spec = None
             if method is not None:
-                spec = {"model": self.head(target, method, k), "num_speculative_tokens": k}
+                spec = {
+                    "model": self.head(target, method, k),
+                    "adaptive_num_speculative_tokens": False,
+                    "num_speculative_tokens": k,
+                }
                 spec.update(spec_kw)
             self.runs[key] = _run(self.targets[target], self.prompts, params, spec, pp)
         return self.runs[key]
@@ -175,7 +179,13 @@ def test_serve_pp2_dspark(cache, tmp_path):
     k = 3
     target = cache.targets["llama"]
     ref = cache.reference("llama", k)
-    spec = json.dumps({"method": "dspark", "model": cache.head("llama", "dspark", k)})
+    spec = json.dumps(
+        {
+            "method": "dspark",
+            "model": cache.head("llama", "dspark", k),
+            "adaptive_num_speculative_tokens": False,
+        }
+    )
     with RemoteServer(
         target,
         ["-pp", "2", "--dtype", "float32", "--max-model-len", "128", "--speculative-config", spec],

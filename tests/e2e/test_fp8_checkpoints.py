@@ -117,7 +117,11 @@ def runs(folders):
         llm = LLM(
             model=fp8,
             pipeline_parallel_size=pp,
-            speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+            speculative_config={
+                "method": "mtp",
+                "adaptive_num_speculative_tokens": False,
+                "num_speculative_tokens": 2,
+            },
             disable_log_stats=False,
             **COMMON,
         )

@@ -73,8 +73,9 @@ def _spec(request, model: str) -> dict:
             "method": "eagle3",
             "model": request.getfixturevalue("llama_eagle3"),
             "num_speculative_tokens": K,
+            "adaptive_num_speculative_tokens": False,
         }
-    return {"method": "mtp", "num_speculative_tokens": K}
+    return {"method": "mtp", "num_speculative_tokens": K, "adaptive_num_speculative_tokens": False}
 
 
 # ---- the requests ------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
 # A 32-token budget: prompts arrive in chunks and decode/verify steps mix with them.
 COMMON = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32)
 PADDED = {"cudagraph_capture_sizes": [3, 7, 13, 24, 32]}
-MTP = {"method": "mtp", "num_speculative_tokens": 2}
+MTP = {"method": "mtp", "adaptive_num_speculative_tokens": False, "num_speculative_tokens": 2}
 
 
 @pytest.fixture(scope="module")

@@ -190,12 +190,24 @@ def _case(request, name: str) -> tuple[str, dict]:
     if name == "llama":
         return request.getfixturevalue("llama_dir"), {}
     if name == "mla_mtp":
-        return request.getfixturevalue("mtp_dir"), {"method": "mtp", "num_speculative_tokens": 2}
+        return request.getfixturevalue("mtp_dir"), {
+            "method": "mtp",
+            "adaptive_num_speculative_tokens": False,
+            "num_speculative_tokens": 2,
+        }
     if name == "dsa_mtp":
-        return request.getfixturevalue("dsa_dir"), {"method": "mtp", "num_speculative_tokens": 2}
+        return request.getfixturevalue("dsa_dir"), {
+            "method": "mtp",
+            "adaptive_num_speculative_tokens": False,
+            "num_speculative_tokens": 2,
+        }
     assert name == "llama_eagle3"
     spec = {"method": "eagle3", "model": request.getfixturevalue("eagle3_dir")}
-    return request.getfixturevalue("llama_dir"), {**spec, "num_speculative_tokens": 2}
+    return request.getfixturevalue("llama_dir"), {
+        **spec,
+        "adaptive_num_speculative_tokens": False,
+        "num_speculative_tokens": 2,
+    }
 
 
 _OFF: dict[str, Run] = {}

@@ -25,9 +25,14 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=123, max_tokens=24, ig
 COMMON = dict(dtype="float32", max_model_len=128, max_num_seqs=16, disable_log_stats=False)
 SPECS = {
     "nospec": None,
-    "mtp_greedy_drafts": {"method": "mtp", "num_speculative_tokens": 2},
+    "mtp_greedy_drafts": {
+        "method": "mtp",
+        "adaptive_num_speculative_tokens": False,
+        "num_speculative_tokens": 2,
+    },
     "mtp_sampled_drafts": {
         "method": "mtp",
+        "adaptive_num_speculative_tokens": False,
         "num_speculative_tokens": 2,
         "draft_sample_method": "probabilistic",
     },
@@ -140,7 +145,12 @@ def test_probabilistic_drafts_of_an_exact_head_are_all_accepted(
     target's sample: every draft is accepted. Drawing it at any other position key, or with
     unrelated noise, would accept only where two independent draws happen to agree."""
     exact = make_mtp_self_draft(tmp_path_factory.mktemp("seeded_exact"), deepseek_v3_mtp1_dir)
-    spec = {"method": "mtp", "num_speculative_tokens": 3, "draft_sample_method": "probabilistic"}
+    spec = {
+        "method": "mtp",
+        "adaptive_num_speculative_tokens": False,
+        "num_speculative_tokens": 3,
+        "draft_sample_method": "probabilistic",
+    }
     prompts = make_prompts(512, [9, 17, 5], seed=23)
     sps = [
         SamplingParams(temperature=1.0, seed=40 + i, max_tokens=16, ignore_eos=True)

@@ -60,7 +60,16 @@ def _run(
 ):
     from vllm.testing.speculators_heads import record_drafts
 
-    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": k} if k else None
+    spec = (
+        {
+            "method": "eagle3",
+            "model": head,
+            "adaptive_num_speculative_tokens": False,
+            "num_speculative_tokens": k,
+        }
+        if k
+        else None
+    )
     llm = LLM(
         model=model,
         dtype="float32",

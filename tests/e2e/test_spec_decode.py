@@ -171,7 +171,13 @@ def llama_near_bigram_dir(llama_dir, tmp_path_factory):
 def test_mtp_greedy_lossless(request, prompts, baseline, ckpt, k):
     model = request.getfixturevalue(ckpt)
     outs, metrics = _run(
-        model, prompts, speculative_config={"method": "mtp", "num_speculative_tokens": k}
+        model,
+        prompts,
+        speculative_config={
+            "method": "mtp",
+            "adaptive_num_speculative_tokens": False,
+            "num_speculative_tokens": k,
+        },
     )
     assert _ids(outs) == baseline(model)
     _check_metrics(metrics, k)
@@ -190,6 +196,7 @@ def test_eagle3_greedy_lossless(request, prompts, baseline, target, draft, k):
     spec = {
         "method": "eagle3",
         "model": request.getfixturevalue(draft),
+        "adaptive_num_speculative_tokens": False,
         "num_speculative_tokens": k,
     }
     outs, metrics = _run(model, prompts, speculative_config=spec)
@@ -200,7 +207,12 @@ def test_eagle3_greedy_lossless(request, prompts, baseline, target, draft, k):
 @pytest.mark.parametrize("target, draft, k", [("llama_dir", "eagle_random_dir", 2)])
 def test_eagle_greedy_lossless(request, prompts, baseline, target, draft, k):
     model = request.getfixturevalue(target)
-    spec = {"method": "eagle", "model": request.getfixturevalue(draft), "num_speculative_tokens": k}
+    spec = {
+        "method": "eagle",
+        "model": request.getfixturevalue(draft),
+        "adaptive_num_speculative_tokens": False,
+        "num_speculative_tokens": k,
+    }
     outs, metrics = _run(model, prompts, speculative_config=spec)
     assert _ids(outs) == baseline(model)
     _check_metrics(metrics, k)
@@ -214,12 +226,17 @@ def test_lossless_with_chunked_prefill_and_preemption(
     too small for all requests (the newest running request is preempted and recomputed)."""
     if method == "mtp":
         model, k = near_self_dir, 3
-        spec = {"method": "mtp", "num_speculative_tokens": k}
+        spec = {
+            "method": "mtp",
+            "adaptive_num_speculative_tokens": False,
+            "num_speculative_tokens": k,
+        }
     elif method == "eagle3":
         model, k = qwen2_dir, 2
         spec = {
             "method": "eagle3",
             "model": request.getfixturevalue("eagle3_qwen2_dir"),
+            "adaptive_num_speculative_tokens": False,
             "num_speculative_tokens": k,
         }
     else:
@@ -227,6 +244,7 @@ def test_lossless_with_chunked_prefill_and_preemption(
         spec = {
             "method": "eagle",
             "model": request.getfixturevalue("eagle_self_dir"),
+            "adaptive_num_speculative_tokens": False,
             "num_speculative_tokens": k,
         }
     probe = LLM(model=model, **COMMON, speculative_config=spec)
@@ -268,7 +286,13 @@ def test_self_draft_accepts_everything(request, prompts, baseline, ckpt, k):
     model = request.getfixturevalue(ckpt)
     # Prompts of >= 2 tokens: at position 0 the MTP layer sees no embedding by design.
     outs, metrics = _run(
-        model, prompts, speculative_config={"method": "mtp", "num_speculative_tokens": k}
+        model,
+        prompts,
+        speculative_config={
+            "method": "mtp",
+            "adaptive_num_speculative_tokens": False,
+            "num_speculative_tokens": k,
+        },
     )
     assert _ids(outs) == baseline(model)
     drafts, draft_tokens, accepted, per_pos = _check_metrics(metrics, k)
@@ -283,7 +307,12 @@ def test_eagle_self_head_accepts_everything(prompts, llama_bigram_dir, eagle_sel
     which needs the feature to be the target's normed last hidden state and the draft to embed
     with the target's table and score with its LM head."""
     k = 3
-    spec = {"method": "eagle", "model": eagle_self_dir, "num_speculative_tokens": k}
+    spec = {
+        "method": "eagle",
+        "model": eagle_self_dir,
+        "adaptive_num_speculative_tokens": False,
+        "num_speculative_tokens": k,
+    }
     outs, metrics = _run(llama_bigram_dir, prompts, speculative_config=spec)
     assert _ids(outs) == _ids(_run(llama_bigram_dir, prompts)[0])
     drafts, draft_tokens, accepted, per_pos = _check_metrics(metrics, k)
@@ -292,7 +321,7 @@ def test_eagle_self_head_accepts_everything(prompts, llama_bigram_dir, eagle_sel
 
 
 def test_near_self_draft_accepts_more_than_random(prompts, near_self_dir, deepseek_v3_mtp1_dir):
-    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    spec = {"method": "mtp", "adaptive_num_speculative_tokens": False, "num_speculative_tokens": 2}
     _, m_near = _run(near_self_dir, prompts, speculative_config=spec)
     _, m_rand = _run(deepseek_v3_mtp1_dir, prompts, speculative_config=spec)
     d1, _, a1, _ = _spec_counts(m_near)
@@ -304,7 +333,12 @@ def test_near_self_draft_accepts_more_than_random(prompts, near_self_dir, deepse
 
 
 def test_seeded_sampling_reproducible_under_spec_decode(prompts, near_self_dir):
-    spec = {"method": "mtp", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"}
+    spec = {
+        "method": "mtp",
+        "adaptive_num_speculative_tokens": False,
+        "num_speculative_tokens": 2,
+        "draft_sample_method": "probabilistic",
+    }
     sps = [
         SamplingParams(
             temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True

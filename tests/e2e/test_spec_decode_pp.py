@@ -163,7 +163,11 @@ class _Runs:
         if k == 0:
             return None
         _, draft, method = self.dirs(model)
-        spec = {"method": method, "num_speculative_tokens": k}
+        spec = {
+            "method": method,
+            "adaptive_num_speculative_tokens": False,
+            "num_speculative_tokens": k,
+        }
         if draft:
             spec["model"] = draft
         return spec
@@ -217,7 +221,12 @@ def test_eagle3_taps_first_and_last_stage(llama_near_bigram_dir, tmp_path_factor
         draft = make_eagle3_draft(
             tmp_path_factory.mktemp(f"e3_{name}"), llama_near_bigram_dir, aux_layers=taps, seed=7
         )
-        spec = {"method": "eagle3", "model": draft, "num_speculative_tokens": 2}
+        spec = {
+            "method": "eagle3",
+            "model": draft,
+            "adaptive_num_speculative_tokens": False,
+            "num_speculative_tokens": 2,
+        }
         tokens1, counts1 = _run(llama_near_bigram_dir, runs.prompts, spec, 1)
         tokens2, counts2 = _run(llama_near_bigram_dir, runs.prompts, spec, 2)
         assert tokens1 == tokens2 == ref_tokens, name
@@ -229,7 +238,7 @@ def test_mtp_self_draft_keeps_full_acceptance_at_pp2(deepseek_v3_mtp1_dir, tmp_p
     stage the target has none, so DeepSeekMTP must load its own."""
     draft = make_mtp_self_draft(tmp_path_factory.mktemp("mtp_self_pp"), deepseek_v3_mtp1_dir)
     prompts = make_prompts(512, LENGTHS, seed=12)
-    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    spec = {"method": "mtp", "adaptive_num_speculative_tokens": False, "num_speculative_tokens": 2}
     ref_tokens, _ = _run(draft, prompts)
     tokens, (drafts, draft_tokens, accepted, per_pos) = _run(draft, prompts, spec, 2)
     assert tokens == ref_tokens
@@ -261,7 +270,7 @@ def test_top_level_only_mtp_embedding_at_pp2(top_level_embed_self_drafts, family
     at P = 2 alike (a random or missing table would accept almost none)."""
     model = top_level_embed_self_drafts[family]
     prompts = make_prompts(512, LENGTHS, seed=13)
-    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    spec = {"method": "mtp", "adaptive_num_speculative_tokens": False, "num_speculative_tokens": 2}
     tokens1, counts1 = _run(model, prompts, spec, 1)
     tokens2, counts2 = _run(model, prompts, spec, 2)
     assert tokens2 == tokens1
@@ -292,7 +301,9 @@ def test_serve_pp2_mtp_equals_p1(runs, tmp_path):
 
     target = runs.dirs("mtp1")[0]
     ref_tokens, _ = runs.get("mtp1", 1, 0)
-    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+    spec = json.dumps(
+        {"method": "mtp", "adaptive_num_speculative_tokens": False, "num_speculative_tokens": 2}
+    )
     with RemoteServer(
         target,
         ["-pp", "2", "--dtype", "float32", "--max-model-len", "128", "--speculative-config", spec],

@@ -107,7 +107,11 @@ class _Runs:
             _, _, method, k = MODELS[model]
             cfg: dict | None = None
             if spec:
-                cfg = {"method": method, "num_speculative_tokens": k}
+                cfg = {
+                    "method": method,
+                    "num_speculative_tokens": k,
+                    "adaptive_num_speculative_tokens": False,
+                }
                 if draft:
                     cfg["model"] = draft
                 if tp > 1 and method != "mtp":
@@ -163,6 +167,7 @@ def test_unsplittable_drafts_are_refused(
             speculative_config={
                 "method": "mtp",
                 "num_speculative_tokens": 1,
+                "adaptive_num_speculative_tokens": False,
                 "draft_tensor_parallel_size": 3,
             },
             **COMMON,
@@ -174,6 +179,7 @@ def test_unsplittable_drafts_are_refused(
             speculative_config={
                 "method": "eagle3",
                 "num_speculative_tokens": 2,
+                "adaptive_num_speculative_tokens": False,
                 "model": eagle3_llama_dir,
             },
             **COMMON,

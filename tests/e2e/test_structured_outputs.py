@@ -61,7 +61,11 @@ def _spec(name: str, k: int) -> dict | None:
     if not k:
         return None
     _, method, head = MODELS[name]
-    spec: dict = {"method": method, "num_speculative_tokens": k}
+    spec: dict = {
+        "method": method,
+        "num_speculative_tokens": k,
+        "adaptive_num_speculative_tokens": False,
+    }
     if head:
         spec["model"] = zoo_path(head)
     return spec

@@ -324,7 +324,7 @@ def test_serve_tp2_pp2_mtp_equals_one_worker(tmp_path_factory, tmp_path):
         tmp_path_factory.mktemp("serve_dsv3"), num_hidden_layers=4, num_nextn_predict_layers=1
     )
     model = make_mtp_self_draft(tmp_path_factory.mktemp("serve_near"), src, target_scale=0.2)
-    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    spec = {"method": "mtp", "num_speculative_tokens": 2, "adaptive_num_speculative_tokens": False}
     ref_llm = LLM(model=model, speculative_config=spec, **COMMON)
     try:
         prompts = make_prompts(ref_llm.llm_engine.model_config.vocab_size, [6, 23], seed=7)

@@ -38,7 +38,9 @@ REGEX = r"[a-z]{2,5}_[0-9]{2}"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+    spec = json.dumps(
+        {"method": "mtp", "num_speculative_tokens": 2, "adaptive_num_speculative_tokens": False}
+    )
     args = [
         "--served-model-name", NAME, "--max-model-len", "256", "-pp", "2",
         "--speculative-config", spec, "--disable-uvicorn-access-log",

@@ -43,7 +43,9 @@ MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    spec = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+    spec = json.dumps(
+        {"method": "mtp", "num_speculative_tokens": 2, "adaptive_num_speculative_tokens": False}
+    )
     args = [
         "--served-model-name", NAME, "--max-model-len", "512",
         "--speculative-config", spec, "--enable-auto-tool-choice",

@@ -147,7 +147,11 @@ def variants(v32_dir, tmp_path_factory):
 def _mtp_llm(path: str, k: int, **kw) -> LLM:
     return LLM(
         model=path,
-        speculative_config={"method": "mtp", "num_speculative_tokens": k},
+        speculative_config={
+            "method": "mtp",
+            "adaptive_num_speculative_tokens": False,
+            "num_speculative_tokens": k,
+        },
         **{**MTP_COMMON, **kw},
     )
 

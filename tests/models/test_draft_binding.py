@@ -131,7 +131,11 @@ def test_text_only_speculators_skip_the_mm_gather(deepseek_v3_mtp1_dir):
         dtype="float32",
         max_model_len=64,
         max_num_seqs=2,
-        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+        speculative_config={
+            "method": "mtp",
+            "adaptive_num_speculative_tokens": False,
+            "num_speculative_tokens": 1,
+        },
     )
     try:
         draft = llm.llm_engine.executor.worker.model_runner.speculator.model

@@ -273,7 +273,11 @@ def test_mtp_needs_mtp_weights(qwen3_5_dir, tmp_path):
 
     # The drafts build on the last stage of a pipeline, where only the last stage drafts.
     assert supports_pp(Qwen3_5MTP) and supports_pp(Qwen3_5MoeMTP)
-    spec = {"method": "qwen3_5_mtp", "num_speculative_tokens": 1}
+    spec = {
+        "method": "qwen3_5_mtp",
+        "adaptive_num_speculative_tokens": False,
+        "num_speculative_tokens": 1,
+    }
     # No MTP layers declared.
     no_cfg = tmp_path / "no_cfg"
     shutil.copytree(qwen3_5_dir, no_cfg)
@@ -299,7 +303,11 @@ SPEC_LENGTHS = [40, 23, 9, 3]
 def _spec_run(path: str, prompts, k: int, **kw):
     llm = LLM(
         model=path,
-        speculative_config={"method": "mtp", "num_speculative_tokens": k},
+        speculative_config={
+            "method": "mtp",
+            "adaptive_num_speculative_tokens": False,
+            "num_speculative_tokens": k,
+        },
         disable_log_stats=False,
         max_num_seqs=8,
         **{**COMMON, **kw},
@@ -345,7 +353,11 @@ def test_mtp_partial_acceptance_with_chunked_prefill_and_preemption(qwen3_5_near
     path = qwen3_5_near_self_draft_dir
     probe = LLM(
         model=path,
-        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+        speculative_config={
+            "method": "mtp",
+            "adaptive_num_speculative_tokens": False,
+            "num_speculative_tokens": 2,
+        },
         max_num_seqs=8,
         **COMMON,
     )

@@ -162,7 +162,11 @@ def vl_near_self_draft_dir(tmp_path_factory: pytest.TempPathFactory, vl_mtp_dir)
 def _spec(path, cases, pp, k=2):
     llm = LLM(
         model=path,
-        speculative_config={"method": "mtp", "num_speculative_tokens": k},
+        speculative_config={
+            "method": "mtp",
+            "num_speculative_tokens": k,
+            "adaptive_num_speculative_tokens": False,
+        },
         pipeline_parallel_size=pp,
         enable_chunked_prefill=True,
         max_num_batched_tokens=8,
@@ -304,7 +308,11 @@ def test_draft_first_pass_reads_the_encoder_outputs(vl_mtp_dir):
     the image's encoder outputs (every row of them), not the placeholder token's embedding."""
     llm = LLM(
         model=vl_mtp_dir,
-        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+        speculative_config={
+            "method": "mtp",
+            "num_speculative_tokens": 1,
+            "adaptive_num_speculative_tokens": False,
+        },
         enable_chunked_prefill=True,
         max_num_batched_tokens=8,
         **COMMON,

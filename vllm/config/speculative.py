@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""SpeculativeConfig: the drafter (MTP, EAGLE, EAGLE3, DFlash, DSpark) and its checks against
-the target."""
+"""SpeculativeConfig: the drafter (MTP, EAGLE, EAGLE3, DFlash, DSpark, n-gram prompt lookup),
+its checks against the target, and how many drafts a step verifies (the batch-size schedule and
+the adaptive per-request K)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class SpecMethod:
     """What one speculative method needs and what runs it (the one list of methods)."""
 
     family: str
-    """mtp | eagle | eagle3 | dflash: the draft layout the config checks."""
+    """mtp | eagle | eagle3 | dflash | ngram: the draft layout the config checks."""
     speculator: str
     """`module:Class` of the speculator that runs it (imported by init_speculator, so the
     config imports no model or worker module)."""
@@ -33,6 +34,8 @@ class SpecMethod:
     aux_hidden_states: str
     """never | config | always: whether the draft reads the target's aux hidden states
     ("config": unless the draft config's eagle_config sets use_aux_hidden_state false)."""
+    has_draft_model: bool = True
+    """The method runs a draft network (False: drafts come from the request's own tokens)."""
 
 
 _SPEC = "vllm.v1.worker.gpu.spec_decode"
@@ -46,6 +49,10 @@ SPEC_METHODS: dict[str, SpecMethod] = {
     # Block-parallel drafts: one forward proposes the whole block from the anchor token.
     "dflash": SpecMethod("dflash", _DFLASH, True, True, "always"),
     "dspark": SpecMethod("dflash", _DFLASH, True, True, "always"),
+    # Prompt lookup: the continuation of the longest earlier match of the request's last n-gram.
+    "ngram": SpecMethod(
+        "ngram", f"{_SPEC}.ngram.speculator:NgramSpeculator", False, False, "never", False
+    ),
 }
 # Target architecture -> the architecture of its in-checkpoint MTP draft.
 MTP_DRAFT_ARCHITECTURES = {
@@ -78,6 +85,7 @@ _METHOD_ALIASES = {
     "mimo_mtp": "mtp",
     "ernie_mtp": "mtp",
     "glm4_moe_mtp": "mtp",
+    "[ngram]": "ngram",
 }
 _SPEC_KEYS = {
     "method",
@@ -88,6 +96,10 @@ _SPEC_KEYS = {
     "draft_tensor_parallel_size",
     "quantization",
     "revision",
+    "prompt_lookup_min",
+    "prompt_lookup_max",
+    "num_speculative_tokens_per_batch_size",
+    "adaptive_num_speculative_tokens",
 }
 
 
@@ -141,8 +153,21 @@ class SpeculativeConfig:
     """The draft's TP: None or the target's tensor_parallel_size (the draft's layers split
     like the target's), or 1 (the draft whole on every TP rank of the last stage, each
     computing the same; TP rank 0's tokens are used)."""
+    prompt_lookup_min: int | None = None
+    """ngram: the shortest n-gram matched (default: prompt_lookup_max, or 5 when neither is
+    given, as vLLM)."""
+    prompt_lookup_max: int | None = None
+    """ngram: the longest n-gram matched, tried first (default: prompt_lookup_min, or 5)."""
+    num_speculative_tokens_per_batch_size: list[list[int]] | None = None
+    """[[start_bs, end_bs, K], ...]: the drafts a step verifies per request when the batch has
+    start_bs..end_bs requests (inclusive; K = 0: none); batch sizes not listed use
+    num_speculative_tokens."""
+    adaptive_num_speculative_tokens: bool = True
+    """Choose each request's K every step from its measured acceptance per position and the
+    step cost measured at start-up, down to 0 when drafting does not pay (probed again
+    later); never above the batch-size schedule. Output does not depend on it."""
     draft_model_config: Any = field(default=None, repr=False)
-    """The draft's ModelConfig (filled by VllmConfig)."""
+    """The draft's ModelConfig (filled by VllmConfig; None for ngram)."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
@@ -154,8 +179,16 @@ class SpeculativeConfig:
                 f"speculative_config has unknown key(s) {sorted(unknown)}; "
                 f"known: {sorted(_SPEC_KEYS)}"
             )
+        if d.get("model") in ("ngram", "[ngram]"):
+            # vLLM's older spelling of prompt lookup: model="[ngram]" (no draft folder).
+            if d.get("method") not in (None, "ngram", "[ngram]"):
+                raise ValueError(
+                    f"speculative_config.model {d['model']!r} means method 'ngram', not "
+                    f"{d['method']!r}"
+                )
+            d = {**{k: v for k, v in d.items() if k != "model"}, "method": "ngram"}
         d = _with_speculators_defaults(d)
-        if "method" not in d:
+        if d.get("method") is None:
             raise ValueError("speculative_config.method is required (e.g. 'mtp' or 'eagle3')")
         names = (
             "method",
@@ -163,6 +196,10 @@ class SpeculativeConfig:
             "model",
             "draft_sample_method",
             "draft_tensor_parallel_size",
+            "prompt_lookup_min",
+            "prompt_lookup_max",
+            "num_speculative_tokens_per_batch_size",
+            "adaptive_num_speculative_tokens",
         )
         keep: dict[str, Any] = {k: d[k] for k in names if d.get(k) is not None}
         return cls(**keep)
@@ -188,6 +225,81 @@ class SpeculativeConfig:
             )
         if self.method_info.needs_draft_model and not self.model:
             raise ValueError(f"speculative_config.model is required for method {self.method!r}")
+        self._check_prompt_lookup()
+        self._check_batch_size_schedule()
+        if not isinstance(self.adaptive_num_speculative_tokens, bool):
+            raise ValueError(
+                "speculative_config.adaptive_num_speculative_tokens must be true or false, got "
+                f"{self.adaptive_num_speculative_tokens!r}"
+            )
+
+    def _check_prompt_lookup(self) -> None:
+        """vLLM's defaults and checks for prompt_lookup_min / prompt_lookup_max."""
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {v!r}")
+        if self.method != "ngram":
+            if lo is not None or hi is not None:
+                logger.warning(
+                    "speculative_config.prompt_lookup_min/max are ignored by method %r",
+                    self.method,
+                )
+            return
+        if self.model:
+            raise ValueError(
+                f"speculative_config.model must not be set for method 'ngram' (it drafts from "
+                f"the request's own tokens), got {self.model!r}"
+            )
+        if lo is None and hi is None:
+            lo = hi = 5
+        elif lo is None:
+            lo = hi
+        elif hi is None:
+            hi = lo
+        assert lo is not None and hi is not None
+        if lo > hi:
+            raise ValueError(
+                f"speculative_config.prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}"
+            )
+        self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+
+    def _check_batch_size_schedule(self) -> None:
+        sched = self.num_speculative_tokens_per_batch_size
+        if sched is None:
+            return
+        where = "speculative_config.num_speculative_tokens_per_batch_size"
+        if not isinstance(sched, list | tuple) or not sched:
+            raise ValueError(f"{where} must be a non-empty list of [start_bs, end_bs, K]")
+        rows: list[list[int]] = []
+        for e in sched:
+            if (
+                not isinstance(e, list | tuple)
+                or len(e) != 3
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in e)
+            ):
+                raise ValueError(f"{where}: each entry must be [start_bs, end_bs, K], got {e!r}")
+            lo, hi, k = e
+            if lo < 1 or hi < lo:
+                raise ValueError(f"{where}: entry {list(e)} needs 1 <= start_bs <= end_bs")
+            if not 0 <= k <= self.num_speculative_tokens:
+                raise ValueError(
+                    f"{where}: entry {list(e)} has K={k}; it must be in 0.."
+                    f"{self.num_speculative_tokens} (num_speculative_tokens)"
+                )
+            rows.append([lo, hi, k])
+        rows.sort()
+        for a, b in zip(rows, rows[1:]):
+            if b[0] <= a[1]:
+                raise ValueError(f"{where}: entries {a} and {b} overlap")
+        self.num_speculative_tokens_per_batch_size = rows
+
+    def k_for_batch_size(self, batch_size: int) -> int:
+        """The most drafts per request the schedule allows at this batch size."""
+        for lo, hi, k in self.num_speculative_tokens_per_batch_size or ():
+            if lo <= batch_size <= hi:
+                return k
+        return self.num_speculative_tokens
 
     @property
     def method_info(self) -> SpecMethod:
@@ -207,6 +319,8 @@ class SpeculativeConfig:
         """How many tokens after a position the draft's KV at that position depends on: 1 for
         a draft that reads the next token there (EAGLE, one MTP layer); with n chained MTP
         layers, layer s at position t reads token t + s + 1, so min(K, n)."""
+        if not self.method_info.has_draft_model:
+            return 0  # no draft KV
         if self.method_info.family == "mtp" and self.draft_model_config is not None:
             n = num_mtp_layers(self.draft_model_config.hf_text_config)
             return max(1, min(self.num_speculative_tokens, n))

@@ -73,7 +73,11 @@ class VllmConfig:
                 f"with tensor_parallel_size={tp}: the draft runs tensor-parallel with its "
                 f"target (unset or {tp}) or whole on every rank (1)"
             )
-        if spec is not None and spec.draft_model_config is None:
+        if (
+            spec is not None
+            and spec.draft_model_config is None
+            and spec.method_info.has_draft_model
+        ):
             draft_path = spec.model or mc.model
             spec.draft_model_config = ModelConfig(
                 model=draft_path,

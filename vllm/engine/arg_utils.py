@@ -74,8 +74,10 @@ class EngineArgs:
     )
     speculative_config: dict[str, Any] | str | None = None
     """Speculative decoding as a dict (JSON on the command line), e.g.
-    {"method": "mtp", "num_speculative_tokens": 2}; keys: method (mtp | eagle | eagle3),
-    num_speculative_tokens, model (the draft folder), draft_sample_method. None: off."""
+    {"method": "mtp", "num_speculative_tokens": 2}; keys: method (mtp | eagle | eagle3 |
+    dflash | dspark | ngram), num_speculative_tokens, model (the draft folder),
+    draft_sample_method, prompt_lookup_min / prompt_lookup_max (ngram),
+    num_speculative_tokens_per_batch_size, adaptive_num_speculative_tokens. None: off."""
     compilation_config: dict[str, Any] | str | None = None
     """The fixed shapes of a step's forward as a dict (JSON on the command line), e.g.
     {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]}. None: no padding."""

@@ -34,7 +34,14 @@ def sched_config(
         ),
         cache_config=SimpleNamespace(block_size=block_size, enable_prefix_caching=caching),
         num_speculative_tokens=k,
-        speculative_config=SimpleNamespace(num_lookahead_tokens=1) if k else None,
+        speculative_config=SimpleNamespace(
+            num_lookahead_tokens=1,
+            num_speculative_tokens=k,
+            adaptive_num_speculative_tokens=False,
+            k_for_batch_size=lambda batch_size: k,
+        )
+        if k
+        else None,
     )
 
 

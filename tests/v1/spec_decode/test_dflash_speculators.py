@@ -134,7 +134,11 @@ def _check_block_logits(head_name, kw, target, no_spec, tmp_path, logged) -> Non
     if repeated:
         prompts, ref_tokens = prompts + prompts[2:], ref_tokens + ref_tokens[2:]
     head = make_speculators_dflash(tmp_path / head_name, target, **HEADS[head_name])
-    llm = LLM(model=target, speculative_config={"model": head}, **{**COMMON, **kw})
+    llm = LLM(
+        model=target,
+        speculative_config={"model": head, "adaptive_num_speculative_tokens": False},
+        **{**COMMON, **kw},
+    )
     try:
         records = _record(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)

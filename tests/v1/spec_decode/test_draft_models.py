@@ -171,7 +171,7 @@ def test_mtp_drafts_match_reference(deepseek_v3_mtp1_dir):
     records = _drafted(
         deepseek_v3_mtp1_dir,
         prompts,
-        {"method": "mtp", "num_speculative_tokens": k},
+        {"method": "mtp", "adaptive_num_speculative_tokens": False, "num_speculative_tokens": k},
         max_num_batched_tokens=8,
     )
     ref = _MTPReference(deepseek_v3_mtp1_dir)
@@ -205,7 +205,10 @@ def test_chained_mtp_drafts_match_reference(request, ckpt, k):
     model = request.getfixturevalue(ckpt)
     prompts = make_prompts(512, [13, 5, 22], seed=11)
     records = _drafted(
-        model, prompts, {"method": "mtp", "num_speculative_tokens": k}, max_num_batched_tokens=8
+        model,
+        prompts,
+        {"method": "mtp", "adaptive_num_speculative_tokens": False, "num_speculative_tokens": k},
+        max_num_batched_tokens=8,
     )
     ref = _MTPReference(model)
     checked = _sample(records, 8)
@@ -223,7 +226,11 @@ def test_chained_mtp_drafts_do_not_depend_on_old_kv(mtp2_near_dir):
         **COMMON,
         max_num_batched_tokens=8,
         enable_prefix_caching=False,
-        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+        speculative_config={
+            "method": "mtp",
+            "adaptive_num_speculative_tokens": False,
+            "num_speculative_tokens": 2,
+        },
     )
     try:
         records = _record_drafts(llm)
@@ -265,7 +272,13 @@ def test_mtp_loading_shares_identical_tables(deepseek_v3_mtp2_dir, tmp_path):
     no_embed = _without_mtp_embed(deepseek_v3_mtp2_dir, tmp_path / "noembed")
     for model in (deepseek_v3_mtp2_dir, no_embed):
         llm = LLM(
-            model=model, **COMMON, speculative_config={"method": "mtp", "num_speculative_tokens": 2}
+            model=model,
+            **COMMON,
+            speculative_config={
+                "method": "mtp",
+                "adaptive_num_speculative_tokens": False,
+                "num_speculative_tokens": 2,
+            },
         )
         try:
             runner = _runner(llm)
@@ -321,7 +334,10 @@ def test_mtp_layers_keep_one_embedding_table_on_the_last_stage(
         if own_tables
         else _without_mtp_embed(deepseek_v3_mtp2_dir, tmp_path / "noembed")
     )
-    target, draft = _last_stage_draft(model, {"method": "mtp", "num_speculative_tokens": 2})
+    target, draft = _last_stage_draft(
+        model,
+        {"method": "mtp", "adaptive_num_speculative_tokens": False, "num_speculative_tokens": 2},
+    )
     assert isinstance(target.model.embed_tokens, PPMissingLayer)
     tables = [layer.embed_tokens for layer in draft.model.layers.values()]
     assert len(tables) == 2 and tables[0] is tables[1]
@@ -363,7 +379,7 @@ def test_last_stage_builds_the_mtp_draft_only_if_it_supports_pp(mtp_targets, fam
 
     module, name = _MTP_DRAFTS[family]
     cls = getattr(importlib.import_module(module), name)
-    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    spec = {"method": "mtp", "adaptive_num_speculative_tokens": False, "num_speculative_tokens": 1}
     _, draft = _last_stage_draft(mtp_targets[family], spec)
     assert type(draft) is cls
     monkeypatch.setattr(cls, "supports_pp", False)
@@ -389,7 +405,7 @@ def test_last_stage_refuses_a_draft_without_a_working_factory(
             return IntermediateTensors({})
 
     monkeypatch.setattr(DeepSeekMTP, "make_empty_intermediate_tensors", factory)
-    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    spec = {"method": "mtp", "adaptive_num_speculative_tokens": False, "num_speculative_tokens": 1}
     with pytest.raises(ValueError, match="DeepSeekMTP does not support pipeline parallelism"):
         _last_stage_draft(deepseek_v3_mtp1_dir, spec)
 
@@ -501,7 +517,12 @@ def test_eagle3_drafts_match_reference(request, target, tmp_path):
     records = _drafted(
         target_dir,
         prompts,
-        {"method": "eagle3", "model": draft, "num_speculative_tokens": k},
+        {
+            "method": "eagle3",
+            "model": draft,
+            "adaptive_num_speculative_tokens": False,
+            "num_speculative_tokens": k,
+        },
         max_num_batched_tokens=budget,
     )
     ref = _Eagle3Reference(target_dir, draft)
@@ -517,7 +538,12 @@ def test_eagle3_loading_shares_target_embedding(llama_dir, tmp_path):
         llm = LLM(
             model=llama_dir,
             **COMMON,
-            speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": 1},
+            speculative_config={
+                "method": "eagle3",
+                "model": draft,
+                "adaptive_num_speculative_tokens": False,
+                "num_speculative_tokens": 1,
+            },
         )
         try:
             runner = _runner(llm)
@@ -607,7 +633,12 @@ def test_eagle_drafts_match_reference(llama_dir, tmp_path, layout):
     records = _drafted(
         llama_dir,
         prompts,
-        {"method": "eagle", "model": draft, "num_speculative_tokens": k},
+        {
+            "method": "eagle",
+            "model": draft,
+            "adaptive_num_speculative_tokens": False,
+            "num_speculative_tokens": k,
+        },
         max_num_batched_tokens=8,  # chunked prefill
     )
     ref = _EagleReference(llama_dir, draft)
@@ -625,7 +656,12 @@ def test_eagle_loading_shares_what_the_draft_lacks(llama_dir, tmp_path):
         llm = LLM(
             model=llama_dir,
             **COMMON,
-            speculative_config={"method": "eagle", "model": draft, "num_speculative_tokens": 1},
+            speculative_config={
+                "method": "eagle",
+                "model": draft,
+                "adaptive_num_speculative_tokens": False,
+                "num_speculative_tokens": 1,
+            },
         )
         try:
             runner = _runner(llm)

@@ -69,7 +69,12 @@ def test_draft_logits_match_speculators(name, llama_dir, tmp_path):
     llm = LLM(
         model=llama_dir,
         **COMMON,
-        speculative_config={"method": "eagle3", "model": head, "num_speculative_tokens": k},
+        speculative_config={
+            "method": "eagle3",
+            "model": head,
+            "adaptive_num_speculative_tokens": False,
+            "num_speculative_tokens": k,
+        },
     )
     try:
         records = record_drafts(llm)

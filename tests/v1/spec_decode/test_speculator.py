@@ -47,7 +47,11 @@ def _make(model: str, k: int) -> tuple[LLM, object]:
         dtype="float32",
         max_model_len=128,
         max_num_seqs=MAX_SEQS,
-        speculative_config={"method": "mtp", "num_speculative_tokens": k},
+        speculative_config={
+            "method": "mtp",
+            "adaptive_num_speculative_tokens": False,
+            "num_speculative_tokens": k,
+        },
     )
     spec = llm.llm_engine.executor.worker.model_runner.speculator
     _instrument(spec)

@@ -29,7 +29,11 @@ def test_pending_sends_bounded_and_idle_hang_detected(deepseek_v3_mtp1_dir, monk
         dtype="float32",
         max_model_len=128,
         max_num_batched_tokens=16,  # chunked prefill: many steps
-        speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+        speculative_config={
+            "method": "mtp",
+            "adaptive_num_speculative_tokens": False,
+            "num_speculative_tokens": 2,
+        },
     )
     executor = llm.llm_engine.executor
     procs = [psutil.Process(p) for p in executor.worker_pids]

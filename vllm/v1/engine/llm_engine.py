@@ -20,7 +20,7 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.output_processor import ChildState, OutputProcessor, RequestState
-from vllm.v1.engine.warmup import warm_up
+from vllm.v1.engine.warmup import measure_step_costs, warm_up
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from vllm.v1.metrics.reader import Metric, get_metrics_snapshot
@@ -114,6 +114,9 @@ class LLMEngine:
                 num_blocks = override
             self.executor.initialize_kv_cache(num_blocks)
             warm_up(vllm_config, self.executor, num_blocks, num_state_slots(vllm_config))
+            step_costs = measure_step_costs(
+                vllm_config, self.executor, num_blocks, num_state_slots(vllm_config)
+            )
         except BaseException:
             self.executor.shutdown()
             raise
@@ -128,7 +131,9 @@ class LLMEngine:
             mc.max_model_len,
             num_blocks * bs / mc.max_model_len,
         )
-        self.scheduler = Scheduler(vllm_config, num_blocks, num_state_slots(vllm_config))
+        self.scheduler = Scheduler(
+            vllm_config, num_blocks, num_state_slots(vllm_config), step_costs=step_costs
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.generation_config = mc.try_get_generation_config()

@@ -21,8 +21,9 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.sched.spec_k import StepCostModel
 from vllm.v1.executor.abstract import Executor
-from vllm.v1.request import Request
+from vllm.v1.request import Request, RequestStatus
 
 logger = init_logger(__name__)
 
@@ -83,3 +84,112 @@ def warm_up(vllm_config: VllmConfig, executor: Executor, num_blocks: int, num_sl
         steps,
         time.perf_counter() - t0,
     )
+
+
+def measure_step_costs(
+    vllm_config: VllmConfig, executor: Executor, num_blocks: int, num_slots: int
+) -> StepCostModel | None:
+    """The step cost model the adaptive K needs (vllm.v1.core.sched.spec_k), timed through the
+    real stages after the warm-up: per batch size B (1, 2, 4, ... up to max_num_seqs and 16),
+    a step verifying 0 and K dummy drafts per request without drafting, and one verifying K
+    drafting K steps (medians of 3). None when speculation or the adaptive K is off or the
+    dummy requests do not fit."""
+    spec = vllm_config.speculative_config
+    if spec is None or not spec.adaptive_num_speculative_tokens:
+        return None
+    t0 = time.perf_counter()
+    sc = vllm_config.scheduler_config
+    max_model_len = vllm_config.model_config.max_model_len
+    assert max_model_len is not None  # resolved from the checkpoint by ModelConfig
+    k = spec.num_speculative_tokens
+    prompt, reps = 4, 3
+    configs = [(0, 0), (k, 0), (k, k)]  # (drafts verified, draft steps run)
+    per_req = prompt + 1 + len(configs) * reps * (k + 1) + k + 1
+    blocks = -(-per_req // vllm_config.cache_config.block_size)
+    limit = min(sc.max_num_seqs, 16, num_blocks // max(blocks, 1))
+    limit = min(limit, sc.max_num_batched_tokens // (k + 1))
+    if per_req >= max_model_len or limit < 1:
+        return None
+    sizes = sorted({b for b in (1, 2, 4, 8, 16) if b <= limit} | {limit})
+    vocab = max(1, vllm_config.model_config.vocab_size)
+    verify: dict[int, list[float]] = {}
+    draft_step: dict[int, float] = {}
+    for b in sizes:
+        sched = Scheduler(vllm_config, num_blocks, num_slots)
+        policy = sched.spec_k
+        assert policy is not None
+        ids = [f"cost-{b}-{i}" for i in range(b)]
+        params = SamplingParams(max_tokens=max_model_len, temperature=0.0, ignore_eos=True)
+        for i, rid in enumerate(ids):
+            toks = [(i * 31 + j * 7) % vocab for j in range(prompt)]
+            sched.add_request(Request(rid, toks, params, seed=i))
+        policy.force_k = 0
+        so = sched.schedule()
+        sched.update_from_output(so, executor.execute_model(so))
+        times: dict[tuple[int, int], list[float]] = {c: [] for c in configs}
+        for _ in range(reps):
+            for m, ds in configs:
+                for rid in ids:
+                    sched.requests[rid].spec_token_ids = [1 % vocab] * m
+                policy.force_k = ds
+                t = time.perf_counter()
+                so = sched.schedule()
+                out = executor.execute_model(so)
+                times[(m, ds)].append(time.perf_counter() - t)
+                sched.update_from_output(so, out)
+        sched.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        so = sched.schedule()
+        executor.execute_model(so)
+        med = {c: sorted(v)[len(v) // 2] for c, v in times.items()}
+        verify.setdefault(b, []).append(med[(0, 0)])
+        verify.setdefault(b * (k + 1), []).append(med[(k, 0)])
+        draft_step[b] = max(med[(k, k)] - med[(k, 0)], 0.0) / k
+    tokens = sorted(verify)
+    raw = [sum(verify[t]) / len(verify[t]) for t in tokens]
+    model = StepCostModel(
+        tokens=tokens,
+        verify_s=_monotone(raw),
+        batch_sizes=sizes,
+        # A difference of two timings: fitted the same way (one noisy pair can read 0).
+        draft_step_s=_fit_line(sizes, [draft_step[b] for b in sizes]),
+    )
+    logger.info(
+        "Step costs for the adaptive K (%.2f s): verify ms by tokens %s (made monotone %s), one "
+        "draft step ms by batch size %s",
+        time.perf_counter() - t0,
+        {t: round(v * 1e3, 2) for t, v in zip(tokens, raw)},
+        {t: round(v * 1e3, 2) for t, v in zip(model.tokens, model.verify_s)},
+        {b: round(v * 1e3, 2) for b, v in zip(model.batch_sizes, model.draft_step_s)},
+    )
+    return model
+
+
+def _fit_line(xs: list[int], ys: list[float]) -> list[float]:
+    """The least-squares line a + b x (b >= 0) through measured times, at xs: a step's cost
+    grows about linearly with its tokens (or batch size) at these sizes, and one timing of a
+    busy machine can be off by half, which a per-point curve would take for a real step."""
+    if len(xs) < 3:
+        return list(ys)
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    b = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 0.0) if var else 0.0
+    a = max(my - b * mx, min(ys) / 2, 0.0)
+    return [a + b * x for x in xs]
+
+
+def _monotone(ys: list[float]) -> list[float]:
+    """The closest non-decreasing sequence (pool adjacent violators): a step with more tokens
+    never costs less. Keeps a real jump (on a CPU, a single-row step runs a matrix-vector path
+    and two rows cost much more) and averages out a timing the busy machine inflated."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for y in ys:
+        blocks.append([y, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    out: list[float] = []
+    for s, c in blocks:
+        out += [s / c] * int(c)
+    return out

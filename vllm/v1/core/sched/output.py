@@ -46,6 +46,9 @@ class SchedulerOutput:
     finished_req_ids: set[str]  # finished or preempted since the last step: free their slots
     step_id: int = 0
     num_prompt_tokens: int = 0  # prompt (or recomputed) tokens among the scheduled ones
+    num_draft_steps: int | None = None
+    """The most drafts any request of this step verifies next step (its proposer may skip the
+    draft steps after them); None: num_speculative_tokens."""
 
     @property
     def req_ids(self) -> list[str]:

@@ -18,6 +18,7 @@ from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+from vllm.v1.core.sched.spec_k import SpecKPolicy, StepCostModel
 from vllm.v1.engine import EngineCoreOutput
 from vllm.v1.metrics.stats import SchedulerStats, SpecDecodingStats
 from vllm.v1.outputs import ModelRunnerOutput
@@ -32,8 +33,23 @@ class SchedulerStepResult:
     stats: SchedulerStats | None = None
 
 
+def valid_drafts(row: list[int]) -> list[int]:
+    """A row of proposed drafts up to its first padding entry (negative: no draft there; a
+    drafter without a match, or a step that drafted fewer than K)."""
+    for i, t in enumerate(row):
+        if t < 0:
+            return list(row[:i])
+    return list(row)
+
+
 class Scheduler:
-    def __init__(self, vllm_config: VllmConfig, num_blocks: int, num_state_slots: int = 0):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        num_blocks: int,
+        num_state_slots: int = 0,
+        step_costs: StepCostModel | None = None,
+    ):
         sc = vllm_config.scheduler_config
         self.max_num_seqs = sc.max_num_seqs
         self.max_num_batched_tokens = sc.max_num_batched_tokens
@@ -41,6 +57,10 @@ class Scheduler:
         self.max_model_len = sc.max_model_len
         self.block_size = vllm_config.cache_config.block_size
         self.num_spec_tokens = vllm_config.num_speculative_tokens
+        # Drafts each request verifies per step (the batch-size schedule, adaptive K); an
+        # adaptive K needs the step costs measured at start-up (step_costs).
+        spec = vllm_config.speculative_config
+        self.spec_k = SpecKPolicy(spec, step_costs) if spec is not None else None
         self.enable_prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
@@ -100,6 +120,8 @@ class Scheduler:
             self._free(req)
 
     def _free(self, req: Request) -> None:
+        if self.spec_k is not None:
+            self.spec_k.forget(req.request_id)
         self.kv_cache_manager.free(req)
         self._sent_blocks.pop(req.request_id, None)
         self.finished_req_ids.add(req.request_id)
@@ -153,6 +175,10 @@ class Scheduler:
         cached = CachedRequestData()
         preempted = False
         num_hit_tokens: dict[str, int] = {}
+        # The batch-size schedule's ceiling at about this step's batch (a sudden rise in load
+        # cuts drafts already proposed).
+        est_bs = min(len(self.running) + len(self.waiting), cap, self.max_num_seqs)
+        k_cap = self.spec_k.cap(max(est_bs, 1)) if self.spec_k is not None else 0
 
         i = 0
         while i < len(self.running) and budget > 0 and len(num_scheduled) < cap:
@@ -160,6 +186,8 @@ class Scheduler:
             if req.in_flight:
                 i += 1
                 continue
+            if len(req.spec_token_ids) > k_cap:
+                req.spec_token_ids = req.spec_token_ids[:k_cap]
             n = req.num_tokens_with_spec - req.num_computed_tokens
             n = min(n, budget, self.max_model_len - req.num_computed_tokens)
             if n <= 0:
@@ -243,6 +271,10 @@ class Scheduler:
             num_prompt += max(0, min(c + n, req.num_prompt_tokens) - start)
             req.num_computed_tokens += n
             req.in_flight += 1
+        num_draft_steps = None
+        if self.spec_k is not None and num_scheduled:
+            ks = self.spec_k.decide(list(num_scheduled), len(num_scheduled))
+            num_draft_steps = max(ks.values())
         finished, self.finished_req_ids = self.finished_req_ids, set()
         self._step_id += 1
         return SchedulerOutput(
@@ -254,6 +286,7 @@ class Scheduler:
             finished_req_ids=finished,
             step_id=self._step_id,
             num_prompt_tokens=num_prompt,
+            num_draft_steps=num_draft_steps,
         )
 
     def _take_new_blocks(self, req: Request) -> list[int]:
@@ -288,6 +321,8 @@ class Scheduler:
                 num_accepted = len(sampled) - 1
                 req.num_computed_tokens -= len(drafts) - num_accepted
                 out.num_draft_tokens, out.num_accepted_tokens = len(drafts), num_accepted
+                if self.spec_k is not None:
+                    self.spec_k.observe(rid, len(drafts), num_accepted)
                 if spec_stats is not None:
                     spec_stats.observe_draft(len(drafts), num_accepted)
             req.spec_token_ids = []
@@ -307,7 +342,8 @@ class Scheduler:
                 self.running.remove(req)
                 self._free(req)
             elif runner_out.draft_token_ids is not None and sampled:
-                req.spec_token_ids = list(runner_out.draft_token_ids[idx])
+                k = self.spec_k.k_next(rid) if self.spec_k is not None else 0
+                req.spec_token_ids = valid_drafts(runner_out.draft_token_ids[idx])[:k]
             if out.new_token_ids or out.finish_reason or out.prompt_logprobs:
                 result.outputs[rid] = out
         result.stats = SchedulerStats(

@@ -74,7 +74,9 @@ def prepare_inputs(
         drafts = states.draft_tokens[
             slot_row, np.clip(draft_j, 0, states.draft_tokens.shape[1] - 1)
         ]
-        input_ids = np.where(is_draft, drafts, hist)
+        # A padded draft slot (no draft there) only runs when the scheduler verifies more
+        # drafts than were proposed (the start-up step-cost measurement): any token will do.
+        input_ids = np.where(is_draft, np.maximum(drafts, 0), hist)
     else:
         input_ids = hist
     seq_lens = c + n

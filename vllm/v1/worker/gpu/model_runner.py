@@ -83,6 +83,8 @@ class ModelRunner:
             self.structured = StructuredOutputStates(mc.tokenizer, mc.vocab_size)
         # Slots whose request entered this step (the speculator keeps nothing from before).
         self._new_slots = np.zeros(0, dtype=np.int64)
+        # The most drafts the scheduler verifies next step for this step's requests.
+        self._num_draft_steps: int | None = None
 
     # ---- setup --------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -203,6 +205,7 @@ class ModelRunner:
         if self.pp_handler is not None and not self.pp.is_last_rank:
             self._pp_apply_prev_results(so)
         self._update_states(so)
+        self._num_draft_steps = so.num_draft_steps
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {}, []) if self.pp.is_last_rank else None
         batch = self.prepare(so)
@@ -324,6 +327,9 @@ class ModelRunner:
                     sampling=SamplingArrays.of(st, slots),
                     new_req_mask=np.isin(slots, self._new_slots),
                     mm_embeds=self._draft_mm_embeds(batch),
+                    token_ids=st.token_ids,
+                    num_tokens=st.num_tokens,
+                    num_draft_steps=self._num_draft_steps,
                 )
             )
         result = StepResult(sampled, num_sampled, num_rejected, drafts)

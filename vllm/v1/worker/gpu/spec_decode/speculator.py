@@ -56,6 +56,9 @@ class ProposeInputs:
     """Multimodal targets, where the draft's binding gathers encoder outputs: the first-pass
     rows (of the target's layout, shifted left: row r reads the token after row r's) whose
     input is an image placeholder, and that placeholder's encoder output [N, H]."""
+    token_ids: np.ndarray | None = None
+    num_tokens: np.ndarray | None = None
+    num_draft_steps: int | None = None
 
     def __post_init__(self) -> None:
         self.num_sampled = np.asarray(self.num_sampled, dtype=np.int64)

@@ -28,6 +28,7 @@ from vllm.model_executor.models.interfaces import CombinesHiddenStates, TargetSh
 from vllm.v1.attention.backends.torch_paged import AttentionMetadata, build_attn_metadata
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator, ProposeInputs
+from vllm.v1.worker.gpu.states import PAD_TOKEN_ID
 
 if TYPE_CHECKING:
     pass
@@ -183,11 +184,23 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         hidden = feedback[torch.from_numpy(np.asarray(src)).to(self.device)]
         return StepInputs(drafts[:, step - 1], end, hidden, meta, rows)
 
-    def _draft(self, db: DraftBatch, hidden_states: torch.Tensor) -> np.ndarray:
-        """Run every draft step; returns drafts [num_reqs, K]. hidden_states covers the padded
+    @property
+    def min_draft_steps(self) -> int:
+        """Draft steps every propose runs whatever the scheduler asks for (step 0 always runs:
+        it writes the draft's KV at every position the target computed)."""
+        return 1
+
+    def _draft(
+        self, db: DraftBatch, hidden_states: torch.Tensor, num_steps: int | None = None
+    ) -> np.ndarray:
+        """Run the draft steps; returns drafts [num_reqs, K]. hidden_states covers the padded
         target layout (the step-0 forward runs on all of it); the hooks see the real
-        num_reqs."""
+        num_reqs. num_steps: the drafts the scheduler will verify next step (None: K); the
+        steps after them are skipped and their columns padded with PAD_TOKEN_ID, except the
+        min_draft_steps that keep the draft's own state (its KV) complete."""
         K = self.num_speculative_steps
+        want = K if num_steps is None else max(0, min(K, num_steps))
+        steps = max(want, self.min_draft_steps)
         R = db.num_reqs
         dev = self.device
         lti = torch.from_numpy(db.last_token_indices).to(dev)
@@ -212,13 +225,14 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                 0,
                 inputs_embeds=embeds0,
             )
-            with decode_rows():
-                logits = self._compute_logits(logits_h[lti], 0)
-            first = self.agree(self.sample_draft(logits, draft_pos, db.sampling))
-            drafts[:, 0] = first.cpu().numpy()
-        if K > 1:
+            if want > 0 or steps > 1:
+                with decode_rows():
+                    logits = self._compute_logits(logits_h[lti], 0)
+                first = self.agree(self.sample_draft(logits, draft_pos, db.sampling))
+                drafts[:, 0] = first.cpu().numpy()
+        if steps > 1:
             with self._hooked(self.on_multi_step_decode_begin, self.on_multi_step_decode_end, R):
-                for step in range(1, K):
+                for step in range(1, steps):
                     inp = self._decode_inputs(db, step, feedback, drafts)
                     logits_h, feedback = self._run_model(
                         torch.from_numpy(np.asarray(inp.input_ids)).to(dev),
@@ -233,6 +247,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                     tok = self.agree(self.sample_draft(logits, draft_pos + step, db.sampling))
                     drafts[:, step] = tok.cpu().numpy()
         self._end_draft(db)
+        drafts[:, want:] = PAD_TOKEN_ID
         return drafts.copy()
 
     def capture(self) -> None:
@@ -327,4 +342,4 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                 )
             db.mm_rows, db.mm_embeds = inputs.mm_embeds
             self.num_mm_rows_gathered += len(db.mm_rows)
-        return self._draft(db, hidden)
+        return self._draft(db, hidden, inputs.num_draft_steps)

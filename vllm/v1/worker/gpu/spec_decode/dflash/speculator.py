@@ -30,6 +30,7 @@ from vllm.model_executor.models.draft import DraftModel
 from vllm.model_executor.models.interfaces import TargetShares
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator, ProposeInputs
+from vllm.v1.worker.gpu.states import PAD_TOKEN_ID
 
 logger = init_logger(__name__)
 
@@ -196,6 +197,10 @@ class DFlashSpeculator(DraftModelSpeculator):
         ctx = self._dflash.combine_hidden_states(torch.cat(aux, dim=-1)[:T])
         positions = torch.from_numpy(np.asarray(b.positions_np[:T], dtype=np.int64))
         self._dflash.write_context(positions.to(self.device), ctx, b.attn_metadata.slot_mapping[:T])
+        if inputs.num_draft_steps == 0:
+            # The scheduler verifies no drafts next step: the context is written (the draft's
+            # only state), the block forward is skipped.
+            return np.full((b.num_reqs, self.num_speculative_steps), PAD_TOKEN_ID, np.int64)
         # The anchor is the token after each request's last valid row: the one just sampled,
         # or (non-final prefill chunk) the next prompt token.
         last_idx = inputs.last_valid_indices()

@@ -101,6 +101,12 @@ class MTPSpeculator(AutoRegressiveSpeculator):
         token s + 1 positions ahead)."""
         return self.num_chained_layers
 
+    @property
+    def min_draft_steps(self) -> int:
+        """Every chained layer runs each step (its KV stays final up to the last accepted
+        position), whatever the scheduler verifies next."""
+        return self.num_chained_layers
+
     def on_draft_bound(self, draft: DraftModel, shares: TargetShares) -> None:
         super().on_draft_bound(draft, shares)
         self.num_draft_layers = max(1, num_mtp_layers(self.draft_model_config.hf_text_config))

@@ -1,0 +1,163 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Prompt-lookup (n-gram) speculation on SmolLM2-135M-Instruct vs no speculation, in one run.
+
+Tasks whose answers copy from the prompt (rename a variable in / add type hints or a docstring
+to a given function, sort a given list); greedy; batch 1 (requests one after another). Engines:
+no speculation, ngram with K fixed (adaptive K off) and ngram with the adaptive K (default).
+All are built and warmed up first; each repeat times every engine once, in an order rotating
+between repeats; medians. Prints tokens/s, the speed-up over no speculation, the mean tokens
+per step (1 + accepted per verify step: the ceiling a free verify step would give), whether the
+greedy text equals no speculation's, and the matcher's share of the step time.
+
+    python benchmarks/ngram_smollm2.py [--dtype float32] [--k 4] [--min 2] [--max 4]
+        [--repeats 3] [--output-len 96] [--num-prompts 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import smollm2
+
+FUNC = """def total_price(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item["price"] * item["quantity"]
+    tax = subtotal * tax_rate
+    return subtotal + tax
+"""
+FUNC2 = """def merge_counts(left, right):
+    result = dict(left)
+    for key, value in right.items():
+        if key in result:
+            result[key] = result[key] + value
+        else:
+            result[key] = value
+    return result
+"""
+TASKS = [
+    f"Rename the variable `subtotal` to `net_total` in this function. Reply with the whole "
+    f"function only.\n\n{FUNC}",
+    f"Add Python type hints to this function. Reply with the whole function only.\n\n{FUNC2}",
+    f"Add a docstring to this function. Reply with the whole function only.\n\n{FUNC}",
+    "Sort this list of words alphabetically and reply with the sorted list only, one per line:"
+    "\nbanana\ncherry\napple\nmango\nkiwi\ngrape\nlemon\npeach\nplum\norange\nfig\npear",
+    f"Rename the function `merge_counts` to `combine_counts`. Reply with the whole function "
+    f"only.\n\n{FUNC2}",
+]
+
+
+def make_llm(model: str, dtype: str, spec: dict | None):
+    from vllm import LLM
+
+    return LLM(
+        model=model,
+        dtype=dtype,
+        speculative_config=spec,
+        max_model_len=512,
+        # A small step budget keeps start-up's warm-up short (it prefills a full budget).
+        max_num_batched_tokens=256,
+        max_num_seqs=4,
+    )
+
+
+def _counters(llm) -> tuple[float, float]:
+    m = {x.name: x for x in llm.get_metrics()}
+    d = m.get("vllm:spec_decode_num_drafts")
+    a = m.get("vllm:spec_decode_num_accepted_tokens")
+    return (d.value if d else 0.0, a.value if a else 0.0)
+
+
+def timed(llm, chats, out_len: int):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=out_len)
+    d0, a0 = _counters(llm)
+    t = time.perf_counter()
+    outs = [llm.chat([c], sp, use_tqdm=False)[0] for c in chats]
+    dt = time.perf_counter() - t
+    d1, a1 = _counters(llm)
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    toks = sum(len(x) for x in ids)
+    return toks / dt, toks, d1 - d0, a1 - a0, ids
+
+
+def matcher_cost(k: int, lo: int, hi: int, ids: list[list[int]]) -> float:
+    """Microseconds per proposal of the n-gram index over these outputs (prompt-free)."""
+    from vllm.v1.worker.gpu.spec_decode.ngram.speculator import NgramIndex
+
+    n, t = 0, time.perf_counter()
+    for seq in ids:
+        idx = NgramIndex(lo, hi)
+        for tok in seq:
+            idx.extend([tok])
+            idx.propose(k)
+            n += 1
+    return (time.perf_counter() - t) / max(n, 1) * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--min", type=int, default=2)
+    ap.add_argument("--max", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--output-len", type=int, default=96)
+    ap.add_argument("--num-prompts", type=int, default=4)
+    args = ap.parse_args()
+    ngram = {
+        "method": "ngram",
+        "num_speculative_tokens": args.k,
+        "prompt_lookup_min": args.min,
+        "prompt_lookup_max": args.max,
+    }
+    specs = {
+        "none": None,
+        "ngram fixed K": {**ngram, "adaptive_num_speculative_tokens": False},
+        "ngram adaptive K": ngram,
+    }
+    chats = [[{"role": "user", "content": p}] for p in TASKS[: args.num_prompts]]
+    model = smollm2()
+    llms = {name: make_llm(model, args.dtype, s) for name, s in specs.items()}
+    try:
+        for llm in llms.values():
+            timed(llm, chats[:1], 8)  # warm-up
+        runs: dict[str, list] = {name: [] for name in llms}
+        names = list(llms)
+        for r in range(args.repeats):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                runs[name].append(timed(llms[name], chats, args.output_len))
+                print(f"  rep {r} {name}: {runs[name][-1][0]:.1f} tok/s", flush=True)
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    base = statistics.median(x[0] for x in runs["none"])
+    ref_ids = runs["none"][0][4]
+    print("---")
+    for name, rs in runs.items():
+        tps = statistics.median(x[0] for x in rs)
+        toks = sum(x[1] for x in rs)
+        drafts = sum(x[2] for x in rs)
+        acc = sum(x[3] for x in rs)
+        # Every step (prefill included) emits one token plus the drafts it accepted.
+        steps = toks - acc
+        same = all(x[4] == ref_ids for x in rs)
+        print(
+            f"{args.dtype} batch 1 {name:17s}: {tps:6.1f} tok/s  {tps / base:.2f}x  "
+            f"tokens/step {toks / max(steps, 1):.2f}  accepted/verify {acc / max(drafts, 1):.2f}"
+            f"  greedy text = none: {same}"
+        )
+    us = matcher_cost(args.k, args.min, args.max, ref_ids)
+    print(f"matcher: {us:.1f} us per proposal")
+
+
+if __name__ == "__main__":
+    main()

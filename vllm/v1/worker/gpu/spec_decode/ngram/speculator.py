@@ -1,0 +1,118 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""NgramSpeculator: prompt-lookup drafts, no draft model and no KV of its own.
+
+For each request, the longest n-gram (prompt_lookup_max down to prompt_lookup_min) at the end of
+its known tokens (prompt and output) that occurred earlier in them; the drafts are the tokens
+that followed its latest earlier occurrence. Where the continuation runs past the end of the
+known tokens, the match is periodic (the suffix repeats the n-gram at the match), so it goes
+on with the drafts themselves: a run like "a b a b" drafts "a b a b ..." for any K.
+
+Matching is an incremental index per request slot: a dict from every n-gram (each n in
+[min, max]) to the position after its latest occurrence, extended by the tokens appended since
+the request's previous step. A step costs O(new tokens x (max - min + 1)) dict operations per
+request, never O(context). A request without a match (or a row that sampled nothing: a non-final
+prefill chunk) gets no drafts: its row is PAD_TOKEN_ID, which the scheduler reads as "none".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from vllm.config import VllmConfig
+from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator, ProposeInputs
+from vllm.v1.worker.gpu.states import PAD_TOKEN_ID
+
+if TYPE_CHECKING:
+    from vllm.model_executor.models.base import CausalLMBase
+
+
+class NgramIndex:
+    """One request's tokens and its n-gram -> continuation-start index."""
+
+    __slots__ = ("lo", "hi", "tokens", "table", "indexed_end")
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self.tokens: list[int] = []
+        self.table: dict[tuple[int, ...], int] = {}
+        # n-grams ending before this position are in the table (the one ending at the last
+        # token is not: it has no continuation yet, and it is what the lookup searches for).
+        self.indexed_end = 0
+
+    def extend(self, new_tokens: list[int]) -> None:
+        toks = self.tokens
+        toks.extend(new_tokens)
+        end = len(toks) - 1
+        table, lo, hi = self.table, self.lo, self.hi
+        for e in range(max(self.indexed_end, lo), end + 1):
+            for n in range(lo, min(hi, e) + 1):
+                table[tuple(toks[e - n : e])] = e
+        self.indexed_end = max(self.indexed_end, end + 1)
+
+    def propose(self, k: int) -> list[int] | None:
+        """K drafts from the longest matching n-gram, or None without a match."""
+        toks, L = self.tokens, len(self.tokens)
+        for n in range(min(self.hi, L - 1), self.lo - 1, -1):
+            start = self.table.get(tuple(toks[L - n :]))
+            if start is None:
+                continue
+            out: list[int] = []
+            for i in range(k):
+                j = start + i
+                out.append(toks[j] if j < L else out[j - L])
+            return out
+        return None
+
+
+class NgramSpeculator(BaseSpeculator):
+    """Prompt lookup (module docstring). Built on the last pipeline stage like every
+    speculator; its drafts go through the same StepResult broadcast."""
+
+    model = None
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device | str) -> None:
+        spec = vllm_config.speculative_config
+        if spec is None:
+            raise ValueError("a speculator needs speculative_config")
+        assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
+        self.lo, self.hi = spec.prompt_lookup_min, spec.prompt_lookup_max
+        self.num_speculative_steps = spec.num_speculative_tokens
+        self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        self.indices: list[NgramIndex | None] = [None] * self.max_num_reqs
+
+    def load_model(self, target_model: CausalLMBase) -> None:
+        """Nothing to build: the drafts come from the requests' own tokens."""
+
+    def capture(self) -> None:
+        """Nothing to warm up."""
+
+    def propose(self, inputs: ProposeInputs) -> np.ndarray:
+        b = inputs.input_batch
+        R, K = b.num_reqs, self.num_speculative_steps
+        drafts = np.full((R, K), PAD_TOKEN_ID, dtype=np.int64)
+        hist, hist_len = inputs.token_ids, inputs.num_tokens
+        if hist is None or hist_len is None:
+            raise ValueError("the ngram speculator needs the requests' token history")
+        k_max = K if inputs.num_draft_steps is None else min(K, inputs.num_draft_steps)
+        slots = b.idx_mapping_np
+        for i in range(R):
+            s = int(slots[i])
+            idx = self.indices[s]
+            if idx is None or inputs.new_req_mask[i]:
+                idx = self.indices[s] = NgramIndex(self.lo, self.hi)
+            n_hist = int(hist_len[s])
+            have = len(idx.tokens)
+            if have < n_hist:
+                idx.extend(hist[s, have:n_hist].tolist())
+            n = int(inputs.num_sampled[i])
+            if n == 0 or k_max == 0:
+                continue
+            idx.extend(inputs.sampled_token_ids[i, :n].tolist())
+            got = idx.propose(k_max)
+            if got is not None:
+                drafts[i, :k_max] = got
+        return drafts
