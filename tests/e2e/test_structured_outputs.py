@@ -44,7 +44,10 @@ DIGITS = r"[0-9]{24}"
 MODELS = {
     "smollm2_eagle3": ("smollm2-135m-instruct", "eagle3", "smollm2-135m-eagle3"),
     "tiny_mtp": (None, "mtp", None),
+    "tiny_ngram": (None, "ngram", None),
 }
+DRAFTED = ["smollm2_eagle3", "tiny_mtp"]
+"""The methods whose drafts come from a model (the grammar-blind drafts of the rejection test)."""
 
 
 def _model(name: str) -> str:
@@ -68,6 +71,8 @@ def _spec(name: str, k: int) -> dict | None:
     }
     if head:
         spec["model"] = zoo_path(head)
+    if method == "ngram":
+        spec.update(prompt_lookup_min=1, prompt_lookup_max=3)
     return spec
 
 
@@ -172,10 +177,12 @@ CASES = [
     ("tiny_mtp", 2, 1),
     ("tiny_mtp", 2, 2),
     ("tiny_mtp", 0, 2),
+    ("tiny_ngram", 3, 1),
+    ("tiny_ngram", 3, 2),
 ]
 
 
-@pytest.mark.parametrize("name", [_param(n, id=n) for n in MODELS])
+@pytest.mark.parametrize("name", [_param(n, id=n) for n in DRAFTED])
 def test_outputs_follow_their_grammars(name) -> None:
     outs, _ = _run(name, 0, 1)
     _check_grammar(outs)
@@ -191,7 +198,7 @@ def test_identical_with_and_without_speculation(name, k, pp) -> None:
         assert counts[1] > 0 and counts[2] < counts[1], counts  # drafts, some rejected
 
 
-@pytest.mark.parametrize("name", [_param(n, id=n) for n in MODELS])
+@pytest.mark.parametrize("name", [_param(n, id=n) for n in DRAFTED])
 def test_forbidden_drafts_are_rejected_not_emitted(name) -> None:
     """Only digits are allowed; the drafters propose text: the drafts are rejected (counted),
     the output is still the grammar's, equal to the run without speculation."""
