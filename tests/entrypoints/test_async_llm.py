@@ -136,7 +136,7 @@ def test_tokenising_does_not_hold_up_running_streams(async_llm, monkeypatch):
     stream produces every one of its tokens: tokenising happens on the tokenizer thread, not
     on the engine thread or the event loop."""
     engine = async_llm.engine
-    real = engine.process_prompt
+    real = engine.process_prompt_mm  # what add_request tokenises with (images too)
     entered, release = threading.Event(), threading.Event()
     threads: list[str] = []
 
@@ -148,7 +148,7 @@ def test_tokenising_does_not_hold_up_running_streams(async_llm, monkeypatch):
                 raise TimeoutError("never released")
         return real(prompt)
 
-    monkeypatch.setattr(engine, "process_prompt", held)
+    monkeypatch.setattr(engine, "process_prompt_mm", held)
 
     async def main():
         loop = asyncio.get_running_loop()

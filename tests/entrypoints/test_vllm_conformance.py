@@ -275,7 +275,8 @@ def test_models_retrieve_invocations_load_and_tokenizer_info(server, client, tok
     # /load counts the requests in flight (a stream until its last byte).
     assert httpx.get(server.url("/load")).json() == {"server_load": 0}
     seen: list[int] = []
-    body = {"prompt": "while True:", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    # Long enough that the stream is still being sent when its first chunk has arrived.
+    body = {"prompt": "while True:", "max_tokens": 96, "temperature": 0, "ignore_eos": True}
     with httpx.Client(timeout=120) as http:
         with http.stream("POST", server.url("/v1/completions"), json={**body, "stream": True}) as s:
             for line in s.iter_lines():

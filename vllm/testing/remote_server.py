@@ -100,13 +100,15 @@ class RemoteServer:
         raise TimeoutError(f"server not healthy after {timeout:.0f} s:\n{self.log_tail()}")
 
     def stage_pids(self) -> list[int]:
-        """Pids of the pipeline stage processes, as the server logged them at start-up."""
+        """Pids of the worker processes (one per stage at TP = 1), as the server logged them at
+        start-up."""
         if not self._stage_pids:
             try:
                 text = self.log_path.read_text(errors="replace")
             except OSError:
                 text = ""
-            m = re.search(r"started \d+ pipeline stage processes \(pids \[([\d, ]+)\]\)", text)
+            # "started N worker processes (TP t x PP p; pids [..])": one per worker, TP inner.
+            m = re.search(r"started \d+ worker processes \([^;]*; pids \[([\d, ]+)\]\)", text)
             self._stage_pids = [int(x) for x in m.group(1).split(",")] if m else []
         return list(self._stage_pids)
 
