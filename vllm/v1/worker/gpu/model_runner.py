@@ -83,8 +83,6 @@ class ModelRunner:
             self.structured = StructuredOutputStates(mc.tokenizer, mc.vocab_size)
         # Slots whose request entered this step (the speculator keeps nothing from before).
         self._new_slots = np.zeros(0, dtype=np.int64)
-        # The most drafts the scheduler verifies next step for this step's requests.
-        self._num_draft_steps: int | None = None
 
     # ---- setup --------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -205,7 +203,6 @@ class ModelRunner:
         if self.pp_handler is not None and not self.pp.is_last_rank:
             self._pp_apply_prev_results(so)
         self._update_states(so)
-        self._num_draft_steps = so.num_draft_steps
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {}, []) if self.pp.is_last_rank else None
         batch = self.prepare(so)
@@ -238,7 +235,7 @@ class ModelRunner:
                 self.pp_handler.receive(batch)
             self.mm.release_computed(batch)
             return self._not_in_recv_buffers(out)
-        result = self._sample_and_propose(batch, out)
+        result = self._sample_and_propose(batch, out, so.num_draft_steps)
         # After the draft's gather (which may read the image right after a chunk).
         self.mm.release_computed(batch)
         return result
@@ -280,9 +277,11 @@ class ModelRunner:
         self,
         batch: InputBatch,
         out: torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]],
+        num_draft_steps: int | None = None,
     ) -> ModelRunnerOutput:
-        """Last stage: sample (verifying drafts), propose the next drafts, apply the step's
-        result to the request states and send it to the other stages."""
+        """Last stage: sample (verifying drafts), propose the next drafts (num_draft_steps: the
+        most the scheduler verifies next step; None: K), apply the step's result to the request
+        states and send it to the other stages."""
         assert self.model is not None
         hidden, aux = out if isinstance(out, tuple) else (out, None)
         st = self.states
@@ -329,7 +328,7 @@ class ModelRunner:
                     mm_embeds=self._draft_mm_embeds(batch),
                     token_ids=st.token_ids,
                     num_tokens=st.num_tokens,
-                    num_draft_steps=self._num_draft_steps,
+                    num_draft_steps=num_draft_steps,
                 )
             )
         result = StepResult(sampled, num_sampled, num_rejected, drafts)
