@@ -53,3 +53,22 @@ def timer():
         yield t
     finally:
         t["s"] = time.perf_counter() - start
+
+
+def cpu_flags() -> str:
+    """The CPU model and which of the vector ISAs that matter here it has (from /proc/cpuinfo:
+    measured, not assumed), for the header of every benchmark result."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown CPU"
+    model = next(
+        (ln.split(":", 1)[1].strip() for ln in info.splitlines() if "model name" in ln), "?"
+    )
+    flags = set(
+        next(
+            (ln.split(":", 1)[1] for ln in info.splitlines() if ln.startswith("flags")), ""
+        ).split()
+    )
+    have = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{model}; {' '.join(have)}"

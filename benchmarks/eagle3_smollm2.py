@@ -2,15 +2,16 @@
 # Copyright 2026 The vllm-pp-spec contributors
 """SmolLM2-135M-Instruct with the bundled EAGLE3 head vs without speculation, in one run.
 
-Chat prompts held out from the head's training data; greedy; K = 0 (off) and the given K,
-batch 1 (requests one after another) and batch 8, P = 1 and 2, fp32 and bf16. All engines of a
+Chat prompts held out from the head's training data; greedy; K = 0 (off), the given fixed K
+and the adaptive K policy (at most --adaptive-k), batch 1 (requests one after another), 8 and
+16 (requests together), P = 1 and 2, fp32 and bf16. All engines of a
 (dtype, P) pair are built first; then every repeat times each (batch, K) once, in an order that
 rotates between repeats, and the medians are reported. Prints tokens/s, speedup over K = 0,
 mean acceptance length and per-position acceptance, checks the greedy text equals K = 0's, and
 plots the per-position acceptance (benchmarks/eagle3_smollm2_acceptance.png).
 
     python benchmarks/eagle3_smollm2.py [--dtype float32 bfloat16] [--pp 1 2] [--k 0 1 2 3 4]
-        [--batch 1 8] [--repeats 3] [--output-len 64] [--profile] [--no-plot]
+        [--adaptive-k 3] [--batch 1 8 16] [--repeats 3] [--output-len 64] [--profile] [--no-plot]
 
 --profile instead breaks one P=1 run's step time down (target forward, target logits,
 sampling / verification, draft prefill pass, draft decode steps, draft logits and sampling,
@@ -29,7 +30,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import smollm2
+from benchmarks.common import cpu_flags, smollm2
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
 
 PLOT = Path(__file__).parent / "eagle3_smollm2_acceptance.png"
 
@@ -41,13 +49,20 @@ def heldout_chats(n: int) -> list[list[dict[str, str]]]:
     return [[{"role": "user", "content": p}] for p in prompts[:n]]
 
 
-def make_llm(model: str, dtype: str, pp: int, k: int, max_seqs: int):
+def make_llm(model: str, dtype: str, pp: int, k: int, max_seqs: int, adaptive: bool = False):
+    """K = 0: no speculation; else the bundled head with K drafts per step (adaptive: K is the
+    most the engine's adaptive policy may draft, else every step drafts K)."""
     from vllm import LLM
     from vllm.model_zoo import SMOLLM2_EAGLE3_DIR
 
     spec = None
     if k:
-        spec = {"method": "eagle3", "model": str(SMOLLM2_EAGLE3_DIR), "num_speculative_tokens": k}
+        spec = {
+            "method": "eagle3",
+            "model": str(SMOLLM2_EAGLE3_DIR),
+            "num_speculative_tokens": k,
+            "adaptive_num_speculative_tokens": adaptive,
+        }
     return LLM(
         model=model,
         dtype=dtype,
@@ -91,12 +106,15 @@ def bench(args) -> dict:
     results: dict = {}
     for dtype in args.dtype:
         for pp in args.pp:
-            llms = {k: make_llm(model, dtype, pp, k, max(args.batch)) for k in args.k}
+            llms = {
+                label: make_llm(model, dtype, pp, _k(label), max(args.batch), label.endswith("a"))
+                for label in args.labels
+            }
             try:
                 for llm in llms.values():  # warm-up
                     llm.chat(heldout_chats(1), SamplingParams(max_tokens=8), use_tqdm=False)
                 samples = defaultdict(list)
-                order = [(b, k) for b in args.batch for k in args.k]
+                order = [(b, k) for b in args.batch for k in args.labels]
                 for r in range(args.repeats):
                     rot = order[r % len(order) :] + order[: r % len(order)]
                     for batch, k in rot:
@@ -109,7 +127,7 @@ def bench(args) -> dict:
                 for (batch, k), runs in samples.items():
                     drafts = sum(x[1] for x in runs)
                     acc = sum(x[2] for x in runs)
-                    per_pos = [sum(x[3][i] for x in runs) for i in range(k)]
+                    per_pos = [sum(x[3][i] for x in runs) for i in range(_k(k))]
                     results[(dtype, pp, batch, k)] = {
                         "tps": statistics.median(x[0] for x in runs),
                         "mal": 1 + acc / drafts if drafts else 1.0,
@@ -123,12 +141,18 @@ def bench(args) -> dict:
     return results
 
 
+def _k(label: str) -> int:
+    """Engine label -> K: "3" is K = 3 every step, "3a" the adaptive policy with at most 3."""
+    return int(label.rstrip("a"))
+
+
 def report(args, results: dict) -> None:
     print("---")
+    print(f"CPU: {cpu_flags()}; torch threads {torch_threads()}")
     for key in sorted(results):
         dtype, pp, batch, k = key
         row = results[key]
-        base = results.get((dtype, pp, batch, 0))
+        base = results.get((dtype, pp, batch, "0"))
         sp = f"{row['tps'] / base['tps']:.2f}x" if base else "-"
         same = base is not None and row["ids"] == base["ids"] and row["same_across_repeats"]
         rates = " ".join(f"{r:.2f}" for r in row["rates"])
@@ -144,15 +168,16 @@ def report(args, results: dict) -> None:
                 cands = [
                     (
                         results[(dtype, pp, batch, k)]["tps"]
-                        / results[(dtype, pp, batch, 0)]["tps"],
+                        / results[(dtype, pp, batch, "0")]["tps"],
                         k,
                     )
-                    for k in args.k
-                    if k and (dtype, pp, batch, 0) in results
+                    for k in args.labels
+                    if k != "0" and (dtype, pp, batch, "0") in results
                 ]
                 if cands:
                     best[pp] = max(cands)
             line = ", ".join(f"P={pp}: {s:.2f}x (K={k})" for pp, (s, k) in best.items())
+            line += " (Na: adaptive, at most N)"
             print(f"{dtype} batch {batch}: best speedup {line}")
             if 1 in best and 2 in best:
                 print(
@@ -168,10 +193,10 @@ def report(args, results: dict) -> None:
 
         dtype, pp, batch = args.dtype[0], args.pp[0], args.batch[0]
         fig, ax = plt.subplots(figsize=(6, 4))
-        for k in args.k:
+        for k in args.labels:
             row = results.get((dtype, pp, batch, k))
-            if k and row:
-                ax.plot(range(1, k + 1), row["rates"], marker="o", label=f"K={k}")
+            if k != "0" and not k.endswith("a") and row:
+                ax.plot(range(1, _k(k) + 1), row["rates"], marker="o", label=f"K={k}")
         ax.set_xlabel("draft position")
         ax.set_ylabel("acceptance rate")
         ax.set_ylim(0, 1)
@@ -281,7 +306,14 @@ def main() -> None:
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--pp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--k", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument(
+        "--adaptive-k",
+        type=int,
+        nargs="*",
+        default=[3],
+        help="also engines with the adaptive K policy, at most these K (reported as Na)",
+    )
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 16])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--num-prompts-b1", type=int, default=4, help="requests run one by one")
@@ -293,6 +325,8 @@ def main() -> None:
         return
     if 0 not in args.k:
         args.k = [0, *args.k]
+    args.labels = [str(k) for k in args.k] + [f"{k}a" for k in args.adaptive_k]
+    print(f"CPU: {cpu_flags()}; torch threads {torch_threads()}", flush=True)
     report(args, bench(args))
 
 

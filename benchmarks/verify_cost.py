@@ -32,24 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 import torch
 
-from benchmarks.common import resolve_model
-
-
-def cpu_flags() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    model = next(
-        (ln.split(":", 1)[1].strip() for ln in info.splitlines() if "model name" in ln), "?"
-    )
-    flags = set(
-        next(
-            (ln.split(":", 1)[1] for ln in info.splitlines() if ln.startswith("flags")), ""
-        ).split()
-    )
-    have = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{model}; {' '.join(have)}"
+from benchmarks.common import cpu_flags, resolve_model
 
 
 def read_bandwidth(nbytes: int = 1 << 28, copies: int = 3, repeats: int = 7) -> float:
