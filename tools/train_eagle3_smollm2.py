@@ -6,8 +6,10 @@ Stages (each resumable; outputs under --work-dir):
   prompts   varied chat prompts from templates x fillers; fillers of the held-out prompts never
             appear in a training prompt (heldout_prompts.json is shipped with the head)
   generate  SmolLM2's own greedy answers (this engine, batched, fp32)
-  features  one HF transformers forward per sequence: the aux taps and the final hidden state
-            (after the model's norm, what its LM head reads), cached as fp16
+  features  one HF transformers forward per sequence (batched, right-padded): the aux taps and
+            the final hidden state (after the model's norm, what its LM head reads), as fp16
+  heldout   the same two for the held-out prompts: train measures its TTT steps' top-1
+            agreement with the target there (about the acceptance rate per draft position)
   train     EAGLE3 with training-time test: TTT_STEPS unrolled draft steps, each feeding back
             the draft's own hidden state, loss = KL to the target's distribution over the draft
             vocabulary (the most frequent answer tokens), checkpointed periodically
@@ -15,7 +17,7 @@ Stages (each resumable; outputs under --work-dir):
             model.safetensors in bf16 with d2t / t2d; no embedding: the target's is shared)
 
     python tools/train_eagle3_smollm2.py all [--work-dir DIR] [--out vllm/model_zoo/...]
-        [--num-chunks N] [--epochs E]
+        [--num-chunks N] [--epochs E] [--init HEAD_DIR] [--lr LR] [--threads N]
 
 The defaults (seed SEED, NUM_CHUNKS, EPOCHS) are the run that produced the shipped head; see its
 model card (vllm/model_zoo/smollm2-135m-eagle3/README.md).
@@ -50,6 +52,7 @@ LATER_STEP_FRACTION = 0.35
 MAX_ANSWER_TOKENS = 128
 CHUNK = 128  # prompts per generate / features file
 FEATURE_BATCH = 16  # sequences per HF forward in `features`
+HELDOUT_EVERY = 100  # train: held-out agreement every this many steps (when feat_heldout/ exists)
 # The shipped head: the first NUM_CHUNKS chunks of the (seeded, shuffled) training prompts,
 # EPOCHS epochs. More chunks = more data, at ~15 min of this 2-core machine per chunk.
 NUM_CHUNKS = 5
@@ -422,16 +425,27 @@ def _conversation(prompt: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}]
 
 
+def _split_dirs(work: Path, split: str) -> tuple[Path, Path]:
+    """(answers, features) folders of a split: gen/ and feat/ for "train", gen_heldout/ and
+    feat_heldout/ for "heldout" (used only to measure the head while it trains)."""
+    suffix = "" if split == "train" else f"_{split}"
+    return work / f"gen{suffix}", work / f"feat{suffix}"
+
+
 def stage_generate(
-    work: Path, target: str, num_chunks: int | None = None, chunk: int = CHUNK
+    work: Path,
+    target: str,
+    num_chunks: int | None = None,
+    chunk: int = CHUNK,
+    split: str = "train",
 ) -> None:
     """Greedy answers from this engine, in chunks saved as they finish (resumable); the
-    first num_chunks chunks of the training prompts (default all)."""
+    first num_chunks chunks of the split's prompts (default all)."""
 
     from vllm import LLM, SamplingParams
 
-    prompts = json.loads((work / "prompts.json").read_text())["train"]
-    out_dir = work / "gen"
+    prompts = json.loads((work / "prompts.json").read_text())[split]
+    out_dir = _split_dirs(work, split)[0]
     out_dir.mkdir(exist_ok=True)
     starts = list(range(0, len(prompts), chunk))[:num_chunks]
     todo = [i for i in starts if not (out_dir / f"{i:05d}.json").exists()]
@@ -465,7 +479,11 @@ def stage_generate(
 
 
 def stage_features(
-    work: Path, target: str, follow: bool = False, num_chunks: int | None = None
+    work: Path,
+    target: str,
+    follow: bool = False,
+    num_chunks: int | None = None,
+    split: str = "train",
 ) -> None:
     """One HF forward per sequence -> {aux [T, 3H], final [T, H]} fp16 per generate chunk.
 
@@ -477,9 +495,9 @@ def stage_features(
     n_layers = model.config.num_hidden_layers
     if max(AUX_LAYERS) >= n_layers:
         raise ValueError(f"aux layers {AUX_LAYERS} must be below {n_layers}")
-    gen_dir, feat_dir = work / "gen", work / "feat"
+    gen_dir, feat_dir = _split_dirs(work, split)
     feat_dir.mkdir(exist_ok=True)
-    total = len(json.loads((work / "prompts.json").read_text())["train"])
+    total = len(json.loads((work / "prompts.json").read_text())[split])
     if num_chunks is not None:
         total = min(total, num_chunks * CHUNK)
     while True:
@@ -844,6 +862,21 @@ def stage_train(
         print(f"resumed at step {state['step']}", flush=True)
     per_epoch = len(_batches(seqs, tokens_per_batch, random.Random(0)))
     total_steps = int(per_epoch * epochs)
+    held_dir = _split_dirs(work, "heldout")[1]
+    held = [x for f in sorted(held_dir.glob("*.pt")) for x in torch.load(f, weights_only=True)]
+
+    def measure_heldout() -> None:
+        if held:
+            accs = heldout_agreement(head, held, lm_rows, tokens_per_batch)
+            state.setdefault("heldout", []).append([state["step"], *accs])
+            print(
+                f"held-out agreement at step {state['step']}: "
+                + " ".join(f"{a:.3f}" for a in accs),
+                flush=True,
+            )
+
+    if state["step"] == 0:
+        measure_heldout()
     warmup = max(1, total_steps // 20)
     t_start, t_ckpt = time.time(), time.time()
     epoch_rngs: dict[int, list[list[int]]] = {}
@@ -893,6 +926,8 @@ def stage_train(
                 f"acc {' '.join(f'{a:.2f}' for a in accs)} lr {cur_lr:.2e} {el:.0f}s",
                 flush=True,
             )
+        if state["step"] % HELDOUT_EVERY == 0 or state["step"] == total_steps:
+            measure_heldout()
         if time.time() - t_ckpt > 600 or state["step"] == total_steps:
             _save_ckpt(ckpt, head, opt, state)
             t_ckpt = time.time()
@@ -907,12 +942,33 @@ def stage_train(
             "num_tokens": ntok,
             "num_answer_tokens": nans,
             "log": state["log"],
+            "heldout": state.get("heldout", []),
             "run": run,
             "train_seconds": state.get("seconds"),
         },
         work / "trained.pt",
     )
     print(f"train: done in {time.time() - t_start:.0f}s", flush=True)
+
+
+def heldout_agreement(head: DraftHead, seqs: list[dict], lm_rows, tokens_per_batch: int):
+    """Top-1 agreement of each TTT step with the target on the held-out answers (teacher
+    forced, the draft's own hidden fed back as in inference): about the conditional acceptance
+    rate at each draft position. Returns [step 0, step 1, ...]."""
+    import torch
+
+    hits = [0] * TTT_STEPS
+    counts = [0] * TTT_STEPS
+    with torch.no_grad():
+        for idx in _batches(seqs, tokens_per_batch, random.Random(0)):
+            aux, nxt, valid, targets, masks = _collate(seqs, idx, TTT_STEPS, lm_rows)
+            rows = torch.nonzero(masks[1], as_tuple=True)
+            logits = head.forward(aux, nxt, valid, TTT_STEPS, rows=rows)
+            for k in range(TTT_STEPS):
+                tk, m = (targets[k], masks[k]) if k == 0 else (targets[k][rows], masks[k][rows])
+                hits[k] += int(((logits[k].argmax(-1) == tk.argmax(-1)) & m).sum())
+                counts[k] += int(m.sum())
+    return [h / max(1, c) for h, c in zip(hits, counts)]
 
 
 def _save_ckpt(path: Path, head: DraftHead, opt, state: dict) -> None:
@@ -1020,7 +1076,11 @@ def stage_eval(work: Path, target: str, head: Path, max_tokens: int = 96) -> Non
             dtype="float32",
             max_model_len=512,
             max_num_seqs=16,
-            speculative_config={"model": str(head), "num_speculative_tokens": k},
+            speculative_config={
+                "model": str(head),
+                "num_speculative_tokens": k,
+                "adaptive_num_speculative_tokens": False,  # K drafts every step
+            },
         )
         try:
             llm.chat(convs, sp, use_tqdm=False)
@@ -1045,7 +1105,8 @@ def stage_eval(work: Path, target: str, head: Path, max_tokens: int = 96) -> Non
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
-        "stage", choices=["prompts", "generate", "features", "train", "export", "eval", "all"]
+        "stage",
+        choices=["prompts", "generate", "features", "heldout", "train", "export", "eval", "all"],
     )
     ap.add_argument("--work-dir", default="/tmp/eagle3-smollm2")
     ap.add_argument("--target", default=None, help="SmolLM2 HF folder (default: convert)")
@@ -1073,7 +1134,7 @@ def main() -> None:
         from vllm.model_zoo import smollm2_path
 
         args.target = smollm2_path(work / "smollm2-135m-instruct")
-    stages = ["prompts", "generate", "features", "train", "export", "eval"]
+    stages = ["prompts", "generate", "features", "heldout", "train", "export", "eval"]
     run = stages if args.stage == "all" else [args.stage]
     for s in run:
         if s == "prompts":
@@ -1082,6 +1143,9 @@ def main() -> None:
             stage_generate(work, args.target, num_chunks=args.num_chunks)
         elif s == "features":
             stage_features(work, args.target, follow=args.follow, num_chunks=args.num_chunks)
+        elif s == "heldout":
+            stage_generate(work, args.target, split="heldout")
+            stage_features(work, args.target, split="heldout")
         elif s == "train":
             stage_train(
                 work,
