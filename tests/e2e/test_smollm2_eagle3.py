@@ -32,11 +32,12 @@ HEAD = str(SMOLLM2_EAGLE3_DIR)
 NUM_PROMPTS = 3
 MAX_TOKENS = 40
 # Floors on the mean acceptance length (1 + accepted / drafts) over these prompts, below what was
-# measured on them (fp32, 3 held-out prompts x 40 tokens, greedy, deterministic): K=1 1.42
-# (35 of 83 drafts accepted), K=3 1.76 (51 of 201 draft tokens; per position 31, 17, 3 of 67).
-# The same head with its taps shifted by one measured 1.63 at K=3, under the K=3 floor.
-FLOOR_K1 = 1.35
-FLOOR_K3 = 1.65
+# measured on them with the retrained head (fp32, 3 held-out prompts x 40 tokens, greedy,
+# deterministic): K=1 1.65 (46 of 71 drafts accepted), K=3 2.16 (64 of 165 draft tokens; per
+# position 35, 18, 11 of 55). The first head (640 training sequences) measured 1.42 and 1.76
+# here, under both floors; the retrained head with its taps shifted by one measured 2.02 at K=3.
+FLOOR_K1 = 1.55
+FLOOR_K3 = 2.05
 # Engine vs speculators draft logits (fp32; the head's weights are bf16 values in both):
 # measured 2e-5; with the taps shifted by one, 3.4.
 ATOL = 2e-3
