@@ -1,0 +1,46 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""The bundled EAGLE3 head's training prompts (tools/train_eagle3_smollm2.py): the held-out split
+shipped with the head is what the tool builds, no training prompt mentions a held-out filler,
+and the first head's prompts stay the prefix of the list (so its chunks are reproducible)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from vllm.model_zoo import SMOLLM2_EAGLE3_DIR
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "train_eagle3_smollm2.py"
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("train_eagle3_smollm2", TOOL)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_heldout_split_is_the_shipped_one(tool):
+    train, heldout = tool.build_prompts()
+    assert heldout == json.loads((SMOLLM2_EAGLE3_DIR / "heldout_prompts.json").read_text())
+    assert not set(train) & set(heldout)
+    assert len(train) == len(set(train)) > 8 * 1278
+
+
+def test_no_training_prompt_mentions_a_heldout_filler(tool):
+    train, heldout = tool.build_prompts()
+    base, base_heldout, held_fillers = tool._base_prompts(tool.SEED, 48)
+    assert base_heldout == heldout
+    assert train[: len(base)] == base  # the first head's prompts, unchanged and first
+    pattern = re.compile(
+        "|".join(r"\b" + re.escape(f.lower()) + r"\b" for f in held_fillers), re.IGNORECASE
+    )
+    extra = train[len(base) :]
+    assert not [p for p in extra if pattern.search(p)]
