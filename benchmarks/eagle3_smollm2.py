@@ -326,7 +326,6 @@ def main() -> None:
     if 0 not in args.k:
         args.k = [0, *args.k]
     args.labels = [str(k) for k in args.k] + [f"{k}a" for k in args.adaptive_k]
-    print(f"CPU: {cpu_flags()}; torch threads {torch_threads()}", flush=True)
     report(args, bench(args))
 
 
