@@ -33,7 +33,7 @@ pytestmark = pytest.mark.usefixtures("pp_forkserver")
 @pytest.fixture(scope="module")
 def v32_mtp_share_dir(tmp_path_factory) -> str:
     """V3.2 with two MTP layers and top-k sharing across draft steps: the draft's indexers
-    (heads split, scores summed over ranks) write the target's top-k buffer on each rank."""
+    (replicated) write the target's top-k buffer on each rank."""
     from vllm.testing.dsa_checkpoints import make_deepseek_v32
 
     return make_deepseek_v32(

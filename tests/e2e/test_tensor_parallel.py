@@ -51,7 +51,7 @@ def deepseek_v3_fused_qlora_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def deepseek_v32_dir(tmp_path_factory) -> str:
-    """DeepSeek-V3.2 (DSA): the indexer's 8 heads split 4 + 4, its scores summed over ranks."""
+    """DeepSeek-V3.2 (DSA): MLA heads split, the indexer replicated on both ranks."""
     from vllm.testing.dsa_checkpoints import make_deepseek_v32
 
     return make_deepseek_v32(tmp_path_factory.mktemp("dsv32"))

@@ -18,7 +18,9 @@ the usual ``enorm``/``hnorm``/``eh_proj``/``shared_head``/``embed_tokens``.
 from __future__ import annotations
 
 import copy
+import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,7 @@ from vllm.testing.checkpoints import (
     update_config_json,
 )
 
-__all__ = ["make_deepseek_v32", "make_glm_moe_dsa"]
+__all__ = ["close_topk_boundary", "make_deepseek_v32", "make_glm_moe_dsa"]
 
 _K_NORM_BIAS_STD = 0.2
 
@@ -162,3 +164,44 @@ def make_glm_moe_dsa(out_dir: str | os.PathLike, **kwargs: Any) -> str:
     """Write a tiny random ``GlmMoeDsaForCausalLM`` (interleaved indexer RoPE, a ``"shared"``
     layer); config fields override GLM_DEFAULTS; the rest as :func:`make_deepseek_v32`."""
     return _make_dsa(True, out_dir, **kwargs)
+
+
+# Layer-0 indexer key scale of close_topk_boundary: keys then differ between positions by about
+# 1e-6 of their size, so neighbouring index scores at the top-k boundary differ in their last
+# few bits (below float32's 6e-8 per addition times a handful of heads).
+CLOSE_KEY_SCALE = 1e-6
+
+
+@torch.no_grad()
+def close_topk_boundary(
+    out_dir: str | os.PathLike, src_dir: str | os.PathLike, key_scale: float = CLOSE_KEY_SCALE
+) -> str:
+    """Copy a DSA checkpoint so that layer 0's index scores are nearly tied at the top-k
+    boundary: its indexer's k_norm scale is multiplied by ``key_scale`` and its bias is zeroed
+    on the rotary dims, so every position's key is almost the same vector (the bias) and the
+    scores of a query over its context differ only in their last bits. Which candidates win
+    then depends on the order the per-head terms are summed in: a selection that changes with
+    the TP size (partial sums over ranks) changes the text. Only layer 0 is made close: its
+    inputs (embeddings) are bit-identical at every TP size, so an exact selection is possible
+    there; later layers read hidden states that TP sums in another order and keep the
+    fixture's ordinary margins."""
+    src, out = Path(src_dir), Path(out_dir)
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(src, out)
+    rope = int(json.loads((out / "config.json").read_text())["qk_rope_head_dim"])
+    prefix = "model.layers.0.self_attn.indexer.k_norm."
+    files = sorted(out.glob("model*.safetensors"))
+    shards = [_read_safetensors(f) for f in files]
+    found = False
+    for shard in shards:
+        if prefix + "weight" in shard:
+            shard[prefix + "weight"] = shard[prefix + "weight"] * key_scale
+            bias = shard[prefix + "bias"].clone()
+            bias[:rope] = 0
+            shard[prefix + "bias"] = bias
+            found = True
+    if not found:
+        raise ValueError(f"{src} has no {prefix}weight (not a DSA checkpoint)")
+    _write_shards(out, shards)
+    return str(out)

@@ -529,23 +529,3 @@ class QKVParallelLinear(MergedColumnParallelLinear):
             params_dtype=params_dtype,
             replicas=[1, kv_replicas, kv_replicas],
         )
-
-
-class ColumnParallelPlainLinear(nn.Linear, TPSharded):
-    """An nn.Linear (never quantized, any dtype: e.g. the V3.2 indexer's float32 head weights)
-    whose output rows are split over the TP ranks like ColumnParallelLinear's."""
-
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        self.tp_rank, self.tp_size = _tp()
-        self.output_size_per_partition = divide(int(output_size), self.tp_size, "output_size")
-        super().__init__(input_size, self.output_size_per_partition, bias=bias, dtype=dtype)
-
-    def tp_shard_checkpoint_tensor(self, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
-        n = self.output_size_per_partition
-        return _narrow_rows(tensor, 0, self.tp_rank, n, leaf)

@@ -13,19 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm.config import VllmConfig
-from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+from vllm.distributed.parallel_state import get_pp_group
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention import AttentionLayerBase
 from vllm.model_executor.layers.attention.sparse_mla_attention import (
     TOPK_PAD,
     SparseMLAAttention,
 )
-from vllm.model_executor.layers.linear import (
-    ColumnParallelLinear,
-    ColumnParallelPlainLinear,
-    ReplicatedLinear,
-    divide,
-)
+from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_params
 from vllm.model_executor.models.deepseek_v2 import (
     DeepseekV2DecoderLayer,
@@ -118,28 +113,25 @@ class DeepseekV32Indexer(nn.Module):
     qk_rope_head_dim dims: half-split for DeepSeek-V3.2, interleaved pairs for GLM-MoE-DSA (as
     HF transformers).
 
-    With TP each rank scores with index_n_heads / TP heads (wq_b and weights_proj split by
-    heads) and the ranks' partial scores are summed (all-reduce) before the top-k, so every
-    rank selects from the same sums; the key projection and the key cache are whole on every
-    rank."""
+    Under TP the indexer is replicated (wq_b, wk, weights_proj and the key cache whole on every
+    rank, as upstream vLLM and SGLang keep it): each rank scores every head itself, in the same
+    order as one rank would, so the selection does not depend on the TP size. Splitting the
+    heads and summing partial scores over ranks would add them in another order, and
+    candidates whose scores differ in the last bits would swap places at the top-k boundary."""
 
     def __init__(self, config: Any, prefix: str, topk_indices_buffer: torch.Tensor | None) -> None:
         super().__init__()
         h = config.hidden_size
-        self.tp = get_tp_group()
-        self.total_heads = int(config.index_n_heads)
-        self.n_heads = divide(self.total_heads, self.tp.world_size, "index_n_heads")
+        self.n_heads = int(config.index_n_heads)
         self.head_dim = int(config.index_head_dim)
         self.index_topk = int(config.index_topk)
-        self.wq_b = ColumnParallelLinear(
-            int(config.q_lora_rank), self.total_heads * self.head_dim, bias=False
+        self.wq_b = ReplicatedLinear(
+            int(config.q_lora_rank), self.n_heads * self.head_dim, bias=False
         )
         self.wk = ReplicatedLinear(h, self.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
         # Kept in float32 whatever the model dtype, as the reference implementation does.
-        self.weights_proj = ColumnParallelPlainLinear(
-            h, self.total_heads, bias=False, dtype=torch.float32
-        )
+        self.weights_proj = nn.Linear(h, self.n_heads, bias=False, dtype=torch.float32)
         self.softmax_scale = self.head_dim**-0.5
         self.rotary_emb = _rope(config, self.head_dim, interleaved=is_glm_dsa(config))
         self.k_cache = DeepseekV32IndexerCache(self.head_dim, prefix=f"{prefix}.k_cache")
@@ -170,7 +162,7 @@ class DeepseekV32Indexer(nn.Module):
         q, k = self.rotary_emb(positions[:T], q, k)
         cache[meta.slot_mapping] = k[:, 0].to(cache.dtype)
         w = self.weights_proj(hidden_states[:T].to(self.weights_proj.weight.dtype)).float()
-        w = w * self.total_heads**-0.5
+        w = w * self.n_heads**-0.5
         q_pad = torch.cat([q.float(), q.new_zeros(1, self.n_heads, self.head_dim).float()])
         w_pad = torch.cat([w, w.new_zeros(1, self.n_heads)])
         buf[:T] = TOPK_PAD
@@ -185,7 +177,6 @@ class DeepseekV32Indexer(nn.Module):
                 qi = g.q_index[:, a : a + step]
                 scores = torch.einsum("rqhd,rsd->rqhs", q_pad[qi], keys) * self.softmax_scale
                 index = torch.einsum("rqh,rqhs->rqs", w_pad[qi], F.relu(scores))
-                index = self.tp.all_reduce(index.contiguous())  # this rank's heads' share
                 index = index.masked_fill(~g.mask[:, 0, a : a + step], float("-inf"))
                 vals, idx = topk_lowest_position_first(index, kk)
                 sel[:, a : a + step] = idx.masked_fill(vals == float("-inf"), TOPK_PAD)
