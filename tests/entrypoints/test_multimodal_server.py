@@ -43,12 +43,12 @@ def _messages(*urls: str, text: str = "what is in the picture?") -> list[dict]:
 
 
 def _hf_reference(path: str, images: list, text: str) -> str:
-    """HF's greedy answer to the same conversation (rendered by the tokenizer's template with
-    the placeholder where each image part is)."""
+    """HF's greedy answer to the same conversation (rendered by the tokenizer's template from
+    the content parts, an image part as {"type": "image"}, as HF's processor renders them)."""
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(path)
-    content = "\n".join([q35.IMAGE_PLACEHOLDER] * len(images) + [text])
+    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": text}]
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
     )

@@ -2,9 +2,16 @@
 # Copyright 2026 The vllm-pp-spec contributors
 """Qwen3.5 as a multimodal target: images through the vision tower, placeholder expansion,
 M-RoPE, merged embeddings, against HF transformers' Qwen3_5ForConditionalGeneration on the same
-tiny random checkpoint (fp32), at P = 1 and P = 2, with chunked prefill across an image."""
+tiny random checkpoint (fp32), at P = 1 and P = 2, with chunked prefill across an image.
+
+The fixture's vision weights are large (std 0.2) and its images' patch grids are smaller, equal
+to and larger than the learned 8x8 position grid, so that every part of the vision path moves
+the greedy text: test_each_vision_module_moves_the_text breaks HF's reference one module at a
+time and asserts the text changes, so the parity tests would catch the same break here."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -30,15 +37,19 @@ def vl_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return q35.make_qwen3_5_vl(tmp_path_factory.mktemp("qwen3_5_vl"))
 
 
-# (prompt, images): one image, two images of different sizes, text only.
+# (prompt, images): one image, two images of different sizes, text only. Patch grids (rows x
+# cols, 8-pixel patches) against the learned 8x8 grid: 6x8 (fewer rows), 8x8 (equal), 12x16
+# (larger), 2x6 after the resize to the minimum pixel count.
 CASES = [
-    ("describe " + PH + " now", [q35.make_test_image(0)]),
+    ("describe " + PH + " now", [q35.make_test_image(0, (64, 48))]),
     (
         "a " + PH + " and " + PH + " compare",
-        [q35.make_test_image(1), q35.make_test_image(2, (40, 16))],
+        [q35.make_test_image(1, (64, 64)), q35.make_test_image(2, (128, 96))],
     ),
     ("plain text prompt", []),
+    ("tall " + PH + " here", [q35.make_test_image(3, (40, 16))]),
 ]
+IMAGE_CASES = [c for c in CASES if c[1]]
 
 
 def _prompt(text, images):
@@ -59,9 +70,149 @@ def hf_refs(vl_dir) -> list[list[int]]:
 
 
 def test_images_change_the_output(vl_dir, hf_refs):
-    """The reference is sensitive to the image (else parity would prove nothing)."""
-    other = q35.hf_vl_greedy(vl_dir, CASES[0][0], [q35.make_test_image(7)], GREEDY.max_tokens)
+    """The reference is sensitive to the image's pixels (else parity would prove nothing)."""
+    other = q35.hf_vl_greedy(
+        vl_dir, CASES[0][0], [q35.make_test_image(7, (64, 48))], GREEDY.max_tokens
+    )
     assert other != hf_refs[0]
+
+
+# ---- each module of the vision path moves the text --------------------------------------------
+
+
+def _hf_module():
+    import transformers.models.qwen3_5.modeling_qwen3_5 as m
+
+    return m
+
+
+@contextlib.contextmanager
+def _patched(obj, name: str, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
+@contextlib.contextmanager
+def _hook(module, fn, pre: bool = False):
+    handle = module.register_forward_pre_hook(fn) if pre else module.register_forward_hook(fn)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _break(name: str, model):
+    """A context in which HF's model computes one part of the vision path wrongly."""
+    m = _hf_module()
+    visual = model.model.visual
+    cfg = visual.config
+    c, t, p = cfg.in_channels, cfg.temporal_patch_size, cfg.patch_size
+    side = visual.num_grid_per_side
+    if name == "patch pixel layout":  # (T, C) instead of (C, T) inside a patch
+        return _hook(
+            visual.patch_embed,
+            lambda _m, a: (a[0].reshape(-1, t, c, p, p).transpose(1, 2).reshape(a[0].shape),),
+            pre=True,
+        )
+    if name in ("position grid resampling", "position grid transposed"):
+        interp = m.get_vision_interpolation_indices_and_weights
+
+        def wrong(*args, **kwargs):
+            if name == "position grid resampling":
+                kwargs["align_corners"] = False
+                return interp(*args, **kwargs)
+            idx, w = interp(*args, **kwargs)
+            return (idx % side) * side + idx // side, w
+
+        return _patched(m, "get_vision_interpolation_indices_and_weights", wrong)
+    if name == "rotary rows and columns swapped":
+        return _patched(
+            m.Qwen3_5VisionRotaryEmbedding,
+            "recomposition_frequencies",
+            lambda _self, f: torch.cat([f[:, 1], f[:, 0]] * 2, dim=-1),
+        )
+    if name == "no vision rotary":
+        return _patched(m, "apply_rotary_pos_emb_vision", lambda q, k, cos, sin: (q, k))
+    if name.startswith("vision block"):
+        block = visual.blocks[int(name.split()[-1])]
+        return _hook(block, lambda _m, a, out: a[0])
+    if name == "merge window order":  # the 4 patches of a merge window taken in another order
+        return _hook(
+            visual.merger,
+            lambda _m, a: (
+                a[0].reshape(-1, 2, 2, a[0].shape[-1]).transpose(1, 2).reshape(a[0].shape),
+            ),
+            pre=True,
+        )
+    if name == "attention across images":
+        seqlens = m.get_vision_attention_seqlens
+
+        def one_sequence(grid_thw, *args, **kwargs):
+            cu, _ = seqlens(grid_thw, *args, **kwargs)
+            return cu[[0, -1]], int(cu[-1])
+
+        return _patched(m, "get_vision_attention_seqlens", one_sequence)
+    if name == "image features shifted by one token":
+
+        def shifted(_m, _a, out):
+            out.pooler_output = out.pooler_output.roll(1, dims=0)
+            return out
+
+        return _hook(visual, shifted)
+    if name in ("M-RoPE as 1-D positions", "M-RoPE rows and columns swapped"):
+        rope_index = model.model.get_rope_index
+
+        def wrong_index(input_ids, *args, **kwargs):
+            pos, delta = rope_index(input_ids, *args, **kwargs)
+            if name == "M-RoPE as 1-D positions":
+                n = input_ids.shape[-1]
+                return torch.arange(n).view(1, 1, n).expand_as(pos).clone(), delta * 0
+            return pos[[0, 2, 1]], delta
+
+        return _patched(model.model, "get_rope_index", wrong_index)
+    raise AssertionError(name)
+
+
+BREAKS = [
+    "patch pixel layout",
+    "position grid resampling",
+    "position grid transposed",
+    "rotary rows and columns swapped",
+    "no vision rotary",
+    "vision block 0",
+    "vision block 1",
+    "merge window order",
+    "attention across images",
+    "image features shifted by one token",
+    "M-RoPE as 1-D positions",
+    "M-RoPE rows and columns swapped",
+]
+
+
+def test_each_vision_module_moves_the_text(vl_dir, hf_refs):
+    """HF's greedy text with one module of the vision path computed wrongly differs from the
+    correct text on at least one of the cases: an engine that got that module wrong would fail
+    test_greedy_matches_hf. (With small vision weights several of these left the text as is.)
+    The positions' delta after the prompt is compared with HF's directly
+    (test_placeholder_expansion_and_positions): HF's generate continues decode positions from
+    the prompt's own, so breaking its delta would not show here."""
+    import transformers
+
+    model = transformers.AutoModelForImageTextToText.from_pretrained(vl_dir, dtype=torch.float32)
+    refs = {i: hf_refs[i] for i, (_, im) in enumerate(CASES) if im}
+    unmoved = []
+    for name in BREAKS:
+        with _break(name, model):
+            got = {
+                i: q35.hf_vl_greedy(vl_dir, *CASES[i], GREEDY.max_tokens, model=model) for i in refs
+            }
+        if got == refs:
+            unmoved.append(name)
+    assert not unmoved, f"the fixture does not notice: {unmoved}"
 
 
 @pytest.mark.parametrize("pp", [1, 2])
@@ -79,7 +230,7 @@ def test_greedy_matches_hf(vl_dir, hf_refs, pp):
         assert _run(llm, CASES) == hf_refs
         if pp == 1:
             model = llm.llm_engine.executor.worker.model_runner.model
-            assert model.num_encoded_images == 3
+            assert model.num_encoded_images == 4
     finally:
         llm.shutdown()
 
@@ -120,7 +271,7 @@ def test_prefix_cache_keys_images_by_content(vl_attn_dir):
     their blocks hash by the image content, so the second request reuses only the text blocks
     before the image and gets its own (HF's) output; the same image again hits the cache."""
     text = "some shared text before the image " + PH + " and after it, more text to read"
-    a, b = q35.make_test_image(10), q35.make_test_image(11)
+    a, b = q35.make_test_image(10, (64, 48)), q35.make_test_image(11, (64, 48))
     refs = [q35.hf_vl_greedy(vl_attn_dir, text, [im], GREEDY.max_tokens) for im in (a, b)]
     assert refs[0] != refs[1]
     llm = LLM(model=vl_attn_dir, enable_prefix_caching=True, **COMMON)
@@ -209,15 +360,65 @@ def test_mtp_on_multimodal_target(request, model):
         assert 0 < accepted < drafted
 
 
-def test_moe_variant_matches_hf(tmp_path):
-    """Qwen3_5MoeForConditionalGeneration: the same tower next to the MoE text model."""
-    path = q35.make_qwen3_5_vl(tmp_path / "vl_moe", moe=True, seed=4)
-    refs = [q35.hf_vl_greedy(path, t, im, GREEDY.max_tokens) for t, im in CASES[:2]]
-    llm = LLM(model=path, **COMMON)
+@pytest.fixture(scope="module")
+def vl_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return q35.make_qwen3_5_vl(tmp_path_factory.mktemp("vl_moe"), moe=True, seed=4)
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_moe_variant_matches_hf(vl_moe_dir, pp):
+    """Qwen3_5MoeForConditionalGeneration: the same tower next to the MoE text model, every
+    case of the dense test, chunked prefill inside the image runs."""
+    refs = [q35.hf_vl_greedy(vl_moe_dir, t, im, GREEDY.max_tokens) for t, im in CASES]
+    llm = LLM(
+        model=vl_moe_dir,
+        pipeline_parallel_size=pp,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=8,
+        **COMMON,
+    )
     try:
-        assert _run(llm, CASES[:2]) == refs
+        assert _run(llm, CASES) == refs
     finally:
         llm.shutdown()
+
+
+def _chat(images: list, text: str) -> list[dict]:
+    parts: list[dict] = [{"type": "image_pil", "image_pil": im} for im in images]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+
+
+def test_chat_renders_images_as_the_template_does(vl_dir):
+    """LLM.chat with image parts and a template that loops over content parts (as Qwen-VL's
+    do): the template places the image tokens, so the prompt is HF's rendering of the same
+    messages and the text HF's greedy answer. Forcing the "string" format (image placeholder
+    and text joined by a newline, for templates that print content whole) gives another
+    prompt - the difference auto-detection makes."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(vl_dir)
+    images = [q35.make_test_image(0, (64, 48)), q35.make_test_image(2, (128, 96))]
+    hf_messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Both?"}],
+        }
+    ]
+    text = tok.apply_chat_template(hf_messages, tokenize=False, add_generation_prompt=True)
+    assert "<|vision_end|><|vision_start|>" in text and "<|vision_end|>Both?" in text
+    want = q35.hf_vl_greedy(vl_dir, text, images, GREEDY.max_tokens)
+    llm = LLM(model=vl_dir, **COMMON)
+    try:
+        auto = llm.chat(_chat(images, "Both?"), GREEDY, use_tqdm=False)[0]
+        string = llm.chat(
+            _chat(images, "Both?"), GREEDY, use_tqdm=False, chat_template_content_format="string"
+        )[0]
+        with pytest.raises(ValueError, match="chat_template_content_format"):
+            llm.chat(_chat(images, "x"), GREEDY, chat_template_content_format="list")
+    finally:
+        llm.shutdown()
+    assert list(auto.outputs[0].token_ids) == want
+    assert auto.prompt_token_ids != string.prompt_token_ids
 
 
 def test_remote_image_urls_only_for_allowed_hosts(vl_dir):
@@ -289,7 +490,7 @@ def test_preemption_with_images(vl_dir, hf_refs):
         model=vl_dir,
         enable_chunked_prefill=True,
         max_num_batched_tokens=16,
-        kv_cache_memory_bytes=states + per_block * 12,
+        kv_cache_memory_bytes=states + per_block * 16,  # the longest request needs ~12 of them
         **COMMON,
     )
     try:

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 from vllm.beam_search import BeamSearch, BeamSearchOutput
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMValidationError
-from vllm.multimodal.chat import split_images
+from vllm.multimodal.chat import resolve_content_format, split_images, template_text
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import BeamSearchParams, SamplingParams
 from vllm.v1.engine.llm_engine import LLMEngine, PromptType
@@ -150,7 +150,12 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[RequestOutput]:
+        """Render each conversation with the chat template (chat_template, else the
+        tokenizer's) and generate. Image parts become the model's image tokens: in the message
+        text ("string" templates) or placed by the template itself ("openai" templates, which
+        loop over content parts); "auto" reads which from the template."""
         # One conversation (a list of messages) or a list of them; the first item tells which.
         if messages and isinstance(messages[0], dict):
             conversations = [messages]
@@ -158,13 +163,17 @@ class LLM:
             conversations = cast(list[list[dict[str, Any]]], list(messages))
         tok = self.get_tokenizer()
         engine = self.llm_engine
+        content_format = resolve_content_format(
+            chat_template_content_format, chat_template or template_text(tok)
+        )
         prompts = []
         for conv in conversations:
-            # Image parts (image_url data URLs, image_pil) -> placeholders + multi_modal_data.
+            # Image parts (image_url data URLs, image_pil) -> image tokens + multi_modal_data.
             conv, images = split_images(
                 list(conv),
                 engine.image_placeholder,
                 engine.model_config.allowed_media_domains,
+                content_format,
             )
             text = tok.apply_chat_template(
                 conv,

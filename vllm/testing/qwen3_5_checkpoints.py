@@ -291,18 +291,46 @@ VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
+# Std of every vision matrix (conv kernel, qkv / proj / MLP / merger, position table). At the
+# 1 / sqrt(fan_in) scale of the text layers a vision tower barely moves the logits, and a
+# wrong rotary, position grid or merge order can still give HF's greedy text; at 0.2 each of
+# them changes it (tests/models/test_qwen3_5_vl.py asserts so, module by module).
+VISION_WEIGHT_STD = 0.2
+
+# The learned position table's std: the patch embedding's outputs are ~VISION_WEIGHT_STD *
+# sqrt(3 * 2 * 8 * 8) ~ 4 per channel, and the table added to them must be of that size for
+# its resampling and orientation to show in the text.
+VISION_POSITION_STD = 4.0
+# Text RoPE base: with 8 rotary dims and base 10000 three of the four frequencies turn by
+# < 0.1 rad per position, too little for wrong M-RoPE positions to change the text; base 10
+# turns them by 1, 0.56, 0.32 and 0.18 rad.
+VL_ROPE_THETA = 10.0
+
+# A Qwen-VL style chat template: it loops over a message's content parts and writes an image
+# part as the vision placeholder, as the real checkpoints' templates do.
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n"
+    "{% if message.content is string %}{{ message.content }}"
+    "{% else %}{% for part in message.content %}"
+    "{% if part.type == 'image' or 'image' in part %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part.type == 'text' %}{{ part.text }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 @torch.no_grad()
 def _reinit_vision_(module: nn.Module, seed: int) -> None:
-    """Vision tower: matrices / conv kernels N(0, (1 / sqrt(fan_in))^2), biases N(0, 0.1^2),
-    LayerNorm scales U[0.5, 1.5], the position table N(0, 0.5^2)."""
+    """Vision tower: matrices and conv kernels N(0, VISION_WEIGHT_STD^2), the position table
+    N(0, VISION_POSITION_STD^2), biases N(0, 0.1^2), LayerNorm scales U[0.5, 1.5]."""
     gen = torch.Generator().manual_seed(seed)
     for name, param in module.named_parameters():
         shape = param.shape
         if name.endswith("pos_embed.weight"):
-            value = torch.randn(shape, generator=gen) * 0.5
+            value = torch.randn(shape, generator=gen) * VISION_POSITION_STD
         elif param.ndim >= 2:
-            fan_in = int(torch.tensor(shape[1:]).prod())
-            value = torch.randn(shape, generator=gen) * (1.0 / fan_in**0.5)
+            value = torch.randn(shape, generator=gen) * VISION_WEIGHT_STD
         elif "norm" in name and name.endswith("weight"):
             value = torch.rand(shape, generator=gen) + 0.5
         else:
@@ -319,18 +347,20 @@ def make_qwen3_5_vl(
     seed: int = 0,
 ) -> str:
     """Write a tiny random `Qwen3_5ForConditionalGeneration` (or the MoE one) with its vision
-    tower, tokenizer (plus the vision special tokens) and image processor
-    (preprocessor_config.json: 4-pixel patches, 2x2 merge, 8x8 to 48x48 pixels after resizing);
-    returns the path.
+    tower, tokenizer (plus the vision special tokens and a Qwen-VL style chat template) and
+    image processor (preprocessor_config.json: 8-pixel patches, 2x2 merge, 256 to 16384 pixels
+    after resizing to multiples of 16); returns the path.
 
     Text model as make_qwen3_5 (hidden 64, 4 layers by default) with M-RoPE over 8 rotary dims
-    (sections [2, 1, 1], interleaved); vision: 2 blocks of width 32 (2 heads), a 4x4 learned
-    position grid, out_hidden_size = 64."""
+    (sections [2, 1, 1], interleaved); vision: 2 blocks of width 32 (2 heads), an 8x8 learned
+    position grid (a 64x64 image's patch grid; smaller and larger images resample it),
+    out_hidden_size = 64, weights of std VISION_WEIGHT_STD."""
     import transformers
 
     out = Path(out_dir)
     tokenizer = build_tokenizer(out)
     tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = VL_CHAT_TEMPLATE
     tokenizer.save_pretrained(str(out))
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     types = list(layer_types or LAYER_TYPES)
@@ -352,7 +382,7 @@ def make_qwen3_5_vl(
         tie_word_embeddings=False,
         rope_parameters={
             "rope_type": "default",
-            "rope_theta": 10000.0,
+            "rope_theta": VL_ROPE_THETA,
             "partial_rotary_factor": 0.5,
             "mrope_section": [2, 1, 1],
             "mrope_interleaved": True,
@@ -374,11 +404,11 @@ def make_qwen3_5_vl(
         intermediate_size=64,
         num_heads=2,
         in_channels=3,
-        patch_size=4,
+        patch_size=8,
         spatial_merge_size=2,
         temporal_patch_size=2,
         out_hidden_size=64,
-        num_position_embeddings=16,
+        num_position_embeddings=64,
         hidden_act="gelu_pytorch_tanh",
     )
     cfg_cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
@@ -412,10 +442,10 @@ def make_qwen3_5_vl(
     from transformers import Qwen2VLImageProcessorPil
 
     Qwen2VLImageProcessorPil(
-        patch_size=4,
+        patch_size=8,
         merge_size=2,
         temporal_patch_size=2,
-        size={"shortest_edge": 8 * 8, "longest_edge": 48 * 48},
+        size={"shortest_edge": 16 * 16, "longest_edge": 128 * 128},
     ).save_pretrained(str(out))
     return str(out)
 
@@ -430,16 +460,21 @@ def make_test_image(seed: int, size: tuple[int, int] = (24, 32)):
 
 
 @torch.no_grad()
-def hf_vl_greedy(path: str, prompt: str, images: list, max_new_tokens: int) -> list[int]:
+def hf_vl_greedy(
+    path: str, prompt: str, images: list, max_new_tokens: int, model: Any = None
+) -> list[int]:
     """HF transformers' greedy continuation of a prompt with images (each `<|image_pad|>` of the
     prompt expanded to its image's tokens, as transformers' Qwen3-VL processor does): the
-    reference the engine is checked against."""
+    reference the engine is checked against. `model`: an already loaded HF model of `path`."""
     import numpy as np
     import transformers
 
     tok = transformers.AutoTokenizer.from_pretrained(path)
     proc = transformers.AutoImageProcessor.from_pretrained(path)
-    model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
+    if model is None:
+        model = transformers.AutoModelForImageTextToText.from_pretrained(
+            path, dtype=torch.float32
+        )
     model.eval()
     text = prompt
     kwargs: dict[str, Any] = {}

@@ -87,6 +87,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         "a file, or the template itself",
     )
     parser.add_argument(
+        "--chat-template-content-format",
+        type=str,
+        default="auto",
+        choices=["auto", "string", "openai"],
+        help="How the chat template reads message content: 'string' (image parts become "
+        "the model's image placeholder in the text), 'openai' (the template loops over the "
+        "content parts and places the image tokens itself), 'auto' (read from the template)",
+    )
+    parser.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='tool_choice "auto": read tool calls out of the model\'s text with --tool-call-parser',

@@ -306,6 +306,7 @@ def run_server(args: argparse.Namespace) -> int:
         return_tokens_as_token_ids=getattr(args, "return_tokens_as_token_ids", False),
         chat_template=load_chat_template(getattr(args, "chat_template", None)),
         trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
+        chat_template_content_format=getattr(args, "chat_template_content_format", "auto"),
         enable_auto_tool_choice=getattr(args, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(args, "tool_call_parser", None),
     )

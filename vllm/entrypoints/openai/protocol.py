@@ -470,18 +470,21 @@ class ChatCompletionRequest(_SamplingRequest):
     def conversation(
         self, image_placeholder: str | None = None, allowed_media_domains: list[str] | None = None
     ) -> list[dict[str, Any]]:
-        """Messages as plain dicts for the chat template; text parts are joined, image parts
-        become image_placeholder (the images: conversation_and_images)."""
+        """Messages as plain dicts for a "string" chat template; text parts are joined, image
+        parts become image_placeholder (the images: conversation_and_images)."""
         return self.conversation_and_images(image_placeholder, allowed_media_domains)[0]
 
     def conversation_and_images(
-        self, image_placeholder: str | None = None, allowed_media_domains: list[str] | None = None
+        self,
+        image_placeholder: str | None = None,
+        allowed_media_domains: list[str] | None = None,
+        content_format: str = "string",
     ) -> tuple[list[dict[str, Any]], list[Any]]:
         """(conversation, images in order): see vllm.multimodal.chat.split_images."""
         messages = [m.model_dump(exclude_none=True) for m in self.messages]
         for d, m in zip(messages, self.messages):
             d["content"] = m.content
-        return split_images(messages, image_placeholder, allowed_media_domains)
+        return split_images(messages, image_placeholder, allowed_media_domains, content_format)
 
 
 class FunctionCall(OpenAIBaseModel):

@@ -43,6 +43,7 @@ from vllm.entrypoints.openai.serving_engine import (
     usage_info,
 )
 from vllm.entrypoints.openai.tool_calls import named_function, parse_tool_calls, tool_choice_mode
+from vllm.multimodal.chat import resolve_content_format, template_text
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
@@ -130,9 +131,13 @@ class OpenAIServingChat(OpenAIServing):
             # Tool calls are read from the whole text: one final output per choice.
             params.output_kind = RequestOutputKind.FINAL_ONLY
         engine = self.llm.engine
-        # Image parts: placeholders in the text, the images as the prompt's multi_modal_data.
+        # Image parts: image tokens in the text (or placed by an "openai" template), the images
+        # as the prompt's multi_modal_data.
+        template = req.chat_template or self.options.chat_template or template_text(self.tokenizer)
         conversation, images = req.conversation_and_images(
-            engine.image_placeholder, engine.model_config.allowed_media_domains
+            engine.image_placeholder,
+            engine.model_config.allowed_media_domains,
+            resolve_content_format(self.options.chat_template_content_format, template),
         )
         text = await self.render(req, conversation)
         prompt = await self.engine_prompt(req, text, None, req.add_special_tokens)

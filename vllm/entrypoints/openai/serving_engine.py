@@ -322,6 +322,9 @@ class ServingOptions:
     """The chat template (--chat-template), instead of the tokenizer's own."""
     trust_request_chat_template: bool = False
     """Accept chat_template in requests (rendered in a sandbox)."""
+    chat_template_content_format: str = "auto"
+    """How the template reads message content: "string", "openai" (a list of parts), or
+    "auto": read from the template (--chat-template-content-format)."""
     enable_auto_tool_choice: bool = False
     """tool_choice "auto" reads tool calls out of the text (--enable-auto-tool-choice)."""
     tool_call_parser: str | None = None
