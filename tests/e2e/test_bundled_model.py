@@ -80,3 +80,30 @@ def test_mtp_lossless_real_acceptance_and_pp2_identical(no_spec, k):
     tokens2, m2 = _run(2, k)
     assert tokens2 == no_spec
     assert m2 == m1
+
+
+@pytest.mark.parametrize(
+    "max_model_len,spec,match",
+    [
+        (512, None, r"max_model_len \(512 tokens\) needs 128 KV cache blocks of 4 tokens"),
+        (
+            160,
+            {"method": "mtp", "num_speculative_tokens": 2},
+            r"max_model_len \(160 tokens \+ 2 draft tokens\) needs 41 KV cache blocks",
+        ),
+    ],
+)
+def test_a_kv_cache_smaller_than_max_model_len_is_refused(max_model_len, spec, match):
+    """A 40-block pool of 4-token blocks cannot hold one request of max_model_len tokens (plus
+    the drafts' lookahead): refused at start-up with both numbers and the flags that change
+    them, as vLLM does, instead of admitting requests that would wait for blocks forever."""
+    with pytest.raises(ValueError, match=match) as err:
+        LLM(
+            block_size=4,
+            max_num_batched_tokens=16,
+            num_gpu_blocks_override=40,
+            max_model_len=max_model_len,
+            speculative_config=spec,
+        )
+    assert "holds only 40 blocks (160 tokens)" in str(err.value)
+    assert "--max-model-len" in str(err.value) and "--kv-cache-memory-bytes" in str(err.value)

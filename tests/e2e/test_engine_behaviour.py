@@ -71,7 +71,7 @@ def test_preemption_equals_alone(llama_dir, prompts, reference):
     llm = LLM(
         model=llama_dir,
         dtype="float32",
-        max_model_len=256,
+        max_model_len=64,  # the pool's 16 x 4 tokens (a longer one is refused at start-up)
         block_size=4,
         kv_cache_memory_bytes=per_block * 16,
     )

@@ -134,7 +134,8 @@ def pp_runs(request, reference):
                 pipeline_parallel_size=pp,
                 max_num_batched_tokens=BATCH_TOKENS,
                 kv_cache_memory_bytes=kv_bytes,
-                **COMMON,
+                # The pool's tokens (start-up refuses a longer max_model_len).
+                **{**COMMON, "max_model_len": KV_BLOCKS * 16},
             )
         finally:
             mp.undo()

@@ -294,7 +294,9 @@ def test_preemption_with_caching(request, prompts, name):
     model, spec = _case(request, name)
     off = _off(request, name, prompts)
     # 24 blocks of 4 tokens: the longest request (30 + 8 + drafts) fits alone.
-    kw = dict(speculative_config=spec or None, num_gpu_blocks_override=24)
+    # max_model_len: the pool's tokens less the drafts' lookahead (start-up refuses more).
+    k = spec["num_speculative_tokens"] if spec else 0
+    kw = dict(speculative_config=spec or None, num_gpu_blocks_override=24, max_model_len=96 - k)
     on = _run(model, [prompts, prompts], True, **kw)
     _assert_same_outputs(on, off)
     assert on.num_preemptions > 0
@@ -319,7 +321,7 @@ def test_eviction_more_prefixes_than_the_cache_holds(llama_dir):
         expected = [_alone(ref, p).outputs[0].token_ids for p in order]
     finally:
         ref.shutdown()
-    llm = LLM(model=llama_dir, num_gpu_blocks_override=20, **COMMON)
+    llm = LLM(model=llama_dir, num_gpu_blocks_override=20, **{**COMMON, "max_model_len": 80})
     try:
         outs = [_alone(llm, p) for p in order]
         assert [o.outputs[0].token_ids for o in outs] == expected
@@ -350,7 +352,7 @@ def test_prefix_shared_with_a_running_request(llama_dir):
     finally:
         ref.shutdown()
     # 19 blocks: b (10 with its outputs, 5 of them a's) + c (9) fit only by evicting a's own.
-    llm = LLM(model=llama_dir, num_gpu_blocks_override=19, **COMMON)
+    llm = LLM(model=llama_dir, num_gpu_blocks_override=19, **{**COMMON, "max_model_len": 76})
     eng = llm.llm_engine
     kvm = eng.scheduler.kv_cache_manager
     done = {}

@@ -114,7 +114,8 @@ def test_chunked_prefill_and_preemption(model, prompt, others, reference, spec) 
         block_size=4,
         max_num_batched_tokens=16,
         kv_cache_memory_bytes=24 * per_block,
-        **COMMON,
+        # Within the pool (18 blocks with the draft's KV) and above the longest request (60).
+        **{**COMMON, "max_model_len": 64},
     )
     try:
         ps, sps = others

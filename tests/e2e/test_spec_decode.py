@@ -258,6 +258,7 @@ def test_lossless_with_chunked_prefill_and_preemption(
         speculative_config=spec,
         max_num_batched_tokens=32,
         kv_cache_memory_bytes=10 * per_block,
+        max_model_len=10 * probe.llm_engine.vllm_config.cache_config.block_size - k,
     )
     assert _ids(outs) == baseline(model)
     assert metrics["vllm:num_preemptions"].value > 0

@@ -157,7 +157,7 @@ def test_tp2_pp2_equals_one_worker(qwen2_dir, pp_forkserver):
         enable_chunked_prefill=True,
         max_num_batched_tokens=16,
         kv_cache_memory_bytes=kv_bytes,
-        **COMMON,
+        **{**COMMON, "max_model_len": blocks * 16},  # the pool's tokens (16-token blocks)
     )
     try:
         engine = llm.llm_engine

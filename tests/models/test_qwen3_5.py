@@ -231,7 +231,12 @@ def test_preemption_matches_hf(qwen3_5_dir):
     conv = (2 * 2 * 16 + 4 * 16) * 3 * 4
     rec = 4 * 16 * 16 * 4
     assert state_bytes == 2 * (conv + rec) * max_seqs
-    llm = LLM(model=qwen3_5_dir, kv_cache_memory_bytes=state_bytes + per_block * 14, **COMMON)
+    # max_model_len within the pool's 14 x 8 tokens (a longer one is refused at start-up).
+    llm = LLM(
+        model=qwen3_5_dir,
+        kv_cache_memory_bytes=state_bytes + per_block * 14,
+        **{**COMMON, "max_model_len": 112},
+    )
     try:
         kv = llm.llm_engine.scheduler.kv_cache_manager
         assert kv.num_blocks == 14
@@ -372,6 +377,7 @@ def test_mtp_partial_acceptance_with_chunked_prefill_and_preemption(qwen3_5_near
         enable_chunked_prefill=True,
         max_num_batched_tokens=8,
         kv_cache_memory_bytes=states + per_block * 10,
+        max_model_len=10 * 8 - 2,  # the pool's tokens less K
     )
     assert outs == [hf_greedy(path, p, GREEDY.max_tokens) for p in prompts]
     assert 0 < accepted < drafted

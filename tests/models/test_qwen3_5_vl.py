@@ -491,7 +491,7 @@ def test_preemption_with_images(vl_dir, hf_refs):
         enable_chunked_prefill=True,
         max_num_batched_tokens=16,
         kv_cache_memory_bytes=states + per_block * 16,  # the longest request needs ~12 of them
-        **COMMON,
+        **{**COMMON, "max_model_len": 16 * 8},
     )
     try:
         sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

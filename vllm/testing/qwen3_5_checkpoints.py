@@ -472,9 +472,7 @@ def hf_vl_greedy(
     tok = transformers.AutoTokenizer.from_pretrained(path)
     proc = transformers.AutoImageProcessor.from_pretrained(path)
     if model is None:
-        model = transformers.AutoModelForImageTextToText.from_pretrained(
-            path, dtype=torch.float32
-        )
+        model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32)
     model.eval()
     text = prompt
     kwargs: dict[str, Any] = {}

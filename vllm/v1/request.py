@@ -30,7 +30,7 @@ class RequestStatus(enum.IntEnum):
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH_CAPPED: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
-            RequestStatus.FINISHED_ERROR: "abort",
+            RequestStatus.FINISHED_ERROR: "error",
         }.get(status)
 
 

@@ -147,3 +147,41 @@ def test_kv_manager_allocates_and_frees_state_slots():
     m.free(a)
     assert m.allocate_slots(b, 3) is not None
     assert m.req_to_state_slot == {"b": 0}
+
+
+def test_a_request_that_can_never_fit_finishes_with_an_error():
+    """A pool smaller than one request's growth (the start-up check normally prevents it):
+    instead of preempting itself and waiting forever, the request finishes with finish_reason
+    "error" naming the numbers, its blocks are freed, and the other request runs on."""
+    # 10 blocks of 4 tokens = 40 tokens; "big" grows to 8 + 40 = 48 tokens.
+    s = Scheduler(_config(budget=64, block_size=4, max_model_len=256), num_blocks=10)
+    big, small = _req("big", 8, max_tokens=40), _req("small", 3, max_tokens=4)
+    s.add_request(big)
+    s.add_request(small)
+    failed = None
+    for _ in range(100):
+        if not s.has_unfinished_requests():
+            break
+        so = s.schedule()
+        res = s.update_from_output(so, _answer(so))
+        if "big" in res.outputs and res.outputs["big"].finish_reason == "error":
+            failed = res.outputs["big"]
+    else:
+        raise AssertionError("the scheduler never finished the requests (a hang)")
+    assert failed is not None and failed.error is not None
+    assert "needs 11 KV blocks" in failed.error and "holds only 10 blocks" in failed.error
+    assert big.status == RequestStatus.FINISHED_ERROR
+    assert small.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert s.kv_cache_manager.pool.num_free_blocks == 10
+
+
+def test_a_prompt_longer_than_the_pool_is_refused_when_waiting():
+    """A waiting request whose prompt alone exceeds the pool fails at once, not after others
+    have drained."""
+    s = Scheduler(_config(budget=64, block_size=4), num_blocks=3)
+    s.add_request(_req("long", 20))
+    so = s.schedule()
+    assert so.num_scheduled_tokens == {} and "long" in so.finished_req_ids
+    res = s.update_from_output(so, _answer(so))
+    assert res.outputs["long"].finish_reason == "error"
+    assert not s.has_unfinished_requests()

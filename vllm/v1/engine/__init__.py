@@ -22,3 +22,4 @@ class EngineCoreOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_cached_tokens: int = 0
+    error: str | None = None  # finish_reason "error": why the request could not run

@@ -37,6 +37,27 @@ PromptType = str | dict[str, Any] | list[int]
 _PROMPT_BYTES_MARGIN = 2
 
 
+def check_kv_cache_fits(vllm_config: VllmConfig, num_blocks: int) -> None:
+    """Refuse a KV cache that cannot hold one request of max_model_len tokens (plus the
+    drafts' lookahead), as vLLM does at start-up: such a request would wait for blocks that
+    can never exist."""
+    mc, cc = vllm_config.model_config, vllm_config.cache_config
+    assert mc.max_model_len is not None
+    lookahead = vllm_config.num_speculative_tokens
+    need = -(-(mc.max_model_len + lookahead) // cc.block_size)
+    if need > num_blocks:
+        extra = f" + {lookahead} draft tokens" if lookahead else ""
+        raise ValueError(
+            f"max_model_len ({mc.max_model_len} tokens{extra}) needs {need} KV cache blocks of "
+            f"{cc.block_size} tokens for one request, but the KV cache holds only {num_blocks} "
+            f"blocks ({num_blocks * cc.block_size} tokens). Lower max_model_len "
+            "(--max-model-len) to at most "
+            f"{max(num_blocks * cc.block_size - lookahead, 0)}, or give the KV cache more "
+            "memory (--kv-cache-memory-bytes, --gpu-memory-utilization, "
+            "num_gpu_blocks_override)."
+        )
+
+
 def prompt_byte_limit(tokenizer, max_model_len: int) -> int:
     """Most UTF-8 bytes a prompt may have: anything longer has more than max_model_len tokens.
 
@@ -112,6 +133,7 @@ class LLMEngine:
                     override,
                 )
                 num_blocks = override
+            check_kv_cache_fits(vllm_config, num_blocks)
             self.executor.initialize_kv_cache(num_blocks)
             warm_up(vllm_config, self.executor, num_blocks, num_state_slots(vllm_config))
             step_costs = measure_step_costs(

@@ -99,6 +99,7 @@ class RequestState:
     finished_time: float | None = None
     num_generation_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first sample)
+    error: str | None = None  # why the engine finished it with finish_reason "error"
 
     @property
     def finished(self) -> bool:
@@ -266,6 +267,8 @@ class OutputProcessor:
             if out.finish_reason is not None:
                 child.finish_reason = out.finish_reason
                 child.stop_reason = out.stop_reason
+                if out.error is not None:
+                    st.error = out.error
             elif (
                 child.params.stop
                 # As vLLM: stop strings count once more than min_tokens tokens are out.
@@ -371,4 +374,5 @@ class OutputProcessor:
             prompt_logprobs=st.prompt_logprobs,
             metrics=metrics,
             num_cached_tokens=st.num_cached_tokens,
+            error=st.error,
         )

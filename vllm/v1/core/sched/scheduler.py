@@ -85,6 +85,8 @@ class Scheduler:
         self._step_id = 0
         # How many of each request's blocks the workers already know about.
         self._sent_blocks: dict[str, int] = {}
+        # Requests finished by the scheduler itself (could never fit), reported next update.
+        self._failed: dict[str, EngineCoreOutput] = {}
 
     # ---- request lifecycle -------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -128,6 +130,33 @@ class Scheduler:
         if not req.in_flight:
             self.requests.pop(req.request_id, None)
             self._add_order.pop(req.request_id, None)
+
+    def _fail_if_never_fits(self, req: Request, num_tokens: int) -> bool:
+        """Finish `req` with an error when num_tokens (+ the drafts' lookahead) need more KV
+        blocks than the whole pool holds: waiting or preempting cannot help it, and it would
+        wait forever. The start-up check (LLMEngine) keeps max_model_len within the pool, so
+        this is the guard for what that check cannot see."""
+        kvm = self.kv_cache_manager
+        need = kvm.blocks_needed(num_tokens + self.num_spec_tokens)
+        if need <= kvm.num_blocks:
+            return False
+        msg = (
+            f"request {req.request_id!r} needs {need} KV blocks of {self.block_size} tokens "
+            f"for {num_tokens} tokens, but the KV cache holds only {kvm.num_blocks} blocks; it "
+            "can never be scheduled (lower max_tokens or max_model_len, or give the KV cache "
+            "more memory: kv_cache_memory_bytes / gpu_memory_utilization)"
+        )
+        logger.error("%s", msg)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED_ERROR
+        self._failed[req.request_id] = EngineCoreOutput(
+            req.request_id, [], finish_reason="error", error=msg
+        )
+        self._free(req)
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -193,6 +222,8 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            if self._fail_if_never_fits(req, req.num_computed_tokens + n):
+                continue  # removed from running: i now points at the next request
             scheduled_self = True
             while self.kv_cache_manager.allocate_slots(req, n, lookahead) is None:
                 victim = self._pick_victim()
@@ -232,6 +263,8 @@ class Scheduler:
             if n > budget and not self.enable_chunked_prefill:
                 break
             n = min(n, budget)
+            if self._fail_if_never_fits(req, req.num_computed_tokens + num_hit + n):
+                continue
             if kvm.allocate_slots(req, n, lookahead, hit_blocks) is None:
                 break
             kvm.record_prefix_cache_lookup(req, num_hit)
@@ -300,6 +333,8 @@ class Scheduler:
         self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> SchedulerStepResult:
         result = SchedulerStepResult()
+        result.outputs.update(self._failed)
+        self._failed.clear()
         spec_stats = SpecDecodingStats(self.num_spec_tokens) if self.num_spec_tokens else None
         for rid in sched_out.num_scheduled_tokens:
             req = self.requests.get(rid)
