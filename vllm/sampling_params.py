@@ -49,6 +49,13 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    """JSON without free whitespace between tokens (vLLM's option): by default a JSON schema or
+    object allows whitespace where JSON does, as vLLM's xgrammar backend compiles it."""
+    disable_fallback: bool = False
+    """Accepted for vLLM compatibility (there is one backend, nothing to fall back to)."""
+    disable_additional_properties: bool = False
+    """JSON schemas without "additionalProperties" allow none (vLLM's option)."""
     # The request field these came from (errors name it): structured_outputs, response_format,
     # guided_json, ... or tool_choice.
     _source: str = field(default="structured_outputs", repr=False, compare=False)
@@ -68,6 +75,12 @@ class StructuredOutputsParams:
             "regex": (str,),
             "grammar": (str,),
         }
+        for flag in ("disable_any_whitespace", "disable_fallback", "disable_additional_properties"):
+            if not isinstance(getattr(self, flag), bool):
+                raise VLLMTypeError(
+                    f"structured_outputs.{flag} must be a bool, got {getattr(self, flag)!r:.80}",
+                    parameter="structured_outputs",
+                )
         k = kinds[0]
         if k in checks and not isinstance(getattr(self, k), checks[k]):
             raise VLLMTypeError(
@@ -146,12 +159,22 @@ class SamplingParams:
     bad_words: list[str] | None = None
     """Words never generated: a one-token word is banned outright, a longer one's last token
     is banned after its other tokens (the engine tokenizes them)."""
+    logits_processors: Any = None
+    """Per-request logits processor callables: not supported (as vLLM V1, which refuses them
+    with a ValueError); None or an empty list only."""
     # Filled by the engine: eos id of the tokenizer, and ids that stop besides stop_token_ids.
     _eos_token_id: int | None = field(default=None, repr=False)
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
     _bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
+        if self.logits_processors:
+            raise VLLMValidationError(
+                "logits_processors: per-request logits processors are not supported (vLLM V1 "
+                "does not support them either); use logit_bias, allowed_token_ids, bad_words "
+                "or structured_outputs",
+                parameter="logits_processors",
+            )
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:

@@ -171,17 +171,20 @@ def reference(model_dir: str, prompt: list[int], sp: SamplingParams) -> list[int
 
 def reference_with_logprobs(
     model_dir: str, prompt: list[int], sp: SamplingParams
-) -> tuple[list[int], list[float]]:
-    """(tokens, the log-probability of each under the adjusted logits: the controls applied,
-    before temperature)."""
+) -> tuple[list[int], list[float], list[float]]:
+    """(tokens, the log-probability of each under the model's raw logits - vLLM's default
+    logprobs_mode raw_logprobs -, and under the logits the sampler drew from: the controls,
+    temperature and min-p applied - processed_logprobs)."""
     m = hf_model(model_dir)
     stop = _stop_ids(model_dir, sp)
     bad = _bad_words_ids(model_dir, sp.bad_words or [])
     out: list[int] = []
     lps: list[float] = []
+    processed: list[float] = []
     while len(out) < (sp.max_tokens or MAX_TOKENS):
         with torch.no_grad():
             logits = m(torch.tensor([prompt + out])).logits[0, -1].float().clone()
+        raw = logits.clone()
         V = logits.shape[0]
         if sp.allowed_token_ids is not None:
             keep = torch.zeros(V, dtype=torch.bool)
@@ -205,6 +208,7 @@ def reference_with_logprobs(
             logits[t] -= sp.frequency_penalty * n_out + sp.presence_penalty * (n_out > 0)
         if sp.temperature == 0:
             t_new = int(logits.argmax())
+            probs = logits.softmax(-1)
         else:
             probs = (logits / sp.temperature).softmax(-1)
             if sp.min_p:
@@ -214,10 +218,11 @@ def reference_with_logprobs(
             noise = exponential_noise(np.array([sp.seed]), np.array([pos]), V, torch.device("cpu"))
             t_new = int((probs / noise[0]).argmax())
         out.append(t_new)
-        lps.append(float(logits.log_softmax(-1)[t_new]))
+        lps.append(float(raw.log_softmax(-1)[t_new]))
+        processed.append(float(probs[t_new].log()))
         if t_new in stop:
             break
-    return out, lps
+    return out, lps, processed
 
 
 @pytest.fixture(scope="module")
@@ -234,9 +239,9 @@ def references(request) -> dict:
     return get  # type: ignore[return-value]
 
 
-def _generate(path: str, spec: dict | None, pp: int):
+def _generate(path: str, spec: dict | None, pp: int, **kw):
     prompts, sps = _requests(path)
-    llm = LLM(model=path, speculative_config=spec, pipeline_parallel_size=pp, **COMMON)
+    llm = LLM(model=path, speculative_config=spec, pipeline_parallel_size=pp, **COMMON, **kw)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
         lps = [
@@ -255,9 +260,9 @@ def test_controls_equal_brute_force_reference(request, references, model, spec, 
     path = request.getfixturevalue(MODELS[model])
     ref = references(model)
     got, lps, counts = _generate(path, _spec(request, model) if spec == "spec" else None, pp)
-    for i, (g, (r, r_lps)) in enumerate(zip(got, ref)):
+    for i, (g, (r, r_lps, _)) in enumerate(zip(got, ref)):
         assert g == r, f"request {i}: {g} != reference {r}"
-        if _requests(path)[1][i].logprobs is not None:  # the target's, after the controls
+        if _requests(path)[1][i].logprobs is not None:  # the target's raw logits (vLLM's)
             np.testing.assert_allclose(lps[i], r_lps, atol=1e-4, rtol=1e-4)
     if spec == "spec":
         drafted, accepted = counts[1], counts[2]
@@ -278,3 +283,19 @@ def test_controls_change_the_output(request, references) -> None:
         )
         assert ref[i] != reference(path, prompts[i], plain)[: len(ref[i])], i
     assert 6 <= len(ref[4]) < MAX_TOKENS and ref[4][-1] in _stop_ids(path, sps[4])
+
+
+def test_processed_logprobs_mode(request, references) -> None:
+    """logprobs_mode="processed_logprobs": the logprobs of the logits the sampler drew from
+    (the controls, temperature and min-p applied), which differ from the default raw ones for
+    the controlled requests; the tokens are the same."""
+    path = request.getfixturevalue(MODELS["llama"])
+    ref = references("llama")
+    got, lps, _ = _generate(path, None, 1, logprobs_mode="processed_logprobs")
+    checked = 0
+    for i, (g, (r, raw, processed)) in enumerate(zip(got, ref)):
+        assert g == r
+        if _requests(path)[1][i].logprobs is not None:
+            np.testing.assert_allclose(lps[i], processed, atol=1e-4, rtol=1e-4)
+            checked += not np.allclose(raw, processed, atol=1e-3)
+    assert checked, "no controlled request's processed logprobs differ from its raw ones"

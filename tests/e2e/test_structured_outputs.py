@@ -109,7 +109,13 @@ def _requests(llm: LLM, name: str):
         return StructuredOutputsParams(**kw)
 
     sps = [
-        SamplingParams(temperature=0, max_tokens=64, structured_outputs=so(json=SCHEMA)),
+        # Without free whitespace: a tiny model could fill max_tokens with it (vLLM's default
+        # allows it; the json_object case below runs with the default).
+        SamplingParams(
+            temperature=0,
+            max_tokens=64,
+            structured_outputs=so(json=SCHEMA, disable_any_whitespace=True),
+        ),
         SamplingParams(temperature=0, max_tokens=128, structured_outputs=so(json_object=True)),
         SamplingParams(temperature=0.9, seed=7, max_tokens=16, structured_outputs=so(regex=REGEX)),
         SamplingParams(temperature=0, max_tokens=16, structured_outputs=so(choice=CHOICE)),
@@ -319,3 +325,42 @@ def test_bitmask_rows_follow_the_drafts_and_roll_back() -> None:
     so.accept(np.array([0]), np.array([[a_id, b_id, -1]]), np.array([2]))
     got = rows([])
     assert digit in allowed(got[0]) and a_id not in allowed(got[0])
+
+
+@pytest.mark.parametrize("engine_wide", [False, True])
+def test_json_allows_whitespace_unless_disabled(engine_wide) -> None:
+    """As vLLM's xgrammar backend: a JSON schema allows whitespace between tokens by default;
+    disable_any_whitespace (the request's, or structured_outputs_config's for every request)
+    takes it away. Checked on the compiled grammar's matcher."""
+    import xgrammar as xgr
+
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.structured_output import get_backend
+
+    model = str(default_model_path())
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    backend = get_backend(model, len(tok), tok)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def accepts(so: StructuredOutputsParams, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(backend.compile(so))
+        return all(matcher.accept_token(t) for t in tok.encode(text, add_special_tokens=False))
+
+    # Without free whitespace xgrammar writes JSON as json.dumps does (", " and ": ").
+    spaced, tight = '{ "a" :  1 }', '{"a": 1}'
+    if engine_wide:
+        # The engine applies structured_outputs_config to each request's params.
+        cfg = EngineArgs(
+            model=model, structured_outputs_config={"disable_any_whitespace": True}
+        ).create_engine_config()
+        so = StructuredOutputsParams(json=schema)
+        so.disable_any_whitespace |= cfg.structured_outputs_config.disable_any_whitespace
+        assert not accepts(so, spaced) and accepts(so, tight)
+        return
+    assert accepts(StructuredOutputsParams(json=schema), spaced)
+    strict = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    assert not accepts(strict, spaced) and accepts(strict, tight)
+    closed = StructuredOutputsParams(json=schema, disable_additional_properties=True)
+    assert not accepts(closed, '{"a": 1, "b": 2}') and accepts(closed, '{"a": 1}')

@@ -8,6 +8,8 @@ from vllm.config.compilation import CompilationConfig
 from vllm.config.device import DeviceConfig
 from vllm.config.model import (
     DEFAULT_MODEL_DIR,
+    LoadFormat,
+    LogprobsMode,
     ModelConfig,
     default_model_path,
     get_text_config,
@@ -24,11 +26,14 @@ from vllm.config.speculative import (
     SpeculativeConfig,
     num_mtp_layers,
 )
+from vllm.config.structured_outputs import StructuredOutputsConfig
 from vllm.config.utils import get_attr_docs
 from vllm.config.vllm import VllmConfig
 
 __all__ = [
     "DEFAULT_MODEL_DIR",
+    "LoadFormat",
+    "LogprobsMode",
     "EAGLE1_DRAFT_ARCHITECTURES",
     "EAGLE1_TARGET_ARCHITECTURES",
     "MTP_DRAFT_ARCHITECTURES",
@@ -40,6 +45,7 @@ __all__ = [
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",
+    "StructuredOutputsConfig",
     "SchedulerPolicy",
     "SpecMethod",
     "SpeculativeConfig",

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from vllm.logger import init_logger
 
@@ -17,6 +17,10 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 
+LogprobsMode = Literal["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"]
+LOGPROBS_MODES = get_args(LogprobsMode)
+LoadFormat = Literal["auto", "safetensors"]
+LOAD_FORMATS = get_args(LoadFormat)
 _DTYPES = {"auto", "float32", "float", "float16", "half", "bfloat16"}
 # Sampling fields a generation_config.json may give defaults for (as vLLM reads them).
 _GENERATION_DEFAULTS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
@@ -111,6 +115,14 @@ class ModelConfig:
     """Server: hosts whose http(s) image URLs a chat message may name. None (the default):
     remote URLs are refused (400) and only base64 data URLs are accepted; nothing is fetched
     from the network."""
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+    """What logprobs report (vLLM's --logprobs-mode): 'raw_logprobs' (the default) and
+    'raw_logits' come from the model's logits before any processing (grammar, penalties, bias,
+    temperature, top-k / top-p); 'processed_logprobs' / 'processed_logits' from the logits the
+    sampler draws from (all of those applied)."""
+    load_format: LoadFormat = "auto"
+    """How weights are read (vLLM's --load-format): 'auto' and 'safetensors' both read the
+    checkpoint's safetensors files (the only format this engine loads)."""
     hf_config: Any = field(default=None, repr=False)
     """The checkpoint's config (filled in __post_init__)."""
 
@@ -119,6 +131,11 @@ class ModelConfig:
             self.model = default_model_path()
         if self.tokenizer is None:
             self.tokenizer = self.model
+        for name, allowed in (("logprobs_mode", LOGPROBS_MODES), ("load_format", LOAD_FORMATS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}"
+                )
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.hf_config is None:

@@ -14,6 +14,7 @@ from vllm.config.model import ModelConfig, _config_dtype
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
 from vllm.config.speculative import SpeculativeConfig
+from vllm.config.structured_outputs import StructuredOutputsConfig
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -31,6 +32,9 @@ class VllmConfig:
     """Speculative decoding; None: off."""
     device_config: DeviceConfig = field(default_factory=DeviceConfig)
     compilation_config: CompilationConfig = field(default_factory=CompilationConfig)
+    structured_outputs_config: StructuredOutputsConfig = field(
+        default_factory=StructuredOutputsConfig
+    )
     enforce_eager: bool = False
     """Run every step at its own size: no padding to compilation_config's sizes."""
     disable_log_stats: bool = True

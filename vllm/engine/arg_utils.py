@@ -22,11 +22,14 @@ from vllm.config import (
     CompilationConfig,
     DeviceConfig,
     DistributedExecutorBackend,
+    LoadFormat,
+    LogprobsMode,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     SchedulerPolicy,
     SpeculativeConfig,
+    StructuredOutputsConfig,
     VllmConfig,
     get_attr_docs,
 )
@@ -93,6 +96,16 @@ class EngineArgs:
     """Most multimodal items per prompt, per modality, as a dict (JSON on the command line),
     e.g. {"image": 2}; default 4 images."""
     allowed_media_domains: list[str] | None = ModelConfig.allowed_media_domains
+    structured_outputs_config: dict[str, Any] | str | None = None
+    """Engine-wide structured-output settings as a dict (JSON on the command line, or dotted
+    flags: --structured-outputs-config.disable_any_whitespace true), e.g. {"backend":
+    "xgrammar", "disable_any_whitespace": true}; keys: backend (auto | xgrammar),
+    disable_any_whitespace, disable_additional_properties, disable_fallback."""
+    logprobs_mode: LogprobsMode = ModelConfig.logprobs_mode
+    load_format: LoadFormat = ModelConfig.load_format
+    async_scheduling: bool = False
+    """vLLM's overlap of scheduling with execution: accepted; outputs are the same either way
+    (this engine core schedules each step before it runs, and overlaps pipeline stages)."""
     scheduling_policy: SchedulerPolicy = SchedulerConfig.policy
     """Order of waiting requests: 'fcfs' (arrival) or 'priority' (each request's priority,
     lower first, then arrival; preemption takes the lowest-priority running request)."""
@@ -129,6 +142,8 @@ class EngineArgs:
                 else self.limit_mm_per_prompt
             ),
             allowed_media_domains=self.allowed_media_domains,
+            logprobs_mode=self.logprobs_mode,
+            load_format=self.load_format,
         )
         spec = self.speculative_config
         if isinstance(spec, str):
@@ -166,6 +181,11 @@ class EngineArgs:
             speculative_config=speculative_config,
             device_config=DeviceConfig(device=self.device),
             compilation_config=CompilationConfig.from_dict(comp),
+            structured_outputs_config=StructuredOutputsConfig.from_dict(
+                parse_json_arg("structured_outputs_config", self.structured_outputs_config)
+                if isinstance(self.structured_outputs_config, str)
+                else self.structured_outputs_config
+            ),
             enforce_eager=self.enforce_eager,
             disable_log_stats=self.disable_log_stats,
         )
@@ -235,6 +255,90 @@ def _argparse_kwargs(flag: str, hint: Any, default: Any) -> dict[str, Any]:
     if only not in (int, float, str):
         raise TypeError(f"no command-line form for {flag} of type {hint!r}")
     return kwargs | {"type": only}
+
+
+def dict_arg_names() -> list[str]:
+    """The EngineArgs fields given as a JSON object (speculative_config, ...)."""
+    hints = typing.get_type_hints(EngineArgs)
+    out = []
+    for f in fields(EngineArgs):
+        hint = hints[f.name]
+        options = (
+            typing.get_args(hint)
+            if typing.get_origin(hint)
+            in (
+                typing.Union,
+                types.UnionType,
+            )
+            else (hint,)
+        )
+        if any(typing.get_origin(o) is dict for o in options):
+            out.append(f.name)
+    return out
+
+
+def expand_dotted_config_flags(argv: list[str]) -> list[str]:
+    """vLLM's dotted spelling of a JSON-object flag's keys: `--speculative-config.method mtp
+    --speculative-config.num_speculative_tokens=2` becomes `--speculative-config
+    '{"method": "mtp", "num_speculative_tokens": 2}'` (values read as JSON when they parse,
+    else as strings; a.b keys nest; keys given with both spellings: the dotted one wins)."""
+    flags = {"--" + n.replace("_", "-"): n for n in dict_arg_names()}
+    merged: dict[str, dict[str, Any]] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        head, dot, key = arg.partition(".")
+        if not dot or head not in flags or not arg.startswith("--"):
+            rest.append(arg)
+            i += 1
+            continue
+        if "=" in key:
+            key, _, value = key.partition("=")
+        elif i + 1 < len(argv):
+            value = argv[i + 1]
+            i += 1
+        else:
+            raise JSONArgError(f"{arg} needs a value")
+        i += 1
+        if not key:
+            raise JSONArgError(f"{arg}: no key after the dot")
+        try:
+            parsed: Any = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        target = merged.setdefault(head, {})
+        *path, last = key.replace("-", "_").split(".")
+        for part in path:
+            target = target.setdefault(part, {})
+            if not isinstance(target, dict):
+                raise JSONArgError(f"{arg}: {part} is both a value and a group")
+        target[last] = parsed
+    for head, keys in merged.items():
+        # A JSON value of the same flag (anywhere in argv) is the base the dotted keys update.
+        base: dict[str, Any] = {}
+        for j, arg in enumerate(list(rest)):
+            given: str | None = None
+            if arg == head and j + 1 < len(rest):
+                given = rest[j + 1]
+                del rest[j : j + 2]
+            elif arg.startswith(head + "="):
+                given = arg.split("=", 1)[1]
+                del rest[j]
+            if given is not None:
+                base = parse_json_arg(flags[head], given)
+                break
+        rest += [head, json.dumps(_deep_update(base, keys))]
+    return rest
+
+
+def _deep_update(base: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in new.items():
+        out[k] = (
+            _deep_update(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        )
+    return out
 
 
 class JSONArgError(argparse.ArgumentTypeError, ValueError):

@@ -27,7 +27,13 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vllm.engine.arg_utils import JSONArgError, expand_dotted_config_flags
+
     parser = make_parser()
+    try:
+        argv = expand_dotted_config_flags(list(sys.argv[1:] if argv is None else argv))
+    except JSONArgError as e:
+        parser.error(str(e))
     args = parser.parse_args(argv)
     if getattr(args, "dispatch", None) is None:
         parser.print_help()

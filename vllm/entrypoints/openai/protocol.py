@@ -254,9 +254,17 @@ class _SamplingRequest(OpenAIBaseModel):
                 f"only one of {names} may constrain the output", parameter=names[0]
             )
         name, fields = found[0]
-        known = {"json", "regex", "choice", "grammar", "json_object"}
-        ignored = {"disable_fallback", "disable_any_whitespace", "disable_additional_properties"}
-        extra = set(fields) - known - ignored
+        known = {
+            "json",
+            "regex",
+            "choice",
+            "grammar",
+            "json_object",
+            "disable_fallback",
+            "disable_any_whitespace",
+            "disable_additional_properties",
+        }
+        extra = set(fields) - known
         if extra:
             raise VLLMValidationError(
                 f"{name}: unsupported keys {sorted(extra)} (supported: {sorted(known)})",

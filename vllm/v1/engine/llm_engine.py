@@ -322,6 +322,12 @@ class LLMEngine:
                     parameter="bad_words",
                 )
         if params.structured_outputs is not None:
+            so = params.structured_outputs
+            # The engine-wide settings apply to every request (a request may add its own); the
+            # params travel to the last stage, which compiles the same grammar for its matcher.
+            soc = self.vllm_config.structured_outputs_config
+            so.disable_any_whitespace |= soc.disable_any_whitespace
+            so.disable_additional_properties |= soc.disable_additional_properties
             # A grammar that does not compile is refused here, naming the problem.
             assert self.model_config.tokenizer is not None
             get_backend(self.model_config.tokenizer, vocab, self.tokenizer).compile(

@@ -233,7 +233,7 @@ class OutputProcessor:
                 if st.prompt_logprobs is None:
                     st.prompt_logprobs = []
                 if len(st.prompt_logprobs) < len(st.prompt_token_ids):
-                    texts = self._token_texts(out.prompt_logprobs)
+                    texts = self._token_texts(out.prompt_logprobs) if st.params.detokenize else None
                     st.prompt_logprobs += [
                         None if e is None else self._to_logprob_dict(e, texts)
                         for e in out.prompt_logprobs
@@ -252,10 +252,13 @@ class OutputProcessor:
                     stats.inter_token_latencies_iter.append(now - child.last_token_time)
                 child.last_token_time = now
             child.token_ids.extend(out.new_token_ids)
-            if out.new_logprobs is not None:
+            # A row that did not ask for logprobs gets None entries when its batch did: its
+            # output keeps logprobs None (as vLLM), not [] and a cumulative 0.0.
+            if out.new_logprobs is not None and any(lp is not None for lp in out.new_logprobs):
                 if child.logprobs is None:
                     child.logprobs, child.cumulative_logprob = [], 0.0
-                texts = self._token_texts(out.new_logprobs)
+                # detokenize=False: no text at all, decoded_token included (as vLLM).
+                texts = self._token_texts(out.new_logprobs) if child.params.detokenize else None
                 for lp in out.new_logprobs:
                     if lp is None:
                         continue

@@ -35,12 +35,15 @@ class XgrammarBackend:
         kind = so.kind
         try:
             with self._lock:
+                ws = not so.disable_any_whitespace
                 if kind == "json":
                     schema = so.json if isinstance(so.json, str) else json.dumps(so.json)
-                    return self.compiler.compile_json_schema(schema, any_whitespace=False)
+                    if so.disable_additional_properties:
+                        schema = json.dumps(_no_additional_properties(json.loads(schema)))
+                    return self.compiler.compile_json_schema(schema, any_whitespace=ws)
                 if kind == "json_object":  # any JSON object (not any JSON value)
                     return self.compiler.compile_json_schema(
-                        '{"type": "object"}', any_whitespace=False
+                        '{"type": "object"}', any_whitespace=ws
                     )
                 if kind == "regex":
                     assert so.regex is not None
@@ -65,6 +68,19 @@ class XgrammarBackend:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(self.compile(so))
+
+
+def _no_additional_properties(schema: Any) -> Any:
+    """The schema with "additionalProperties": false on every object schema that does not say
+    (vLLM's disable_additional_properties)."""
+    if isinstance(schema, dict):
+        out = {k: _no_additional_properties(v) for k, v in schema.items()}
+        if out.get("type") == "object" and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_no_additional_properties(v) for v in schema]
+    return schema
 
 
 def _ebnf_literal(text: str) -> str:

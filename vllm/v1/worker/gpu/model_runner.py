@@ -288,11 +288,16 @@ class ModelRunner:
         slots = batch.idx_mapping_np
         prompt_lp = self._prompt_logprobs(batch, hidden)
         logits: torch.Tensor | None = None
+        lp_logits: torch.Tensor | None = None  # what logprobs report (logprobs_mode)
         tokens = np.zeros(0, dtype=np.int64)
         if len(batch.logits_indices_np):
             with decode_rows():  # the rows being sampled: the small-M kernel
                 logits = self.model.compute_logits(hidden[batch.logits_indices])
             rslots = slots[batch.logits_req_np]
+            mode = self.vllm_config.model_config.logprobs_mode
+            want_lp = bool((st.num_logprobs[rslots] >= -1).any())
+            if want_lp and mode.startswith("raw"):
+                lp_logits = logits.clone()  # before the grammar and the controls
             # Position of the token each logits row predicts.
             positions = batch.positions_np[batch.logits_indices_np] + 1
             row_inputs = batch.input_ids_np[batch.logits_indices_np]
@@ -301,7 +306,10 @@ class ModelRunner:
             if self.structured is not None:
                 logits = self.structured.apply_bitmasks(logits, rslots, row_inputs)
             logits = apply_logit_controls(logits, st, rslots, positions, row_inputs)
-            tokens = SamplingArrays.of(st, rslots).sample(logits, positions).cpu().numpy()
+            sampling = SamplingArrays.of(st, rslots)
+            if want_lp and mode.startswith("processed"):
+                lp_logits = sampling.processed(logits)
+            tokens = sampling.sample(logits, positions).cpu().numpy()
             if self.tp.world_size > 1:
                 tokens = self._tp_agree(tokens)
         sampled, num_sampled = self.rejection_sampler(batch, tokens)
@@ -341,7 +349,7 @@ class ModelRunner:
             req_ids=batch.req_ids,
             req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
             sampled_token_ids=result.sampled_token_lists(),
-            logprobs=self._logprobs(batch, logits, result),
+            logprobs=self._logprobs(batch, lp_logits, result),
             prompt_logprobs=prompt_lp,
             draft_token_ids=None if drafts is None else drafts.tolist(),
         )
@@ -395,6 +403,7 @@ class ModelRunner:
             logits[torch.from_numpy(kept).to(logits.device)],
             sampled_flat,
             st.num_logprobs[rslots[kept]],
+            as_logits=self.vllm_config.model_config.logprobs_mode.endswith("logits"),
         )
         out: list[list[LogprobsLists | None]] = [[] for _ in range(batch.num_reqs)]
         for r, lp in zip(req.tolist(), lps):

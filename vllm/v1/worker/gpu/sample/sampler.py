@@ -129,6 +129,19 @@ class SamplingArrays:
             np.zeros(n, np.int64),
         )
 
+    def processed(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits the sampler draws from: rows with temperature > 0 scaled and filtered
+        (top-k / top-p / min-p: -inf outside); greedy rows as they are."""
+        rows = np.nonzero(self.temperature >= 1e-5)[0]
+        if not len(rows):
+            return logits
+        out = logits.clone()
+        r = torch.from_numpy(rows).to(logits.device)
+        out[r] = apply_temperature_and_filters(
+            logits[r], self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows]
+        )
+        return out
+
     def sample(self, logits: torch.Tensor, positions: np.ndarray) -> torch.Tensor:
         """sample_tokens with these parameters; positions [N] of the tokens being sampled."""
         return sample_tokens(
@@ -137,17 +150,21 @@ class SamplingArrays:
 
 
 def compute_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: np.ndarray
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    num_logprobs: np.ndarray,
+    as_logits: bool = False,
 ) -> list[LogprobsLists | None]:
     """Logprob and rank of token_ids[i] under logits[i], plus the top num_logprobs[i] entries
-    (-1 = whole vocabulary, < -1 = none requested)."""
+    (-1 = whole vocabulary, < -1 = none requested); as_logits: the logit values themselves
+    (logprobs_mode raw_logits / processed_logits), ranked the same way."""
     want = num_logprobs >= -1
     out: list[LogprobsLists | None] = [None] * len(num_logprobs)
     if not want.any():
         return out
     rows = np.nonzero(want)[0]
     r = torch.from_numpy(rows).to(logits.device)
-    lp = logits[r].float().log_softmax(-1)
+    lp = logits[r].float() if as_logits else logits[r].float().log_softmax(-1)
     tok = token_ids[r]
     tok_lp = lp.gather(1, tok[:, None]).squeeze(1)
     ranks = (lp > tok_lp[:, None]).sum(-1) + 1
