@@ -38,6 +38,7 @@ __all__ = [
     "tl",
     "triton",
     "triton_runs_on",
+    "use_triton_layer_ops",
 ]
 
 
@@ -71,6 +72,18 @@ def triton_runs_on(device_type: str) -> bool:
     if device_type == "cuda":
         return True
     return device_type == "cpu" and bool(envs.TRITON_INTERPRET)
+
+
+def use_triton_layer_ops(device_type: str) -> bool:
+    """Whether RMSNorm and rotary run their Triton kernels on this device: always on CUDA when
+    triton is importable (the CUDA path); on CPU only when a Triton attention backend is forced
+    under the interpreter (VLLM_ATTENTION_BACKEND=TRITON_*, TRITON_INTERPRET=1: the CUDA path's
+    kernels, checked on CPU). Otherwise the CPU path keeps its C++ / torch kernels."""
+    if device_type == "cuda":
+        return HAS_TRITON
+    if device_type != "cpu" or not HAS_TRITON or not envs.TRITON_INTERPRET:
+        return False
+    return (envs.VLLM_ATTENTION_BACKEND or "").upper().startswith("TRITON")
 
 
 class LazyKernel:

@@ -298,9 +298,7 @@ def test_rms_norm(dtype, with_residual) -> None:
     w = torch.randn(37, generator=g).to(dtype)
     res = torch.randn(5, 37, generator=g).to(dtype) if with_residual else None
     ref = rms_norm_reference(x, w, 1e-5, res)
-    out = triton_rms_norm(
-        x.to(DEVICE), w.to(DEVICE), 1e-5, None if res is None else res.to(DEVICE)
-    )
+    out = triton_rms_norm(x.to(DEVICE), w.to(DEVICE), 1e-5, None if res is None else res.to(DEVICE))
     if with_residual:
         assert isinstance(out, tuple) and isinstance(ref, tuple)
         torch.testing.assert_close(out[0].cpu(), ref[0], **_tol(dtype))
@@ -345,7 +343,7 @@ def test_rotary(dtype, style) -> None:
         )
     for a, b in zip(ref, torch_path):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
-    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    dev = lambda t: None if t is None else t.to(DEVICE)
     out = triton_rotary(
         dev(positions), dev(q), dev(k), dev(layer._cos), dev(layer._sin), D, rot, neox, dev(axis)
     )

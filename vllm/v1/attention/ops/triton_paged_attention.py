@@ -19,7 +19,9 @@ rows), prefill chunks - straight from the paged cache, with no gather into dense
 
 Tree mask (draft trees, verified in one step): an int8 / bool tensor [R, M, M], M >= the most
 query rows of any request, where tree_mask[r, i, j] = 1 iff query row j of request r is row i's
-ancestor in the draft tree or row i itself. It replaces the causal rule among the step's own rows
+ancestor in the draft tree or row i itself, rows in topological order (a row's ancestors before
+it: the mask is lower-triangular, as the torch reference, which applies it on top of the causal
+rule, assumes). It replaces the causal rule among the step's own rows
 only: every row still sees the request's whole cached context. A chain of drafts is the lower
 triangle (plain causal); rows and columns past a request's q_len are ignored. A row whose mask
 lets it see nothing gets zeros. Not combined with a sliding window (ValueError).

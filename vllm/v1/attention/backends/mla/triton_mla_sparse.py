@@ -16,6 +16,7 @@ import torch
 
 from vllm.triton_utils import HAS_TRITON, LazyKernel, dot_upcast, next_pow2, tl
 from vllm.v1.attention.backends.mla.sparse_common import SparseMLACommonImpl
+from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
 
 __all__ = ["HAS_TRITON", "TritonMLASparseImpl"]
 
@@ -55,9 +56,7 @@ def sparse_mla_fwd(
     p_ok = offs_p < ROPE
     q_row = q_ptr + t.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
     q_lat = tl.load(q_row + offs_r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-    q_pe = tl.load(
-        q_row + RANK + offs_p[None, :], mask=h_ok[:, None] & p_ok[None, :], other=0.0
-    )
+    q_pe = tl.load(q_row + RANK + offs_p[None, :], mask=h_ok[:, None] & p_ok[None, :], other=0.0)
     if UPCAST:
         q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
@@ -72,9 +71,7 @@ def sparse_mla_fwd(
         ok = slot >= 0
         row = kv_ptr + tl.where(ok, slot, 0).to(tl.int64)[:, None] * stride_kv
         k_lat = tl.load(row + offs_r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
-        k_pe = tl.load(
-            row + RANK + offs_p[None, :], mask=ok[:, None] & p_ok[None, :], other=0.0
-        )
+        k_pe = tl.load(row + RANK + offs_p[None, :], mask=ok[:, None] & p_ok[None, :], other=0.0)
         v_dtype = k_lat.dtype
         if UPCAST:
             k_lat = k_lat.to(tl.float32)
@@ -103,7 +100,12 @@ def sparse_mla_fwd(
 _KERNEL = LazyKernel(sparse_mla_fwd)
 
 
-class TritonMLASparseImpl(SparseMLACommonImpl):
+class TritonMLASparseImpl(SparseMLACommonImpl, TritonMLAImpl):
+    """Sparse top-k attention in Triton; the latent-cache write and the dense path (contexts
+    within top-k) are TritonMLAImpl's."""
+
+    name = "TRITON_MLA_SPARSE"
+    supports_cuda_graphs = False  # the top-k selection is built from the step's host layout
     block_k = 32
 
     def sparse_attend(
