@@ -29,8 +29,10 @@ SMALL["max_num_batched_tokens"] = 32
 
 @pytest.fixture
 def triton_forced(monkeypatch):
+    """The Triton backend: compiled on a GPU, Triton's interpreter on CPU."""
     monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "TRITON_ATTN")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
 def _impls(llm: LLM) -> set[str]:
@@ -106,6 +108,7 @@ def test_registry_refuses_what_cannot_run(monkeypatch) -> None:
         registry.get_attention_impl_cls("NOPE")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU path")
 def test_cpu_default_path_is_unchanged(monkeypatch, llama_dir) -> None:
     """Without VLLM_ATTENTION_BACKEND the CPU engine builds the torch reference impls, and
     RMSNorm / rotary keep their CPU kernels even under TRITON_INTERPRET=1."""

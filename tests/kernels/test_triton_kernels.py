@@ -311,9 +311,10 @@ def test_rms_norm(dtype, with_residual) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("style", ["neox", "gptj", "partial", "mrope"])
-def test_rotary(dtype, style) -> None:
+def test_rotary(dtype, style, monkeypatch) -> None:
     """The kernel against the reference, and the reference against the layers' own torch path
     (RotaryEmbedding._rotate / MRotaryEmbedding), so both describe the same rotation."""
+    monkeypatch.delenv("VLLM_ATTENTION_BACKEND", raising=False)  # the layers' torch path
     from vllm.model_executor.layers.ops.triton_rotary import rotary_reference, triton_rotary
     from vllm.model_executor.layers.rotary_embedding import MRotaryEmbedding, RotaryEmbedding
 
