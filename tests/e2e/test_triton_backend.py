@@ -184,3 +184,48 @@ def test_tree_mask_backends_agree(monkeypatch, kind) -> None:
         )
     torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=2e-4)
     assert not torch.allclose(outs[0], causal, atol=1e-3)
+
+
+# ---- FlashInfer -----------------------------------------------------------------------------
+
+
+def test_flashinfer_page_lists() -> None:
+    """The CSR page lists the FlashInfer plan gets: each request's first ceil(seq_len /
+    block_size) blocks, the last one's fill."""
+    from vllm.v1.attention.backends.flashinfer import page_lists
+    from vllm.v1.attention.backends.torch_paged import build_attn_metadata
+
+    table = np.array([[7, 3, 9, 0], [2, 5, 0, 0], [4, 1, 6, 8]])
+    meta = build_attn_metadata(np.array([0, 1, 4, 6]), np.array([9, 4, 13]), table, 4, "cpu")
+    indptr, indices, last = page_lists(meta)
+    assert indptr.tolist() == [0, 3, 4, 8]
+    assert indices.tolist() == [7, 3, 9, 2, 4, 1, 6, 8]
+    assert last.tolist() == [1, 4, 1]
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("flashinfer") is None,
+    reason="FlashInfer runs on CUDA, when installed",
+)
+def test_flashinfer_impl_matches_reference() -> None:
+    from vllm.v1.attention.backends.flashinfer import FlashInferAttentionImpl
+    from vllm.v1.attention.backends.torch_paged import build_attn_metadata
+    from vllm.v1.attention.ops.triton_paged_attention import paged_attention_reference
+
+    g = torch.Generator().manual_seed(0)
+    q_lens, seq_lens, bs, H, hkv, D = [1, 4, 9], [30, 17, 9], 16, 8, 2, 128
+    qsl = np.concatenate([[0], np.cumsum(q_lens)])
+    table = torch.randperm(12, generator=g).numpy().reshape(3, 4)
+    T = int(qsl[-1])
+    dt = torch.bfloat16
+    q = torch.randn(T, H * D, generator=g).to(dt).cuda()
+    k = torch.randn(T, hkv * D, generator=g).to(dt).cuda()
+    v = torch.randn(T, hkv * D, generator=g).to(dt).cuda()
+    cache = torch.randn(2, 12 * bs, hkv, D, generator=g).to(dt).cuda()
+    meta = build_attn_metadata(qsl, np.array(seq_lens), table, bs, "cuda")
+    out = FlashInferAttentionImpl(H, D, hkv, D**-0.5).forward(q, k, v, cache, meta)
+    bt, sl, qs, _ = meta.device_layout()
+    ref = paged_attention_reference(
+        q.view(T, H, D), cache[0], cache[1], bt, sl, qs, D**-0.5, bs
+    ).view(T, H * D)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
