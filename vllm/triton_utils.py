@@ -7,12 +7,17 @@ Triton is optional (CPU-only installs run without it; GPU builds of torch bring 
 module that defines kernels never needs triton; launching one does. Kernels are plain functions
 wrapped by `LazyKernel`, jitted when first launched: triton decides at jit time whether a kernel
 runs compiled (CUDA, ROCm) or in its CPU interpreter (TRITON_INTERPRET=1), so a process that
-sets the variable after importing the engine (a test) still gets the interpreter.
+sets the variable after importing the engine (a test) still gets the interpreter. Triton's own
+@jit library functions (tl.sum, tl.max, tl.zeros, ...) are made when triton is first imported,
+compiled-mode ones if the variable was unset then; an interpreted launch swaps in interpreted
+copies of them for its duration (`_interpreted_stdlib`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -86,6 +91,33 @@ def use_triton_layer_ops(device_type: str) -> bool:
     return (envs.VLLM_ATTENTION_BACKEND or "").upper().startswith("TRITON")
 
 
+_INTERPRETED: dict[int, Any] = {}
+
+
+@contextmanager
+def _interpreted_stdlib() -> Iterator[None]:
+    """triton.language's @jit library functions as interpreted functions while an interpreted
+    kernel runs, when triton was imported in compiled mode (they would refuse to be called)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    saved: list[tuple[Any, str, Any]] = []
+    for mod_name in ("triton.language", "triton.language.standard", "triton.language.math"):
+        mod = importlib.import_module(mod_name)
+        for name, value in list(vars(mod).items()):
+            if isinstance(value, JITFunction):
+                key = id(value)
+                if key not in _INTERPRETED:
+                    _INTERPRETED[key] = InterpretedFunction(value.fn)
+                saved.append((mod, name, value))
+                setattr(mod, name, _INTERPRETED[key])
+    try:
+        yield
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+
+
 class LazyKernel:
     """A Triton kernel jitted on first launch, once per interpreter setting:
     `KERNEL[grid](*args, **constexprs)` as with a @triton.jit function."""
@@ -100,4 +132,12 @@ class LazyKernel:
         kernel = self._jitted.get(interpret)
         if kernel is None:
             kernel = self._jitted[interpret] = triton.jit(self.fn)
-        return kernel[grid]
+        launch = kernel[grid]
+        if not interpret:
+            return launch
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with _interpreted_stdlib():
+                return launch(*args, **kwargs)
+
+        return run

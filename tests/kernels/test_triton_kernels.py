@@ -376,3 +376,25 @@ def test_rejection_accept_step() -> None:
     out_s, out_n = triton_rejection_sample(args[0], args[1], args[2], width=4)
     assert out_n.cpu().tolist() == ref_n.tolist() == [4, 1, 3, 1, 0, 2, 4]
     assert out_s.cpu().numpy().tolist() == ref_s.tolist()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter")
+def test_interpreter_switched_on_after_triton_was_imported() -> None:
+    """A process that imported triton in compiled mode and turns the interpreter on later (a
+    test run, the engine forced onto Triton on CPU) still runs kernels that call Triton's @jit
+    library (tl.sum in RMSNorm, tl.max / tl.zeros in attention)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os, torch, triton, triton.language\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from vllm.model_executor.layers.ops.triton_rms_norm import *\n"
+        "x, w = torch.randn(3, 8), torch.randn(8)\n"
+        "torch.testing.assert_close(triton_rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6))\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]

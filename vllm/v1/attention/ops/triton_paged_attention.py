@@ -77,11 +77,11 @@ def _paged_attention_kernel(
     HAS_TREE: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,
+    G_BLOCKS: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    num_g_blocks = tl.cdiv(GQA, BLOCK_G)
-    kv_head = tl.program_id(1) // num_g_blocks
-    g_block = tl.program_id(1) % num_g_blocks
+    kv_head = tl.program_id(1) // G_BLOCKS
+    g_block = tl.program_id(1) % G_BLOCKS
     # The request owning this tile: the last r with qsl[r] // BLOCK_Q + r <= tile.
     lo = tile * 0
     hi = lo + num_reqs
@@ -270,7 +270,8 @@ def triton_paged_attention(
         return out
     gqa = H // hkv
     bs = block_sizes(max_query_len, gqa, dqk, dv)
-    grid = (T // bs["BLOCK_Q"] + num_reqs, hkv * triton_cdiv(gqa, bs["BLOCK_G"]))
+    g_blocks = triton_cdiv(gqa, bs["BLOCK_G"])
+    grid = (T // bs["BLOCK_Q"] + num_reqs, hkv * g_blocks)
     tree_arg = tree if tree is not None else seq_lens  # any pointer: never read
     _KERNEL[grid](
         q,
@@ -302,6 +303,7 @@ def triton_paged_attention(
         HAS_TREE=tree is not None,
         HAS_WINDOW=sliding_window is not None,
         UPCAST=dot_upcast(q.dtype),
+        G_BLOCKS=g_blocks,
         **bs,
     )
     return out
