@@ -36,6 +36,10 @@ class TritonPagedAttentionImpl(TorchPagedAttentionImpl):
         v = v[:T].view(T, self.num_kv_heads, self.head_size)
         triton_write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         block_table, seq_lens, qsl, max_query_len = meta.device_layout()
+        # A captured step's padding rows are never written by the kernel: zeros, not garbage.
+        out = None
+        if meta.static_layout is not None:
+            out = q.new_zeros(T, self.num_heads, self.head_size)
         out = triton_paged_attention(
             q,
             kv_cache[0],
@@ -47,6 +51,7 @@ class TritonPagedAttentionImpl(TorchPagedAttentionImpl):
             meta.block_size,
             max_query_len,
             sliding_window=self.sliding_window,
+            out=out,
             tree_mask=meta.tree_mask,
         )
         return out.reshape(T, self.num_heads * self.head_size)

@@ -35,6 +35,10 @@ class TritonMLAImpl(TorchMLAImpl):
         if mask_fn is not None or not triton_runs_on(q.device.type):
             return super().attend_latent(q, latent, meta, mask_fn)
         block_table, seq_lens, qsl, max_query_len = meta.device_layout()
+        out = None
+        if meta.static_layout is not None:
+            # A captured step's padding rows are never written by the kernel: zeros, not garbage.
+            out = q.new_zeros(q.shape[0], q.shape[1], self.kv_lora_rank)
         return triton_mla_attention(
             q,
             latent,
@@ -45,5 +49,6 @@ class TritonMLAImpl(TorchMLAImpl):
             meta.block_size,
             self.kv_lora_rank,
             max_query_len,
+            out=out,
             tree_mask=meta.tree_mask,
         )
