@@ -30,6 +30,34 @@ LLAMA3_ROPE_SCALING = {
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "slow: long-running test (e.g. the SmolLM2 GGUF conversion)")
+    config.addinivalue_line(
+        "markers",
+        "cuda: what benchmarks/gpu_check.py runs on a GPU (`-m cuda`); runs on CPU too",
+    )
+
+
+# The tests a GPU check runs (`pytest -m cuda`, benchmarks/gpu_check.py): on a machine with a
+# GPU the engine's device is cuda, so these run the CUDA path - the Triton kernels against their
+# references, HF parity of each family, MTP / EAGLE3 lossless at P = 1 and P = 2, the DSA sparse
+# path, the Triton backend end to end and CUDA graphs.
+CUDA_TESTS = (
+    "tests/kernels/test_triton_kernels.py",
+    "tests/e2e/test_triton_backend.py",
+    "tests/v1/worker/test_cuda_graph.py",
+    "tests/e2e/test_hf_parity.py",
+    "tests/e2e/test_spec_decode.py::test_mtp_greedy_lossless",
+    "tests/e2e/test_spec_decode.py::test_eagle3_greedy_lossless",
+    "tests/e2e/test_spec_decode_pp.py::test_spec_decode_pp_equals_p1",
+    "tests/models/test_deepseek_v32.py::test_greedy_matches_hf_generate",
+    "tests/models/test_deepseek_v32.py::test_mtp_greedy_lossless_and_indexer_calls",
+    "tests/v1/attention/test_sparse_mla_backends.py::test_triton_matches_torch_reference",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(CUDA_TESTS):
+            item.add_marker(pytest.mark.cuda)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ BAD_VALUES = {
     "TRITON_INTERPRET": "maybe",
     "VLLM_CPU_KERNELS": "perhaps",
     "VLLM_CPU_ONEDNN_CACHE_CAPACITY": "many",
+    "VLLM_ATTENTION_BACKEND": "FLASH_ATTN",
 }
 FREE_TEXT = {
     "VLLM_PP_LAYER_PARTITION",  # checked against P and the layer count (test_pp_indices)

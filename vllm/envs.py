@@ -162,6 +162,17 @@ _VARS = [
         "torch reference otherwise.",
     ),
     EnvVar(
+        "VLLM_ATTENTION_BACKEND",
+        None,
+        _choice("TRITON_ATTN", "TRITON_MLA", "FLASHINFER", "TORCH_SDPA", upper=True),
+        "Attention implementation of standard and dense MLA layers, as vLLM names them: "
+        "TRITON_ATTN (Triton paged kernels; MLA layers the Triton MLA kernel, also named "
+        "TRITON_MLA), FLASHINFER (standard layers whose shapes it fits, when flashinfer is "
+        "installed; MLA layers Triton), TORCH_SDPA (the torch reference; on CPU its C++ paged "
+        "kernel). Unset: FlashInfer where installed and fitting, else Triton on GPUs; the "
+        "torch reference on CPU. Triton on CPU needs TRITON_INTERPRET=1 (its interpreter).",
+    ),
+    EnvVar(
         "VLLM_CHAT_TEMPLATE_TIMEOUT_S",
         # Real templates render in milliseconds.
         5.0,
@@ -264,6 +275,7 @@ if TYPE_CHECKING:  # the names this module provides
     LRU_CACHE_CAPACITY: str | None
     VLLM_FP8_DEQUANT: str
     VLLM_SPARSE_MLA_BACKEND: str | None
+    VLLM_ATTENTION_BACKEND: str | None
     VLLM_CHAT_TEMPLATE_TIMEOUT_S: float
     VLLM_API_KEY: str | None
     VLLM_LOGGING_LEVEL: str

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from vllm import _custom_ops as ops
+from vllm.triton_utils import use_triton_layer_ops
 
 
 class RMSNorm(nn.Module):
@@ -44,6 +45,11 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if type(self)._norm is RMSNorm._norm and use_triton_layer_ops(x.device.type):
+            # The CUDA path: one Triton launch (model_executor/layers/ops/triton_rms_norm.py).
+            from vllm.model_executor.layers.ops.triton_rms_norm import triton_rms_norm
+
+            return triton_rms_norm(x, self.weight, self.variance_epsilon, residual)
         if self._fused_cpu_ok(x, residual):
             # One C++ pass instead of ~8 torch ops (the same arithmetic).
             if residual is None:

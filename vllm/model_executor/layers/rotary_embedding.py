@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from vllm import _custom_ops as ops
+from vllm.triton_utils import use_triton_layer_ops
 
 
 def rope_params(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -125,6 +126,28 @@ class RotaryEmbedding(nn.Module):
         out = out.to(dtype)
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
+    def _triton(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        axis: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The CUDA path: one Triton launch for q and k (layers/ops/triton_rotary.py)."""
+        from vllm.model_executor.layers.ops.triton_rotary import triton_rotary
+
+        return triton_rotary(
+            positions,
+            q,
+            k,
+            self._cos,
+            self._sin,
+            self.head_size,
+            self.rotary_dim,
+            self.is_neox_style,
+            axis,
+        )
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,6 +155,8 @@ class RotaryEmbedding(nn.Module):
         # The cache covers max_position_embeddings >= max_model_len (checked by ModelConfig).
         if self._cos.device != positions.device:
             self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
+        if use_triton_layer_ops(q.device.type):
+            return self._triton(positions, q, k, None)
         if (
             q.dtype == k.dtype
             and positions.dtype == torch.int64
@@ -191,7 +216,11 @@ class MRotaryEmbedding(RotaryEmbedding):
             return super().forward(positions, q, k)
         if self._cos.device != positions.device:
             self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
-        axis = self.axis.to(positions.device)
+        if self.axis.device != positions.device:
+            self.axis = self.axis.to(positions.device)
+        axis = self.axis
+        if use_triton_layer_ops(q.device.type):
+            return self._triton(positions, q, k, axis)
         cols = torch.arange(axis.numel(), device=positions.device)
         # [3, T, F] -> [T, F], each frequency from its axis' position.
         cos = self._cos[positions][axis, :, cols].transpose(0, 1).unsqueeze(1)

@@ -10,6 +10,12 @@ from torch import nn
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.linear import LinearLayerBase, dequantize_linear_
 from vllm.v1.attention.backends.mla.torch_mla import MLADims, TorchMLAImpl
+from vllm.v1.attention.backends.registry import (
+    attention_backend_name,
+    get_attention_impl_cls,
+    get_mla_impl_cls,
+    mla_backend_name,
+)
 from vllm.v1.attention.backends.torch_paged import TorchPagedAttentionImpl
 
 
@@ -32,7 +38,11 @@ class AttentionLayerBase(nn.Module):
 
 
 class Attention(AttentionLayerBase):
-    """Multi-head / grouped-query attention over a paged cache of full K and V."""
+    """Multi-head / grouped-query attention over a paged cache of full K and V. Its impl is
+    the registry's choice for the device it is built on (VLLM_ATTENTION_BACKEND, else by
+    device: Triton / FlashInfer on GPUs, the torch reference on CPU)."""
+
+    impl: TorchPagedAttentionImpl
 
     def __init__(
         self,
@@ -41,12 +51,19 @@ class Attention(AttentionLayerBase):
         scale: float,
         num_kv_heads: int | None = None,
         prefix: str = "",
+        sliding_window: int | None = None,
+        backend: str | None = None,
     ) -> None:
         super().__init__(prefix)
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads or num_heads
-        self.impl = TorchPagedAttentionImpl(num_heads, head_size, self.num_kv_heads, scale)
+        name = backend or attention_backend_name(
+            torch.get_default_device(), head_size, torch.get_default_dtype()
+        )
+        self.impl = get_attention_impl_cls(name)(
+            num_heads, head_size, self.num_kv_heads, scale, sliding_window
+        )
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return self.impl.kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_size)
@@ -66,14 +83,21 @@ class Attention(AttentionLayerBase):
 class MLAAttention(AttentionLayerBase):
     """Multi-head latent attention over a cache of (kv_c, k_pe) per token."""
 
+    impl: TorchMLAImpl
+
     def __init__(
-        self, dims: MLADims, kv_b_proj: nn.Linear | LinearLayerBase, prefix: str = ""
+        self,
+        dims: MLADims,
+        kv_b_proj: nn.Linear | LinearLayerBase,
+        prefix: str = "",
+        backend: str | None = None,
     ) -> None:
         super().__init__(prefix)
         self.dims = dims
         # Not a submodule: the owning attention block registers kv_b_proj itself.
         self._kv_b_proj = [kv_b_proj]
-        self.impl = TorchMLAImpl(dims)
+        name = backend or mla_backend_name(torch.get_default_device())
+        self.impl = get_mla_impl_cls(name)(dims)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return self.impl.kv_cache_shape(num_blocks, block_size)

@@ -44,7 +44,7 @@ class SparseMLAAttention(MLAAttention):
         prefix: str = "",
         backend: str | None = None,
     ) -> None:
-        super().__init__(dims, kv_b_proj, prefix=prefix)
+        super().__init__(dims, kv_b_proj, prefix=prefix, backend="TORCH_SDPA")
         impl_cls = (
             get_sparse_mla_impl_cls(backend)
             if backend is not None

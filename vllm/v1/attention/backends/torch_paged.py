@@ -48,7 +48,31 @@ class AttentionMetadata:
     block_table_np: np.ndarray  # [R, max_blocks]
     short_query_len: int
     device: torch.device
+    # Draft trees (none are built yet): [R, M, M] ancestor-or-self mask among each request's
+    # query rows, on top of its whole cached context (triton_paged_attention.py's docstring).
+    tree_mask: torch.Tensor | None = None
+    # A captured CUDA graph's step: the device tensors of device_layout(), in the graph's
+    # persistent buffers (v1/worker/gpu/cuda_graph.py), instead of ones built per step.
+    static_layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None
     _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def max_query_len(self) -> int:
+        q_lens = self.query_start_loc_np[1:] - self.query_start_loc_np[:-1]
+        return int(q_lens.max(initial=0))
+
+    def device_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(block_table [R, max_blocks], seq_lens [R], query_start_loc [R + 1]) as int32 device
+        tensors, and the most query rows of a request: what the paged kernels read."""
+        if self.static_layout is not None:
+            return self.static_layout
+        if "layout" not in self._cache:
+            tensors = tuple(
+                torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32)).to(self.device)
+                for a in (self.block_table_np, self.seq_lens_np, self.query_start_loc_np)
+            )
+            self._cache["layout"] = (*tensors, self.max_query_len)
+        return self._cache["layout"]
 
     def _rows(self, short: bool) -> np.ndarray:
         q_lens = self.query_start_loc_np[1:] - self.query_start_loc_np[:-1]
@@ -259,14 +283,64 @@ def paged_attention(
     return out
 
 
+def extra_mask(meta: AttentionMetadata, sliding_window: int | None):
+    """The mask_fn of padded_attention for a tree mask and / or a sliding window, or None."""
+    tree, window = meta.tree_mask, sliding_window
+    if tree is None and window is None:
+        return None
+
+    def mask_fn(g: PaddedGroup) -> torch.Tensor:
+        q_pos = g.q_positions[:, :, None]  # [Rg, Qg, 1]
+        k_pos = g.kv_positions[:, None, :]  # [Rg, 1, Sg]
+        allowed = torch.ones(
+            q_pos.shape[0], q_pos.shape[1], k_pos.shape[2], dtype=torch.bool, device=q_pos.device
+        )
+        if window is not None:
+            allowed &= q_pos - k_pos < window
+        if tree is not None:
+            rows = torch.from_numpy(g.req_rows).to(tree.device)
+            q_lens = torch.from_numpy(
+                meta.query_start_loc_np[g.req_rows + 1] - meta.query_start_loc_np[g.req_rows]
+            ).to(q_pos.device)
+            ctx = q_pos[:, :1, 0]  # [Rg, 1] the first row's position = the context length
+            j = (k_pos[:, 0, :] - ctx).clamp(min=0)  # [Rg, Sg] step row of each key
+            i = torch.arange(q_pos.shape[1], device=q_pos.device)
+            m = tree.shape[1]
+            bits = tree.bool()[
+                rows[:, None, None],
+                i.clamp(max=m - 1)[None, :, None],
+                j.clamp(max=m - 1)[:, None, :],
+            ]
+            in_step = (k_pos >= ctx[:, :, None]) & (j[:, None, :] < q_lens[:, None, None])
+            allowed &= torch.where(in_step, bits, True)
+        return allowed.unsqueeze(1)
+
+    return mask_fn
+
+
 class TorchPagedAttentionImpl:
     """Standard multi-head / grouped-query attention over a paged [2, slots, Hkv, D] cache."""
 
-    def __init__(self, num_heads: int, head_size: int, num_kv_heads: int, scale: float) -> None:
+    name = "TORCH_SDPA"
+    # A captured CUDA graph replays the launches of one step: this impl builds its layout
+    # from the step's host arrays, so it cannot be captured.
+    supports_cuda_graphs = False
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
         self.num_heads = num_heads
         self.head_size = head_size
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+        self.sliding_window = sliding_window
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int):
@@ -286,5 +360,9 @@ class TorchPagedAttentionImpl:
         v = v[:T].view(T, self.num_kv_heads, self.head_size)
         kv_cache[0][meta.slot_mapping] = k.to(kv_cache.dtype)
         kv_cache[1][meta.slot_mapping] = v.to(kv_cache.dtype)
-        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        mask_fn = extra_mask(meta, self.sliding_window)
+        if mask_fn is None:
+            out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        else:
+            out = padded_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, mask_fn)
         return out.reshape(T, self.num_heads * self.head_size)

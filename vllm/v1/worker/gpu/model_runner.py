@@ -24,6 +24,7 @@ from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.core.kv_cache_manager import cdiv
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
+from vllm.v1.worker.gpu import cuda_graph
 from vllm.v1.worker.gpu.input_batch import InputBatch, prepare_inputs
 from vllm.v1.worker.gpu.linear_attn_states import LinearAttnStates
 from vllm.v1.worker.gpu.mm_utils import MultiModalRunnerState
@@ -83,6 +84,8 @@ class ModelRunner:
             self.structured = StructuredOutputStates(mc.tokenizer, mc.vocab_size)
         # Slots whose request entered this step (the speculator keeps nothing from before).
         self._new_slots = np.zeros(0, dtype=np.int64)
+        # Captured forwards of decode / verify steps (CUDA graphs), set up after the KV cache.
+        self.cuda_graphs: cuda_graph.CudaGraphRunner | None = None
 
     # ---- setup --------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -155,8 +158,68 @@ class ModelRunner:
             self.state_cache_bytes() / 2**20,
             self.states.nbytes() / 2**20,
         )
+        self._capture_cuda_graphs()
         if self.speculator is not None:
             self.speculator.capture()
+
+    def _graphs_unsupported(self) -> str | None:
+        """Why this stage's forward is not captured (None: it is)."""
+        cfg = self.vllm_config
+        if cfg.enforce_eager or not cfg.compilation_config.cudagraph_capture_sizes:
+            return "no capture sizes (or enforce_eager)"
+        if self.pp.world_size > 1 or self.tp.world_size > 1:
+            return "pipeline / tensor parallelism"
+        if self.linear_attn_states is not None:
+            return "a hybrid model (linear-attention states)"
+        assert self.model is not None
+        if self.model.supports_multimodal:
+            return "a multimodal model"
+        target = [
+            layer for name, layer in self.attn_layers.items() if not name.startswith("drafter.")
+        ]
+        slow = sorted(
+            {
+                type(layer.impl).__name__
+                for layer in target
+                if not getattr(layer.impl, "supports_cuda_graphs", False)
+            }
+        )
+        if slow:
+            return f"attention impls that build their layout on the host: {slow}"
+        return None
+
+    def _capture_cuda_graphs(self) -> None:
+        kind = cuda_graph.graph_kind(self.device)
+        if kind is None:
+            return
+        why = self._graphs_unsupported()
+        if why is not None:
+            logger.info("CUDA graphs off: %s", why)
+            return
+        sizes = self.vllm_config.compilation_config.cudagraph_capture_sizes or []
+        graphs = cuda_graph.CudaGraphRunner(
+            sizes,
+            self.max_num_reqs,
+            self.max_blocks_per_req,
+            self.num_spec + 1,
+            self.block_size,
+            self.device,
+            cuda_graph.GraphRecorder(kind),
+        )
+        model = self.model
+        assert model is not None
+        try:
+            with torch.inference_mode():
+                graphs.capture(lambda ids, pos: model(ids, pos, None, None))
+        except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
+            logger.warning(
+                "CUDA graph capture failed (%s: %s); decode steps run eagerly",
+                type(e).__name__,
+                " ".join(str(e).split())[:300],
+            )
+            return
+        self.cuda_graphs = graphs
+        logger.info("CUDA graphs (%s) captured for step sizes %s", kind, graphs.sizes)
 
     # ---- per step -----------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -221,13 +284,22 @@ class ModelRunner:
             if self.pp.is_first_rank:
                 inputs_embeds = self.model.embed_input_ids(batch.input_ids)
                 self.mm.merge_embeds(self.model, batch, inputs_embeds)
-        with set_forward_context(batch.attn_metadata, self._linear_attn_metadata(batch)):
-            out = self.model(
-                batch.input_ids if self.pp.is_first_rank else None,
-                positions,
-                intermediate_tensors,
-                inputs_embeds,
-            )
+        graphs = self.cuda_graphs
+        if (
+            graphs is not None
+            and inputs_embeds is None
+            and positions.dim() == 1
+            and graphs.can_run(batch, batch.attn_metadata)
+        ):
+            out = graphs.run(batch, batch.attn_metadata)
+        else:
+            with set_forward_context(batch.attn_metadata, self._linear_attn_metadata(batch)):
+                out = self.model(
+                    batch.input_ids if self.pp.is_first_rank else None,
+                    positions,
+                    intermediate_tensors,
+                    inputs_embeds,
+                )
         # Optimistic advance; the last stage's accept/reject result rolls it back.
         self.states.num_computed[batch.idx_mapping_np] += batch.num_scheduled_tokens
         if not self.pp.is_last_rank:

@@ -15,6 +15,7 @@ import torch
 
 from vllm.v1.attention.backends.torch_paged import (
     AttentionMetadata,
+    extra_mask,
     padded_attention,
     paged_attention,
 )
@@ -33,6 +34,9 @@ class MLADims:
 
 
 class TorchMLAImpl:
+    name = "TORCH_SDPA"
+    supports_cuda_graphs = False  # its core builds the step's layout from host arrays
+
     def __init__(self, dims: MLADims) -> None:
         self.dims = dims
         self.num_heads = dims.num_heads
@@ -85,6 +89,8 @@ class TorchMLAImpl:
         """Single-KV-head attention of absorbed queries [T, H, rank + rope] over the latent
         cache [slots, 1, rank + rope]; returns [T, H, rank]. Sparse backends override it."""
         v = latent[..., : self.kv_lora_rank]
+        if mask_fn is None and meta.tree_mask is not None:
+            mask_fn = extra_mask(meta, None)
         if mask_fn is None:
             return paged_attention(q, latent, v, meta, self.scale)
         return padded_attention(q, latent, v, meta, self.scale, mask_fn)
