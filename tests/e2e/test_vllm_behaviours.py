@@ -100,3 +100,25 @@ def test_dotted_config_flags():
         "--served-model-name",
         "a.b",
     ]
+
+
+def test_float16_on_cpu_runs_as_bfloat16(llama_dir, caplog):
+    """As vLLM's CPU platform: dtype float16 has no fast path on a CPU, so the model runs in
+    bfloat16 with a warning (vLLM's harness starts SmolLM2 with --dtype half)."""
+    import torch
+
+    from vllm.config import model as model_config
+
+    model_config._warn_fp16_on_cpu.cache_clear()
+    with caplog.at_level("WARNING"):
+        llm = LLM(model=llama_dir, dtype="half", max_model_len=64)
+    try:
+        runner = llm.llm_engine.executor.worker.model_runner
+        assert runner.dtype == torch.bfloat16
+        params = {p.dtype for p in runner.model.parameters() if p.is_floating_point()}
+        assert torch.float16 not in params
+        out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        llm.shutdown()
+    assert any("running the model in bfloat16" in r.message for r in caplog.records)

@@ -140,6 +140,22 @@ def test_beam_search(llm):
         llm.beam_search([PROMPT], BeamSearchParams(beam_width=2, max_tokens=300))
 
 
+def test_beam_search_concurrency_limit(llm):
+    """concurrency_limit searches the prompts a few at a time: the same beams as all at once,
+    in the prompts' order; a bad limit is refused naming it."""
+    prompts = [PROMPT, "def f(x):", "import os\n"]
+    params = BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True)
+
+    def beams(outs):
+        return [[(b.tokens, round(b.cum_logprob, 4)) for b in o.sequences] for o in outs]
+
+    together = beams(llm.beam_search(prompts, params))
+    assert beams(llm.beam_search(prompts, params, concurrency_limit=2)) == together
+    assert beams(llm.beam_search(prompts, params, concurrency_limit=1)) == together
+    with pytest.raises(ValueError, match="concurrency_limit"):
+        llm.beam_search(prompts, params, concurrency_limit=0)
+
+
 def _lp(values: dict[int, float]) -> dict[int, Logprob]:
     return {t: Logprob(v) for t, v in values.items()}
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,11 @@ def get_text_config(hf_config: Any) -> Any:
     """The language-model part of a (possibly multimodal) config."""
     getter = getattr(hf_config, "get_text_config", None)
     return getter() if getter is not None else hf_config
+
+
+@functools.cache
+def _warn_fp16_on_cpu() -> None:
+    logger.warning("float16 is not supported well on CPU: running the model in bfloat16 instead")
 
 
 def _config_dtype(hf_config: Any) -> str | None:
@@ -243,8 +249,12 @@ class ModelConfig:
         name = self.dtype
         if name == "auto":
             name = _config_dtype(self.hf_config) or "float32"
-            if name in ("float16", "half") and device_type == "cpu":
-                name = "bfloat16"  # fp16 matmuls are slow on CPUs
+        if name in ("float16", "half") and device_type == "cpu":
+            # As vLLM's CPU platform: fp16 has no fast GEMM / attention path on CPUs (a fp16
+            # step runs several times slower than bf16), so it runs as bf16.
+            if self.dtype != "auto":
+                _warn_fp16_on_cpu()
+            name = "bfloat16"
         return {
             "float32": torch.float32,
             "float": torch.float32,

@@ -106,13 +106,23 @@ class LLM:
         prompts: Sequence[PromptType],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
     ) -> list[BeamSearchOutput]:
         """The beam_width best continuations of each prompt (vLLM's beam search: each step
         extends every live beam by its top 2 * beam_width tokens and keeps the beam_width best
         by cum_logprob / length ** length_penalty). A sequence's `tokens` and `text` include
-        the prompt, as vLLM's do."""
+        the prompt, as vLLM's do. concurrency_limit: at most that many prompts are searched
+        at a time (None: all at once); the results do not depend on it."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if concurrency_limit is not None and (
+            isinstance(concurrency_limit, bool)
+            or not isinstance(concurrency_limit, int)
+            or concurrency_limit < 1
+        ):
+            raise ValueError(
+                f"concurrency_limit must be None or a positive integer, got {concurrency_limit!r}"
+            )
         engine = self.llm_engine
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -127,16 +137,21 @@ class LLM:
                 f"{params.max_tokens} exceed max_model_len={limit}",
                 parameter="max_tokens",
             )
-        search = BeamSearch(ids, params, self.get_tokenizer().eos_token_id)
-        step = search.step_params()
-        while not search.done:
-            outs = self.generate(
-                [{"prompt_token_ids": t} for t in search.pending()], step, use_tqdm=False
+        chunk = concurrency_limit or len(ids)
+        results = []
+        for start in range(0, len(ids), chunk):
+            search = BeamSearch(
+                ids[start : start + chunk], params, self.get_tokenizer().eos_token_id
             )
-            search.advance(
-                [o.outputs[0].logprobs[0] if o.outputs[0].logprobs else {} for o in outs]
-            )
-        results = search.outputs()
+            step = search.step_params()
+            while not search.done:
+                outs = self.generate(
+                    [{"prompt_token_ids": t} for t in search.pending()], step, use_tqdm=False
+                )
+                search.advance(
+                    [o.outputs[0].logprobs[0] if o.outputs[0].logprobs else {} for o in outs]
+                )
+            results += search.outputs()
         tok = self.get_tokenizer()
         for r in results:
             for beam in r.sequences:
