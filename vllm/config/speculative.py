@@ -22,7 +22,7 @@ class SpecMethod:
     """What one speculative method needs and what runs it (the one list of methods)."""
 
     family: str
-    """mtp | eagle | eagle3 | dflash | ngram: the draft layout the config checks."""
+    """mtp | eagle | eagle3 | dflash | ngram | suffix: the draft layout the config checks."""
     speculator: str
     """`module:Class` of the speculator that runs it (imported by init_speculator, so the
     config imports no model or worker module)."""
@@ -52,6 +52,11 @@ SPEC_METHODS: dict[str, SpecMethod] = {
     # Prompt lookup: the continuation of the longest earlier match of the request's last n-gram.
     "ngram": SpecMethod(
         "ngram", f"{_SPEC}.ngram.speculator:NgramSpeculator", False, False, "never", False
+    ),
+    # Suffix decoding: the longest earlier match in the request's tokens or in earlier
+    # requests' outputs, drafted by frequency.
+    "suffix": SpecMethod(
+        "suffix", f"{_SPEC}.suffix.speculator:SuffixSpeculator", False, False, "never", False
     ),
 }
 # Target architecture -> the architecture of its in-checkpoint MTP draft.
@@ -100,7 +105,17 @@ _SPEC_KEYS = {
     "prompt_lookup_max",
     "num_speculative_tokens_per_batch_size",
     "adaptive_num_speculative_tokens",
+    "suffix_decoding_max_tree_depth",
+    "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_spec_factor",
+    "suffix_decoding_min_token_prob",
 }
+_SUFFIX_KEYS = (
+    "suffix_decoding_max_tree_depth",
+    "suffix_decoding_max_cached_requests",
+    "suffix_decoding_max_spec_factor",
+    "suffix_decoding_min_token_prob",
+)
 
 
 def _with_speculators_defaults(d: dict[str, Any]) -> dict[str, Any]:
@@ -162,6 +177,16 @@ class SpeculativeConfig:
     """[[start_bs, end_bs, K], ...]: the drafts a step verifies per request when the batch has
     start_bs..end_bs requests (inclusive; K = 0: none); batch sizes not listed use
     num_speculative_tokens."""
+    suffix_decoding_max_tree_depth: int = 24
+    """suffix: the longest match plus draft (the suffix trees' depth); K defaults to it."""
+    suffix_decoding_max_cached_requests: int = 10000
+    """suffix: earlier requests whose outputs are searched (FIFO); 0 turns the global cache
+    off (only the request's own tokens are searched)."""
+    suffix_decoding_max_spec_factor: float = 1.0
+    """suffix: at most this many drafts per matched token (draft length <= factor x match)."""
+    suffix_decoding_min_token_prob: float = 0.1
+    """suffix: drafting stops before a token whose estimated probability (the product of the
+    frequencies along the draft) falls below this."""
     adaptive_num_speculative_tokens: bool = True
     """Choose each request's K every step from its measured acceptance per position and the
     step cost measured at start-up, down to 0 when drafting does not pay (probed again
@@ -188,6 +213,9 @@ class SpeculativeConfig:
                 )
             d = {**{k: v for k, v in d.items() if k != "model"}, "method": "ngram"}
         d = _with_speculators_defaults(d)
+        if d.get("method") == "suffix" and d.get("num_speculative_tokens") is None:
+            # K is the most a match can draft: the tree depth (vLLM's default for suffix).
+            d = {**d, "num_speculative_tokens": d.get("suffix_decoding_max_tree_depth", 24)}
         if d.get("method") is None:
             raise ValueError("speculative_config.method is required (e.g. 'mtp' or 'eagle3')")
         names = (
@@ -200,6 +228,7 @@ class SpeculativeConfig:
             "prompt_lookup_max",
             "num_speculative_tokens_per_batch_size",
             "adaptive_num_speculative_tokens",
+            *_SUFFIX_KEYS,
         )
         keep: dict[str, Any] = {k: d[k] for k in names if d.get(k) is not None}
         return cls(**keep)
@@ -226,6 +255,7 @@ class SpeculativeConfig:
         if self.method_info.needs_draft_model and not self.model:
             raise ValueError(f"speculative_config.model is required for method {self.method!r}")
         self._check_prompt_lookup()
+        self._check_suffix()
         self._check_batch_size_schedule()
         if not isinstance(self.adaptive_num_speculative_tokens, bool):
             raise ValueError(
@@ -263,6 +293,35 @@ class SpeculativeConfig:
                 f"speculative_config.prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}"
             )
         self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+
+    def _check_suffix(self) -> None:
+        where = "speculative_config."
+        depth = self.suffix_decoding_max_tree_depth
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 2:
+            raise ValueError(
+                f"{where}suffix_decoding_max_tree_depth must be an integer >= 2, got {depth!r}"
+            )
+        cached = self.suffix_decoding_max_cached_requests
+        if not isinstance(cached, int) or isinstance(cached, bool) or cached < 0:
+            raise ValueError(
+                f"{where}suffix_decoding_max_cached_requests must be an integer >= 0, got "
+                f"{cached!r}"
+            )
+        factor = self.suffix_decoding_max_spec_factor
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
+            raise ValueError(
+                f"{where}suffix_decoding_max_spec_factor must be a number > 0, got {factor!r}"
+            )
+        prob = self.suffix_decoding_min_token_prob
+        if isinstance(prob, bool) or not isinstance(prob, int | float) or not 0 <= prob <= 1:
+            raise ValueError(
+                f"{where}suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}"
+            )
+        if self.method == "suffix" and self.model:
+            raise ValueError(
+                f"speculative_config.model must not be set for method 'suffix' (it drafts from "
+                f"tokens already written), got {self.model!r}"
+            )
 
     def _check_batch_size_schedule(self) -> None:
         sched = self.num_speculative_tokens_per_batch_size

@@ -93,7 +93,12 @@ class VllmConfig:
                 trust_remote_code=mc.trust_remote_code,
             )
             spec.verify_with_target(mc)
-        if spec is not None and tp > 1 and spec.draft_tensor_parallel_size != 1:
+        if (
+            spec is not None
+            and tp > 1
+            and spec.draft_tensor_parallel_size != 1
+            and spec.method_info.has_draft_model  # ngram / suffix: nothing to split
+        ):
             assert spec.draft_model_config is not None
             try:
                 _check_tp_split(spec.draft_model_config.hf_text_config, tp)

@@ -139,6 +139,7 @@ class LLMEngine:
             step_costs = measure_step_costs(
                 vllm_config, self.executor, num_blocks, num_state_slots(vllm_config)
             )
+            self.executor.collective_rpc("end_warm_up")
         except BaseException:
             self.executor.shutdown()
             raise

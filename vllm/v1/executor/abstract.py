@@ -46,6 +46,10 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    @abstractmethod
+    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """Call Worker.method(*args) on every stage and return their results (rank order)."""
+
     @property
     def max_concurrent_batches(self) -> int:
         """Batches the engine may have in flight at once (P for a pipeline, else 1)."""
@@ -88,10 +92,6 @@ class DistributedExecutorBase(Executor):
 
     @abstractmethod
     def get_output(self) -> ModelRunnerOutput: ...
-
-    @abstractmethod
-    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
-        """Call Worker.method(*args) on every stage and return their results (rank order)."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.execute_model_async(scheduler_output)

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.executor.abstract import Executor
@@ -26,3 +28,8 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def collective_rpc(self, method: str, *args: Any, timeout: float | None = None) -> list[Any]:
+        """Worker.method(*args) on the one worker (as the distributed executors do on every
+        stage)."""
+        return [getattr(self.worker, method)(*args)]

@@ -205,6 +205,12 @@ class Worker:
     def check_health(self) -> bool:
         return True
 
+    def end_warm_up(self) -> None:
+        """Start-up is over: state learned from the warm-up's dummy requests is dropped."""
+        runner = self.model_runner
+        if runner is not None and runner.speculator is not None:
+            runner.speculator.end_warm_up()
+
     def shutdown(self) -> None:
         self._pending_sends.clear()
         if self.num_workers > 1:

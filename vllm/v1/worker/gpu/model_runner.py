@@ -225,6 +225,11 @@ class ModelRunner:
     def _update_states(self, so: SchedulerOutput) -> None:
         st = self.states
         for rid in so.finished_req_ids:
+            if self.speculator is not None and rid in st.req_id_to_slot:
+                slot = st.slot(rid)
+                self.speculator.on_request_removed(
+                    slot, st.token_ids[slot, st.num_prompt[slot] : st.num_tokens[slot]].copy()
+                )
             s = st.remove(rid)
             if s is not None and self.structured is not None:
                 self.structured.remove(s)

@@ -118,6 +118,14 @@ class BaseSpeculator(ABC):
     def propose(self, inputs: ProposeInputs) -> np.ndarray:
         """Draft tokens [num_reqs, K] int64 for the rows of inputs.input_batch."""
 
+    def end_warm_up(self) -> None:  # noqa: B027 - optional hook: nothing learned by default
+        """Forget what the start-up's dummy requests taught (suffix decoding's global cache).
+        Default: nothing."""
+
+    def on_request_removed(self, slot: int, output_token_ids: np.ndarray) -> None:  # noqa: B027
+        """A request left request-state slot `slot` (finished, aborted or preempted) having
+        written output_token_ids (suffix decoding learns from them). Default: nothing."""
+
 
 class DraftModelSpeculator(BaseSpeculator):
     """A speculator with a draft nn.Module of its own (MTP head, EAGLE head)."""
