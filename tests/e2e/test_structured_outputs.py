@@ -204,10 +204,13 @@ def test_identical_with_and_without_speculation(name, k, pp) -> None:
         assert counts[1] > 0 and counts[2] < counts[1], counts  # drafts, some rejected
 
 
+@pytest.mark.parametrize("aware", [False, True], ids=["plain", "grammar_aware"])
 @pytest.mark.parametrize("name", [_param(n, id=n) for n in DRAFTED])
-def test_forbidden_drafts_are_rejected_not_emitted(name) -> None:
-    """Only digits are allowed; the drafters propose text: the drafts are rejected (counted),
-    the output is still the grammar's, equal to the run without speculation."""
+def test_forbidden_drafts_are_never_emitted(name, aware) -> None:
+    """Only digits are allowed; the drafters propose text. Without grammar-aware drafting the
+    forbidden drafts are verified and rejected (counted); with it (the default) they are cut
+    before verification (counted by the grammar state) and a draft model proposes digits
+    instead. Either way the output is the grammar's, equal to the run without speculation."""
     model = _model(name)
     prompt = "Tell me about the weather in Paris."
     sp = SamplingParams(
@@ -215,9 +218,12 @@ def test_forbidden_drafts_are_rejected_not_emitted(name) -> None:
         max_tokens=20,
         structured_outputs=StructuredOutputsParams(regex="[0-9]{20}"),
     )
-    texts, counts = [], []
+    texts, counts, cut, masked = [], [], 0, 0
     for k in (0, 3):
-        llm = LLM(model=model, speculative_config=_spec(name, k), max_model_len=256)
+        spec = _spec(name, k)
+        if spec is not None:
+            spec["grammar_aware_drafting"] = aware
+        llm = LLM(model=model, speculative_config=spec, max_model_len=256)
         try:
             if name == "tiny_mtp":
                 out = llm.generate(["def weather(city):\n    "], sp, use_tqdm=False)[0]
@@ -225,11 +231,20 @@ def test_forbidden_drafts_are_rejected_not_emitted(name) -> None:
                 out = llm.chat([{"role": "user", "content": prompt}], sp, use_tqdm=False)[0]
             texts.append(out.outputs[0].text)
             counts.append(spec_decode_counts(llm))
+            if k:
+                runner = llm.llm_engine.executor.worker.model_runner
+                cut = runner.structured.num_forbidden_drafts
+                masked = runner.structured.num_masked_draft_rows
         finally:
             llm.shutdown()
     assert texts[0] == texts[1] and re.fullmatch("[0-9]{20}", texts[1]), texts
     drafted, accepted = counts[1][1], counts[1][2]
-    assert drafted > 0 and accepted < drafted / 2, counts[1]
+    if not aware:
+        assert drafted > 0 and accepted < drafted / 2, counts[1]
+        assert cut == masked == 0
+    else:
+        # The draft model chose under the grammar's mask: what it verifies is all digits.
+        assert drafted > 0 and masked > 0 and cut == 0, (counts[1], cut, masked)
 
 
 @pytest.mark.parametrize(
@@ -364,3 +379,56 @@ def test_json_allows_whitespace_unless_disabled(engine_wide) -> None:
     assert not accepts(strict, spaced) and accepts(strict, tight)
     closed = StructuredOutputsParams(json=schema, disable_additional_properties=True)
     assert not accepts(closed, '{"a": 1, "b": 2}') and accepts(closed, '{"a": 1}')
+
+
+LONG_KEYS = {
+    "type": "object",
+    "properties": {
+        "customer_full_name": {"type": "string"},
+        "shipping_address_first_line": {"type": "string"},
+        "total_order_amount_in_cents": {"type": "integer"},
+    },
+    "required": [
+        "customer_full_name",
+        "shipping_address_first_line",
+        "total_order_amount_in_cents",
+    ],
+}
+
+
+@pytest.mark.parametrize("spec", ["jump_forward", "mtp"])
+def test_jump_forward_tokens_are_verified(spec) -> None:
+    """A schema with long fixed keys and no free whitespace: the grammar forces each key, and
+    those tokens are proposed as drafts (alone, or instead of MTP's where the grammar forces
+    them). They are verified like drafts, so the model writes their KV: every token after a
+    forced run - the values - is still the model's own, and the text equals the run without
+    speculation."""
+    sp = SamplingParams(
+        temperature=0,
+        max_tokens=80,
+        structured_outputs=StructuredOutputsParams(json=LONG_KEYS, disable_any_whitespace=True),
+    )
+    prompts = ["config = ", "def order():\n    return ", "x = "]
+    cfg = {"method": spec, "num_speculative_tokens": 8, "adaptive_num_speculative_tokens": False}
+    outs, counts, forced = [], [], 0
+    for s in (None, cfg):
+        llm = LLM(model=str(default_model_path()), speculative_config=s, max_model_len=256)
+        try:
+            got = llm.generate(prompts, sp, use_tqdm=False)
+            outs.append([o.outputs[0].text for o in got])
+            counts.append(spec_decode_counts(llm))
+            if s is not None:
+                forced = (
+                    llm.llm_engine.executor.worker.model_runner.structured.num_jump_forward_tokens
+                )
+        finally:
+            llm.shutdown()
+    assert outs[0] == outs[1]
+    for text in outs[1]:
+        if text.endswith("}"):
+            jsonschema.validate(json.loads(text), LONG_KEYS)
+        assert '"customer_full_name":' in text, text
+    drafted, accepted = counts[1][1], counts[1][2]
+    assert forced > 0 and drafted > 0 and accepted > 0, (forced, counts[1])
+    if spec == "jump_forward":
+        assert drafted == forced  # nothing else drafts

@@ -58,6 +58,15 @@ SPEC_METHODS: dict[str, SpecMethod] = {
     "suffix": SpecMethod(
         "suffix", f"{_SPEC}.suffix.speculator:SuffixSpeculator", False, False, "never", False
     ),
+    # No drafter: structured-output requests draft the tokens their grammar forces.
+    "jump_forward": SpecMethod(
+        "jump_forward",
+        f"{_SPEC}.ngram.speculator:JumpForwardSpeculator",
+        False,
+        False,
+        "never",
+        False,
+    ),
 }
 # Target architecture -> the architecture of its in-checkpoint MTP draft.
 MTP_DRAFT_ARCHITECTURES = {
@@ -109,6 +118,7 @@ _SPEC_KEYS = {
     "suffix_decoding_max_cached_requests",
     "suffix_decoding_max_spec_factor",
     "suffix_decoding_min_token_prob",
+    "grammar_aware_drafting",
 }
 _SUFFIX_KEYS = (
     "suffix_decoding_max_tree_depth",
@@ -187,6 +197,10 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     """suffix: drafting stops before a token whose estimated probability (the product of the
     frequencies along the draft) falls below this."""
+    grammar_aware_drafting: bool = True
+    """Structured-output requests: a draft model's choices are masked by the request's
+    grammar, drafts the grammar forbids are never proposed, and where the grammar forces the
+    next tokens (jump-forward) those are the drafts (verified like any other)."""
     adaptive_num_speculative_tokens: bool = True
     """Choose each request's K every step from its measured acceptance per position and the
     step cost measured at start-up, down to 0 when drafting does not pay (probed again
@@ -229,6 +243,7 @@ class SpeculativeConfig:
             "num_speculative_tokens_per_batch_size",
             "adaptive_num_speculative_tokens",
             *_SUFFIX_KEYS,
+            "grammar_aware_drafting",
         )
         keep: dict[str, Any] = {k: d[k] for k in names if d.get(k) is not None}
         return cls(**keep)
@@ -257,6 +272,16 @@ class SpeculativeConfig:
         self._check_prompt_lookup()
         self._check_suffix()
         self._check_batch_size_schedule()
+        if not isinstance(self.grammar_aware_drafting, bool):
+            raise ValueError(
+                "speculative_config.grammar_aware_drafting must be true or false, got "
+                f"{self.grammar_aware_drafting!r}"
+            )
+        if self.method == "jump_forward" and not self.grammar_aware_drafting:
+            raise ValueError(
+                "speculative_config.method 'jump_forward' drafts through the grammar: "
+                "grammar_aware_drafting must stay true"
+            )
         if not isinstance(self.adaptive_num_speculative_tokens, bool):
             raise ValueError(
                 "speculative_config.adaptive_num_speculative_tokens must be true or false, got "
@@ -317,10 +342,10 @@ class SpeculativeConfig:
             raise ValueError(
                 f"{where}suffix_decoding_min_token_prob must be a number in [0, 1], got {prob!r}"
             )
-        if self.method == "suffix" and self.model:
+        if self.method in ("suffix", "jump_forward") and self.model:
             raise ValueError(
-                f"speculative_config.model must not be set for method 'suffix' (it drafts from "
-                f"tokens already written), got {self.model!r}"
+                f"speculative_config.model must not be set for method {self.method!r} (it "
+                f"drafts without a draft model), got {self.model!r}"
             )
 
     def _check_batch_size_schedule(self) -> None:

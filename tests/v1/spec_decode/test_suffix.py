@@ -129,6 +129,10 @@ def test_bad_keys_are_refused_naming_the_field():
             SpeculativeConfig.from_dict({"method": "suffix", key: value})
     with pytest.raises(ValueError, match="model must not be set"):
         SpeculativeConfig.from_dict({"method": "suffix", "model": "x"})
+    with pytest.raises(ValueError, match="grammar_aware_drafting"):
+        SpeculativeConfig.from_dict({"method": "mtp", "grammar_aware_drafting": "yes"})
+    with pytest.raises(ValueError, match="grammar_aware_drafting must stay true"):
+        SpeculativeConfig.from_dict({"method": "jump_forward", "grammar_aware_drafting": False})
     cfg = SpeculativeConfig.from_dict({"method": "suffix"})
     assert cfg.num_speculative_tokens == 24  # K defaults to the tree depth
     assert (cfg.suffix_decoding_max_cached_requests, cfg.suffix_decoding_max_spec_factor) == (

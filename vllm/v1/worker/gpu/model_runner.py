@@ -392,6 +392,12 @@ class ModelRunner:
         sampled, num_sampled = self.rejection_sampler(batch, tokens)
         num_rejected = np.where(num_sampled > 0, batch.num_draft_tokens_np + 1 - num_sampled, 0)
         drafts = None
+        if self.structured is not None:
+            # Before drafting: the drafts follow the step's tokens in the grammar too.
+            self.structured.accept(slots, sampled, num_sampled)
+        spec_cfg = self.vllm_config.speculative_config
+        grammar = self.structured if spec_cfg and spec_cfg.grammar_aware_drafting else None
+        forks = grammar.draft_grammar(slots) if grammar is not None else None
         if self.speculator is not None:
             # The prompt tokens after each row's chunk: the draft's next inputs where nothing
             # was sampled (a non-final prefill chunk).
@@ -414,11 +420,13 @@ class ModelRunner:
                     token_ids=st.token_ids,
                     num_tokens=st.num_tokens,
                     num_draft_steps=num_draft_steps,
+                    draft_grammar=forks,
                 )
             )
+            if grammar is not None:
+                grammar.constrain_drafts(drafts, slots, jump_forward=True)
+                grammar.num_masked_draft_rows += forks.num_masked_rows if forks else 0
         result = StepResult(sampled, num_sampled, num_rejected, drafts)
-        if self.structured is not None:
-            self.structured.accept(slots, sampled, num_sampled)
         apply_step_result(st, result, np.where(batch.need_sample_np, slots, -1))
         if self.pp_handler is not None:
             self.pp_handler.broadcast(result, batch)

@@ -6,7 +6,16 @@ Every logits row of such a request gets the grammar's bitmask for its position: 
 matcher's state, row j after the matcher also accepted the drafts of rows 0 .. j - 1 (they are
 rolled back once the masks are built). A draft the grammar forbids cannot equal the target's
 masked sample at its row, so the verifier rejects it and the rows after it are never emitted
-(their masks are left open). Once the step's tokens are known the matcher accepts them."""
+(their masks are left open). Once the step's tokens are known the matcher accepts them.
+
+Drafting for such requests (speculative_config.grammar_aware_drafting, on by default):
+- a draft model's choice at each draft position is masked by a fork of the request's matcher
+  that has accepted the drafts before it (DraftGrammar), so it proposes what the grammar allows;
+- every drafter's proposals are then checked against the grammar and cut at the first token it
+  forbids (counted in num_forbidden_drafts), so no forbidden draft is ever verified;
+- where the grammar forces the next tokens (a JSON key, a closing brace: jump-forward), those
+  tokens are the drafts; the verify pass checks them like any other draft, so the model's KV is
+  written for them and the output is the model's own."""
 
 from __future__ import annotations
 
@@ -21,12 +30,74 @@ if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
 
 
+def _unpack_bitmask(bitmask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[N, len(ids)] bool: whether each token id of `ids` is allowed by an xgrammar bitmask
+    [N, ceil(V / 32)] (bit t % 32 of word t // 32)."""
+    words = bitmask[:, ids // 32]
+    return ((words >> (ids % 32).to(words.dtype)) & 1).bool()
+
+
+class DraftGrammar:
+    """Forks of the batch rows' matchers (None: no grammar), advanced over the drafts as a
+    draft model chooses them; the originals are never touched."""
+
+    def __init__(self, matchers: list[Any | None], vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.forks = [
+            m.fork() if m is not None and not m.is_terminated() else None for m in matchers
+        ]
+        self.num_masked_rows = 0  # (draft position, request) pairs masked, for the tests
+
+    def mask(
+        self, logits: torch.Tensor, draft_to_target: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """logits [R, V] (target vocabulary, or the draft's with draft_to_target) with what
+        each grammar row's fork forbids at -inf (in place)."""
+        import xgrammar as xgr
+
+        live = [(i, f) for i, f in enumerate(self.forks) if f is not None]
+        if not live:
+            return logits
+        rows = [i for i, _ in live]
+        bitmask = xgr.allocate_token_bitmask(len(self.forks), self.vocab_size)
+        for i, f in live:
+            f.fill_next_token_bitmask(bitmask, i)
+        self.num_masked_rows += len(rows)
+        if draft_to_target is None and logits.shape[-1] >= self.vocab_size:
+            xgr.apply_token_bitmask_inplace(
+                logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=rows
+            )
+            return logits
+        ids = (
+            draft_to_target.to(torch.int64).cpu()
+            if draft_to_target is not None
+            else torch.arange(logits.shape[-1])
+        )
+        r = torch.tensor(rows)
+        allowed = _unpack_bitmask(bitmask[r], ids).to(logits.device)
+        sub = logits[r.to(logits.device)]
+        logits[r.to(logits.device)] = sub.masked_fill(~allowed, float("-inf"))
+        return logits
+
+    def advance(self, tokens: np.ndarray) -> None:
+        """Each grammar row's fork accepts its row's chosen draft (a forbidden one - only a
+        row whose every token was masked - ends that row's constraint)."""
+        for i, f in enumerate(self.forks):
+            if f is not None and (not f.accept_token(int(tokens[i])) or f.is_terminated()):
+                self.forks[i] = None
+
+
 class StructuredOutputStates:
     def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self._backend: XgrammarBackend | None = None
         self.matchers: dict[int, Any] = {}  # request-state slot -> GrammarMatcher
+        # Drafts cut because the grammar forbids them, and forced tokens proposed (tests,
+        # benchmarks).
+        self.num_forbidden_drafts = 0
+        self.num_jump_forward_tokens = 0
+        self.num_masked_draft_rows = 0  # draft positions a draft model chose under a mask
 
     @property
     def backend(self) -> XgrammarBackend:
@@ -75,6 +146,8 @@ class StructuredOutputStates:
                 if j + 1 == len(rows) or not m.accept_token(int(row_inputs[rows[j + 1]])):
                     break  # the last row, or a forbidden draft: the rows after are not emitted
                 accepted += 1
+                if m.is_terminated():
+                    break  # a drafted stop token: nothing after it is emitted
             if accepted:
                 m.rollback(accepted)
         if masked:
@@ -82,6 +155,45 @@ class StructuredOutputStates:
                 logits, bitmask.to(logits.device), vocab_size=V, indices=masked
             )
         return logits
+
+    def draft_grammar(self, slots: np.ndarray) -> DraftGrammar | None:
+        """Forks for the rows of a batch (request-state slots), or None without grammars."""
+        if not self.matchers or not any(int(s) in self.matchers for s in slots.tolist()):
+            return None
+        return DraftGrammar([self.matchers.get(int(s)) for s in slots.tolist()], self.vocab_size)
+
+    def constrain_drafts(self, drafts: np.ndarray, slots: np.ndarray, jump_forward: bool) -> None:
+        """Drafts [R, K] of the batch rows (request-state slots), in place, for the grammar
+        rows: the grammar's forced tokens where it forces any (jump-forward), else the drafts
+        cut (PAD) at the first one the grammar forbids. The matchers must have accepted the
+        step's sampled tokens already (the drafts follow them)."""
+        from vllm.v1.worker.gpu.states import PAD_TOKEN_ID
+
+        K = drafts.shape[1]
+        for i, s in enumerate(slots.tolist()):
+            m = self.matchers.get(int(s))
+            if m is None or m.is_terminated():
+                continue
+            if jump_forward:
+                forced = m.find_jump_forward_tokens()
+                if forced:
+                    n = min(len(forced), K)
+                    drafts[i, :n] = forced[:n]
+                    drafts[i, n:] = PAD_TOKEN_ID
+                    self.num_jump_forward_tokens += n
+                    continue
+            f = m.fork()
+            for j in range(K):
+                t = int(drafts[i, j])
+                if t == PAD_TOKEN_ID:
+                    break
+                if not f.accept_token(t):
+                    self.num_forbidden_drafts += int((drafts[i, j:] != PAD_TOKEN_ID).sum())
+                    drafts[i, j:] = PAD_TOKEN_ID
+                    break
+                if f.is_terminated():  # a stop token: nothing can follow it
+                    drafts[i, j + 1 :] = PAD_TOKEN_ID
+                    break
 
     def accept(self, slots: np.ndarray, sampled: np.ndarray, num_sampled: np.ndarray) -> None:
         """Advance each grammar request's matcher over the tokens the step emitted."""

@@ -31,6 +31,7 @@ from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
 if TYPE_CHECKING:
     from vllm.model_executor.models.base import CausalLMBase
     from vllm.v1.worker.gpu.input_batch import InputBatch
+    from vllm.v1.worker.gpu.sample.structured_outputs import DraftGrammar
 
 
 @dataclass
@@ -59,6 +60,9 @@ class ProposeInputs:
     token_ids: np.ndarray | None = None
     num_tokens: np.ndarray | None = None
     num_draft_steps: int | None = None
+    draft_grammar: DraftGrammar | None = None
+    """Structured-output rows: forks of their grammar matchers; a draft model masks its
+    choice at each draft position with them (grammar-aware drafting)."""
 
     def __post_init__(self) -> None:
         self.num_sampled = np.asarray(self.num_sampled, dtype=np.int64)

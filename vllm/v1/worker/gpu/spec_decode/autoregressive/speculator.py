@@ -31,7 +31,7 @@ from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator, Prop
 from vllm.v1.worker.gpu.states import PAD_TOKEN_ID
 
 if TYPE_CHECKING:
-    pass
+    from vllm.v1.worker.gpu.sample.structured_outputs import DraftGrammar
 
 logger = init_logger(__name__)
 
@@ -184,6 +184,18 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         hidden = feedback[torch.from_numpy(np.asarray(src)).to(self.device)]
         return StepInputs(drafts[:, step - 1], end, hidden, meta, rows)
 
+    # Structured-output rows' grammar forks for the propose() in progress (None: none).
+    draft_grammar: DraftGrammar | None = None
+
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits with what each grammar row forbids at -inf (draft vocabulary: through
+        the head's draft -> target map)."""
+        if self.draft_grammar is None:
+            return logits
+        vocab = getattr(self, "draft_vocab", None)
+        d2t = vocab.draft_to_target if vocab is not None else None
+        return self.draft_grammar.mask(logits, d2t)
+
     @property
     def min_draft_steps(self) -> int:
         """Draft steps every propose runs whatever the scheduler asks for (step 0 always runs:
@@ -228,8 +240,10 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             if want > 0 or steps > 1:
                 with decode_rows():
                     logits = self._compute_logits(logits_h[lti], 0)
-                first = self.agree(self.sample_draft(logits, draft_pos, db.sampling))
+                first = self.agree(self.sample_draft(self._masked(logits), draft_pos, db.sampling))
                 drafts[:, 0] = first.cpu().numpy()
+                if self.draft_grammar is not None:
+                    self.draft_grammar.advance(drafts[:, 0])
         if steps > 1:
             with self._hooked(self.on_multi_step_decode_begin, self.on_multi_step_decode_end, R):
                 for step in range(1, steps):
@@ -244,8 +258,12 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                     rows = torch.from_numpy(np.asarray(inp.draft_rows)).to(dev)
                     with decode_rows():
                         logits = self._compute_logits(logits_h[rows], step)
-                    tok = self.agree(self.sample_draft(logits, draft_pos + step, db.sampling))
+                    tok = self.agree(
+                        self.sample_draft(self._masked(logits), draft_pos + step, db.sampling)
+                    )
                     drafts[:, step] = tok.cpu().numpy()
+                    if self.draft_grammar is not None:
+                        self.draft_grammar.advance(drafts[:, step])
         self._end_draft(db)
         drafts[:, want:] = PAD_TOKEN_ID
         return drafts.copy()
@@ -342,4 +360,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                 )
             db.mm_rows, db.mm_embeds = inputs.mm_embeds
             self.num_mm_rows_gathered += len(db.mm_rows)
-        return self._draft(db, hidden, inputs.num_draft_steps)
+        self.draft_grammar = inputs.draft_grammar
+        try:
+            return self._draft(db, hidden, inputs.num_draft_steps)
+        finally:
+            self.draft_grammar = None

@@ -116,3 +116,27 @@ class NgramSpeculator(BaseSpeculator):
             if got is not None:
                 drafts[i, :k_max] = got
         return drafts
+
+
+class JumpForwardSpeculator(BaseSpeculator):
+    """No drafter of its own (method "jump_forward"): every row proposes nothing here, and the
+    model runner fills in, for structured-output requests, the tokens their grammar forces
+    (StructuredOutputStates.constrain_drafts)."""
+
+    model = None
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device | str) -> None:
+        spec = vllm_config.speculative_config
+        if spec is None:
+            raise ValueError("a speculator needs speculative_config")
+        self.num_speculative_steps = spec.num_speculative_tokens
+
+    def load_model(self, target_model: CausalLMBase) -> None:
+        """Nothing to build."""
+
+    def capture(self) -> None:
+        """Nothing to warm up."""
+
+    def propose(self, inputs: ProposeInputs) -> np.ndarray:
+        R = inputs.input_batch.num_reqs
+        return np.full((R, self.num_speculative_steps), PAD_TOKEN_ID, dtype=np.int64)
