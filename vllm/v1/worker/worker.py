@@ -200,6 +200,7 @@ class Worker:
             broadcast_wait_s=bcast,
             tp_comm_s=tp.comm_s,
             tp_collectives=tp.num_collectives,
+            mm_pixel_bytes=(self.model_runner.mm.pixel_bytes_received if self.model_runner else 0),
         )
 
     def check_health(self) -> bool:
