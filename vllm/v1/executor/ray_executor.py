@@ -165,10 +165,11 @@ class RayExecutor(DistributedExecutorBase):
             self.shutdown()
             raise
         logger.info(
-            "started %d worker actors on Ray (TP %d x PP %d)",
+            "started %d worker actors on Ray (TP %d x PP %d; pids %s)",
             P,
             pc.tensor_parallel_size,
             pc.pipeline_parallel_size,
+            self.worker_pids,
         )
 
     @property
