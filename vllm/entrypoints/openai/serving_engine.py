@@ -101,7 +101,9 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             parts.append("the request body is not valid JSON")
             param = None
         else:
-            # A validator's own message may already start with the field's name.
+            # A validator's own message may already start with the field's name; an error of
+            # no field is the body's as a whole.
+            where = where or (None if named else "body")
             parts.append(f"{where}: {msg}" if where and not msg.startswith(where) else msg)
     return "; ".join(parts) or "invalid request", param
 

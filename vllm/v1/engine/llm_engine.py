@@ -264,7 +264,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token id {bad[0]} is out of vocabulary (vocab_size={vocab})")
+            raise VLLMValidationError(
+                f"token id {bad[0]} is out of vocabulary (vocab_size={vocab})", parameter="prompt"
+            )
         max_len = self.model_config.max_model_len
         assert max_len is not None
         if len(ids) >= max_len:
