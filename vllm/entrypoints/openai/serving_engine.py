@@ -103,8 +103,8 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         else:
             # A validator's own message may already start with the field's name; an error of
             # no field is the body's as a whole.
-            where = where or (None if named else "body")
-            parts.append(f"{where}: {msg}" if where and not msg.startswith(where) else msg)
+            label = where or ("" if named else "body")
+            parts.append(f"{label}: {msg}" if label and not msg.startswith(label) else msg)
     return "; ".join(parts) or "invalid request", param
 
 
