@@ -17,6 +17,7 @@ PACKAGE = Path(vllm.__file__).parent
 
 # A malformed value of every variable that has a form to check.
 BAD_VALUES = {
+    "VLLM_TEST_FAULT_RAISE": "1:x",
     "VLLM_PP_STEP_TIMEOUT_S": "-1",
     "VLLM_PP_COMM_TIMEOUT_S": "soon",
     "VLLM_CHAT_TEMPLATE_TIMEOUT_S": "inf",

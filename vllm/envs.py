@@ -70,6 +70,17 @@ def _text(name: str, raw: str) -> str:
     return raw.strip()
 
 
+def _fault_spec(name: str, raw: str) -> tuple[int, str, int]:
+    parts = raw.strip().split(":")
+    try:
+        rank, marker, n = int(parts[0]), parts[1], int(parts[2])
+        if len(parts) != 3 or rank < 0 or n <= 0 or not marker:
+            raise ValueError
+    except (ValueError, IndexError):
+        raise ValueError(f"{name} must be RANK:MARKER:N, got {raw!r}") from None
+    return rank, marker, n
+
+
 def _flag(name: str, raw: str) -> bool:
     value = raw.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -227,6 +238,15 @@ _VARS = [
         _choice("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL", upper=True),
         "Level of the `vllm` logger (read once, at import).",
     ),
+    EnvVar(
+        "VLLM_TEST_FAULT_RAISE",
+        None,
+        _fault_spec,
+        "A test hook (fault injection), never for production: 'RANK:MARKER:N' makes worker "
+        "RANK raise a RuntimeError inside its forward at the N-th step that schedules a "
+        "request whose id contains MARKER (a client's request_id), as a stage whose model "
+        "fails would. Unset: no fault.",
+    ),
     # Read here too, though other packages own them, so that every variable the engine reacts
     # to is listed in one place.
     EnvVar(
@@ -278,6 +298,7 @@ if TYPE_CHECKING:  # the names this module provides
     VLLM_ATTENTION_BACKEND: str | None
     VLLM_CHAT_TEMPLATE_TIMEOUT_S: float
     VLLM_API_KEY: str | None
+    VLLM_TEST_FAULT_RAISE: tuple[int, str, int] | None
     VLLM_LOGGING_LEVEL: str
     RAY_ADDRESS: str | None
     OMP_NUM_THREADS: str | None

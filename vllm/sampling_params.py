@@ -59,6 +59,12 @@ class StructuredOutputsParams:
     # The request field these came from (errors name it): structured_outputs, response_format,
     # guided_json, ... or tool_choice.
     _source: str = field(default="structured_outputs", repr=False, compare=False)
+    # With a reasoning parser (and enable_in_reasoning off): (start marker id, end marker id,
+    # reasoning ended before the output) - the grammar constrains only the tokens after the
+    # reasoning ends. Set by the engine (or the server, which knows the chat template kwargs).
+    _reasoning_gate: tuple[int | None, int, bool] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]

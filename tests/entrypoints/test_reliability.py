@@ -207,7 +207,7 @@ def test_bad_prompts_get_400(srv, byte_limit):
         ({"prompt": []}, err("prompt: must not be empty", 400, "prompt")),
         (
             {"prompt": [2**64]},
-            err(f"token id {2**64} is out of vocabulary (vocab_size=2048)"),
+            err(f"token id {2**64} is out of vocabulary (vocab_size=2048)", 400, "prompt"),
         ),
         (
             {"prompt": "\ud800 lone surrogate"},

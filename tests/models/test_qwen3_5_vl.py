@@ -231,8 +231,25 @@ def test_greedy_matches_hf(vl_dir, hf_refs, pp):
         if pp == 1:
             model = llm.llm_engine.executor.worker.model_runner.model
             assert model.num_encoded_images == 4
+        else:
+            # Pixel values reach the first stage only: stage 1 needs the placeholder runs and
+            # M-RoPE positions alone (the outputs above are unchanged without them).
+            received = [s["mm_pixel_bytes"] for s in llm.llm_engine.executor.comm_stats()]
+            assert received == [_pixel_bytes(vl_dir), 0]
     finally:
         llm.shutdown()
+
+
+def _pixel_bytes(path: str) -> int:
+    """float32 bytes of every image's pixel values, from transformers' own image processor."""
+    import transformers
+
+    proc = transformers.AutoImageProcessor.from_pretrained(path)
+    total = 0
+    for _, images in IMAGE_CASES:
+        pix = proc(images=images, return_tensors="np")["pixel_values"]
+        total += pix.size * 4
+    return total
 
 
 def test_placeholder_expansion_and_positions(vl_dir):

@@ -25,6 +25,12 @@ class StructuredOutputsConfig:
     """JSON schemas without "additionalProperties" allow none, for every request."""
     disable_fallback: bool = False
     """Accepted for vLLM compatibility: there is no other backend to fall back to."""
+    reasoning_parser: str = ""
+    """The reasoning parser (deepseek_r1, deepseek_v3, qwen3; --reasoning-parser): the server
+    splits reasoning_content from content, and a grammar applies only after the reasoning."""
+    enable_in_reasoning: bool = False
+    """Constrain the reasoning too (by default the grammar starts after the end of reasoning,
+    as vLLM's)."""
 
     @classmethod
     def from_dict(
@@ -51,7 +57,20 @@ class StructuredOutputsConfig:
                 f"structured_outputs_config.backend must be one of {STRUCTURED_OUTPUT_BACKENDS}, "
                 f"got {self.backend!r}"
             )
-        for name in ("disable_any_whitespace", "disable_additional_properties", "disable_fallback"):
+        if self.reasoning_parser:
+            from vllm.reasoning import REASONING_PARSERS
+
+            if self.reasoning_parser not in REASONING_PARSERS:
+                raise ValueError(
+                    f"unknown reasoning parser {self.reasoning_parser!r}; supported: "
+                    f"{', '.join(REASONING_PARSERS)}"
+                )
+        for name in (
+            "disable_any_whitespace",
+            "disable_additional_properties",
+            "disable_fallback",
+            "enable_in_reasoning",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(
                     f"structured_outputs_config.{name} must be a bool, got {getattr(self, name)!r}"

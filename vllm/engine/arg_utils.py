@@ -101,6 +101,11 @@ class EngineArgs:
     flags: --structured-outputs-config.disable_any_whitespace true), e.g. {"backend":
     "xgrammar", "disable_any_whitespace": true}; keys: backend (auto | xgrammar),
     disable_any_whitespace, disable_additional_properties, disable_fallback."""
+    reasoning_parser: str = ""
+    """The reasoning parser (deepseek_r1, deepseek_v3, qwen3): chat answers carry the thinking
+    as reasoning_content apart from content, and structured outputs constrain only what
+    follows the reasoning (structured_outputs_config.enable_in_reasoning: also the reasoning).
+    Empty: none."""
     logprobs_mode: LogprobsMode = ModelConfig.logprobs_mode
     load_format: LoadFormat = ModelConfig.load_format
     async_scheduling: bool = False
@@ -181,14 +186,20 @@ class EngineArgs:
             speculative_config=speculative_config,
             device_config=DeviceConfig(device=self.device),
             compilation_config=CompilationConfig.from_dict(comp),
-            structured_outputs_config=StructuredOutputsConfig.from_dict(
-                parse_json_arg("structured_outputs_config", self.structured_outputs_config)
-                if isinstance(self.structured_outputs_config, str)
-                else self.structured_outputs_config
-            ),
+            structured_outputs_config=self._structured_outputs_config(),
             enforce_eager=self.enforce_eager,
             disable_log_stats=self.disable_log_stats,
         )
+
+    def _structured_outputs_config(self) -> StructuredOutputsConfig:
+        soc = StructuredOutputsConfig.from_dict(
+            parse_json_arg("structured_outputs_config", self.structured_outputs_config)
+            if isinstance(self.structured_outputs_config, str)
+            else self.structured_outputs_config
+        )
+        if self.reasoning_parser:  # --reasoning-parser, as vLLM's shorthand for the config key
+            soc = dataclasses.replace(soc, reasoning_parser=self.reasoning_parser)
+        return soc
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

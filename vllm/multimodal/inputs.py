@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,8 +21,9 @@ class MultiModalFeature:
     """Index in the prompt of the first placeholder token."""
     length: int
     """Placeholder tokens (= encoder output rows)."""
-    pixel_values: np.ndarray
-    """[patches, channels * temporal_patch * patch * patch] float32, from the image processor."""
+    pixel_values: np.ndarray | None
+    """[patches, channels * temporal_patch * patch * patch] float32, from the image processor;
+    None in what a later pipeline stage receives (only the first stage runs the encoder)."""
     grid_thw: tuple[int, int, int]
 
 
@@ -34,6 +36,17 @@ class MultiModalInputs:
     """[3, prompt_len] int64: (temporal, height, width) position of every prompt token."""
     mrope_delta: int
     """Position offset of every token after the prompt: position p rotates at p + delta."""
+
+    def without_pixel_values(self) -> MultiModalInputs:
+        """A copy whose features carry no pixel values (what stages after the first need:
+        the placeholder runs and the M-RoPE positions)."""
+        return dataclasses.replace(
+            self, features=[dataclasses.replace(f, pixel_values=None) for f in self.features]
+        )
+
+    @property
+    def pixel_bytes(self) -> int:
+        return sum(f.pixel_values.nbytes for f in self.features if f.pixel_values is not None)
 
     def mrope_of(self, positions: np.ndarray) -> np.ndarray:
         """[3, n] M-RoPE positions of sequence positions `positions` (prompt or later)."""

@@ -108,7 +108,10 @@ class RemoteServer:
             except OSError:
                 text = ""
             # "started N worker processes (TP t x PP p; pids [..])": one per worker, TP inner.
-            m = re.search(r"started \d+ worker processes \([^;]*; pids \[([\d, ]+)\]\)", text)
+            m = re.search(
+                r"started \d+ worker (?:processes|actors on Ray) \([^;]*; pids \[([\d, ]+)\]\)",
+                text,
+            )
             self._stage_pids = [int(x) for x in m.group(1).split(",")] if m else []
         return list(self._stage_pids)
 

@@ -448,7 +448,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: bool = False
     documents: list[dict[str, str]] | None = None
     reasoning_effort: str | None = None  # handed to the chat template, as vLLM does
-    include_reasoning: bool = True  # no reasoning parser: all text is content either way
+    include_reasoning: bool = True  # false: the reasoning is left out (--reasoning-parser)
     parallel_tool_calls: bool | None = None  # false: tool_choice "required" makes one call
     return_prompt_text: bool | None = None
 
@@ -516,6 +516,9 @@ class DeltaToolCall(OpenAIBaseModel):
 class ChatMessageOut(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    # With --reasoning-parser: the thinking (vLLM's reasoning_content, and its newer name).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -560,6 +563,8 @@ class ChatCompletionResponse(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

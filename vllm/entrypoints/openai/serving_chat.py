@@ -25,6 +25,7 @@ from vllm.entrypoints.openai.protocol import (
     ChatMessageOut,
     DeltaMessage,
     DeltaToolCall,
+    FunctionCall,
     ToolCall,
     TopLogprob,
 )
@@ -32,20 +33,25 @@ from vllm.entrypoints.openai.serving_engine import (
     APIError,
     OpenAIServing,
     ServingOptions,
-    final_outputs,
     final_usage,
     finite,
     prompt_logprobs_json,
-    sse,
-    stream_error,
     stream_events,
     token_text,
     usage_info,
 )
-from vllm.entrypoints.openai.tool_calls import named_function, parse_tool_calls, tool_choice_mode
+from vllm.entrypoints.openai.tool_calls import (
+    _hermes,
+    canonical_json,
+    named_function,
+    new_call,
+    parse_tool_calls,
+    scan_required,
+    tool_choice_mode,
+)
 from vllm.multimodal.chat import resolve_content_format, template_text
 from vllm.outputs import CompletionOutput, RequestOutput
-from vllm.sampling_params import RequestOutputKind
+from vllm.reasoning import ReasoningParser, get_reasoning_parser, reasoning_gate
 from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 
 
@@ -127,9 +133,6 @@ class OpenAIServingChat(OpenAIServing):
                 400,
                 "tool_choice",
             )
-        if req.stream and self._tool_mode(req) != "none":
-            # Tool calls are read from the whole text: one final output per choice.
-            params.output_kind = RequestOutputKind.FINAL_ONLY
         engine = self.llm.engine
         # Image parts: image tokens in the text (or placed by an "openai" template), the images
         # as the prompt's multi_modal_data.
@@ -143,7 +146,21 @@ class OpenAIServingChat(OpenAIServing):
         prompt = await self.engine_prompt(req, text, None, req.add_special_tokens)
         if images:
             prompt["multi_modal_data"] = {"image": images}
+        reasoner = self._reasoner(req)
+        so = params.structured_outputs
+        if reasoner is not None and so is not None:
+            # The grammar waits for the end of this request's reasoning (the engine would
+            # assume the template's defaults; the request's chat_template_kwargs may differ).
+            if not engine.vllm_config.structured_outputs_config.enable_in_reasoning:
+                so._reasoning_gate = reasoning_gate(reasoner, prompt["prompt_token_ids"])
         return await self._generate(req, raw, [prompt], params)
+
+    def _reasoner(self, req: ChatCompletionRequest) -> ReasoningParser | None:
+        """The request's reasoning parser (--reasoning-parser; None without one)."""
+        name = self.llm.engine.vllm_config.structured_outputs_config.reasoning_parser
+        if not name:
+            return None
+        return get_reasoning_parser(name)(self.tokenizer, req.chat_template_kwargs)
 
     async def render(
         self, req: ChatCompletionRequest, conversation: list[dict[str, Any]] | None = None
@@ -227,21 +244,42 @@ class OpenAIServingChat(OpenAIServing):
         return mode
 
     def _message(
-        self, req: ChatCompletionRequest, role: str, text: str, finish_reason: str | None
+        self,
+        req: ChatCompletionRequest,
+        role: str,
+        text: str,
+        finish_reason: str | None,
+        prompt_token_ids: list[int],
+        echo: str = "",
     ) -> tuple[ChatMessageOut, str | None]:
-        """The message of one choice (tool calls read out of the text) and its finish
-        reason ("tool_calls" when the model chose to call, as OpenAI's)."""
+        """The message of one choice - its reasoning split off (--reasoning-parser), tool
+        calls read out of the rest - and its finish reason ("tool_calls" when the model chose
+        to call, as vLLM's)."""
+        reasoning: str | None = None
+        content: str | None = text
+        reasoner = self._reasoner(req)
+        if reasoner is not None and not reasoner.ended_at_start(prompt_token_ids):
+            reasoning, content = reasoner.split(text)
+            content = content or None
+        if not req.include_reasoning:
+            reasoning = None
         mode = self._tool_mode(req)
-        if mode == "none":
-            return ChatMessageOut(role=role, content=text), finish_reason
-        named = named_function(req.tool_choice) if mode == "named" else None  # type: ignore[arg-type]
-        content, calls = parse_tool_calls(text, mode, named, self.options.tool_call_parser)
-        if not calls:
-            return ChatMessageOut(role=role, content=text), finish_reason
+        calls: list[dict[str, Any]] = []
+        if mode in ("named", "required") or (mode == "auto" and content is not None):
+            named = named_function(req.tool_choice) if mode == "named" else None  # type: ignore[arg-type]
+            content, calls = parse_tool_calls(
+                content or "", mode, named, self.options.tool_call_parser
+            )
+        if echo:
+            content = echo + (content or "")
         msg = ChatMessageOut(
-            role=role, content=content, tool_calls=[ToolCall.model_validate(c) for c in calls]
+            role=role,
+            content=content,
+            reasoning_content=reasoning,
+            reasoning=reasoning,
+            tool_calls=[ToolCall.model_validate(c) for c in calls],
         )
-        if mode != "named" and finish_reason == "stop":
+        if (calls and mode == "auto") or (mode == "required" and finish_reason == "stop"):
             finish_reason = "tool_calls"
         return msg, finish_reason
 
@@ -268,7 +306,9 @@ class OpenAIServingChat(OpenAIServing):
         ro = finals[0]
         choices = []
         for c in ro.outputs:
-            message, finish_reason = self._message(req, role, echo + c.text, c.finish_reason)
+            message, finish_reason = self._message(
+                req, role, c.text, c.finish_reason, list(ro.prompt_token_ids), echo
+            )
             choices.append(
                 ChatCompletionResponseChoice(
                     index=c.index,
@@ -297,54 +337,42 @@ class OpenAIServingChat(OpenAIServing):
     def _stream(
         self, req: ChatCompletionRequest, streams: list[RequestStream], rid: str, created: int
     ) -> AsyncIterator[str]:
-        if self._tool_mode(req) != "none":
-            return self._stream_tool_calls(req, streams, rid, created)
-        return self._stream_text(req, streams, rid, created)
-
-    async def _stream_tool_calls(
-        self, req: ChatCompletionRequest, streams: list[RequestStream], rid: str, created: int
-    ) -> AsyncIterator[str]:
-        """Tool calls are known once the text is complete: the stream carries each choice's
-        role, then its content and tool calls (id, name, whole arguments) in one delta, then
-        its finish reason, as OpenAI's chunks do."""
-        chunk = functools.partial(self._response, ChatCompletionStreamResponse, rid, created)
-        try:
-            res = self._full(req, await final_outputs(streams), rid, created)
-            for ch in res.choices:
-                yield sse(chunk([_delta_choice(ch.index, DeltaMessage(role=ch.message.role))]))
-                delta = DeltaMessage(
-                    content=ch.message.content,
-                    tool_calls=[
-                        DeltaToolCall(index=j, id=tc.id, type="function", function=tc.function)
-                        for j, tc in enumerate(ch.message.tool_calls)
-                    ]
-                    or None,
-                )
-                yield sse(chunk([_delta_choice(ch.index, delta)]))
-                done = ChatCompletionResponseStreamChoice(
-                    index=ch.index, delta=DeltaMessage(), finish_reason=ch.finish_reason
-                )
-                yield sse(chunk([done]))
-            if req.stream_options and req.stream_options.include_usage:
-                yield sse(chunk([], res.usage))
-        except Exception as e:  # noqa: BLE001 - reported in-band: the headers are sent
-            yield sse(stream_error(e))
-        yield "data: [DONE]\n\n"
-
-    def _stream_text(
-        self, req: ChatCompletionRequest, streams: list[RequestStream], rid: str, created: int
-    ) -> AsyncIterator[str]:
         top_n = req.top_logprobs or 0
         as_ids = self.tokens_as_ids(req)
+        prompt_ids = list(streams[0].prompt_token_ids) if streams else []
+        reasoner = self._reasoner(req)
+        mode = self._tool_mode(req)
+        named = named_function(req.tool_choice) if mode == "named" else None  # type: ignore[arg-type]
+        choices: dict[int, ChoiceStream] = {}
 
         def choice(
             idx: int, ro: RequestOutput, c: CompletionOutput
-        ) -> ChatCompletionResponseStreamChoice:
+        ) -> ChatCompletionResponseStreamChoice | None:
+            state = choices.get(idx)
+            if state is None:
+                state = choices[idx] = ChoiceStream(
+                    mode,
+                    named,
+                    self.options.tool_call_parser,
+                    None if reasoner is None or reasoner.ended_at_start(prompt_ids) else reasoner,
+                    req.include_reasoning,
+                )
+            delta = state.feed(c.text, c.finish_reason is not None)
+            logprobs = chat_logprobs(c, self.tokenizer, top_n, as_ids)
+            finish_reason = c.finish_reason
+            if finish_reason is not None and (
+                (mode == "auto" and state.num_calls)
+                or (mode == "required" and finish_reason == "stop")
+            ):
+                finish_reason = "tool_calls"
+            if delta is None and finish_reason is None and logprobs is None:
+                if not req.return_token_ids:
+                    return None  # nothing to say yet (held back, or a think marker)
             return ChatCompletionResponseStreamChoice(
                 index=idx,
-                delta=DeltaMessage(content=c.text),
-                logprobs=chat_logprobs(c, self.tokenizer, top_n, as_ids),
-                finish_reason=c.finish_reason,
+                delta=delta or DeltaMessage(),
+                logprobs=logprobs,
+                finish_reason=finish_reason,
                 stop_reason=c.stop_reason,
                 token_ids=list(c.token_ids) if req.return_token_ids else None,
             )
@@ -356,7 +384,6 @@ class OpenAIServingChat(OpenAIServing):
         # the continued message; prompt ids and text ride on the very first chunk.
         first: list[ChatCompletionStreamResponse] = []
         stream_options = req.stream_options
-        prompt_ids = streams[0].prompt_token_ids if streams else []
         continuous = bool(
             stream_options
             and stream_options.include_usage
@@ -392,5 +419,126 @@ class OpenAIServingChat(OpenAIServing):
         )
 
 
-def _delta_choice(index: int, delta: DeltaMessage) -> ChatCompletionResponseStreamChoice:
-    return ChatCompletionResponseStreamChoice(index=index, delta=delta)
+class ChoiceStream:
+    """One streamed choice: its text so far, split into reasoning (until the end marker) and
+    content, and the content read as tool calls as the request's tool mode says. Each call of
+    feed() returns what is new (None: nothing yet); what a client accumulates from the deltas
+    is the message the same output gets unstreamed."""
+
+    def __init__(
+        self,
+        mode: str,
+        named: str | None,
+        tool_call_parser: str | None,
+        reasoner: ReasoningParser | None,
+        include_reasoning: bool,
+    ) -> None:
+        self.mode = mode
+        self.named = named
+        self.hermes = tool_call_parser == "hermes"
+        self.reasoner = reasoner  # None: the whole output is content
+        self.include_reasoning = include_reasoning
+        self.text = ""
+        self.reasoning_sent = 0
+        self.content_sent = 0
+        self.calls: list[dict[str, Any]] = []  # {"id", "name", "sent": argument chars sent}
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.calls)
+
+    def feed(self, delta_text: str, finished: bool) -> DeltaMessage | None:
+        self.text += delta_text
+        delta = DeltaMessage()
+        content = self.text
+        if self.reasoner is not None:
+            reasoning, after = self.reasoner.split(self.text)
+            new = reasoning[self.reasoning_sent :]
+            self.reasoning_sent = max(self.reasoning_sent, len(reasoning))
+            if new and self.include_reasoning:
+                delta.reasoning_content = delta.reasoning = new
+            content = after or ""
+        if self.mode == "none":
+            self._content(delta, content, len(content))
+        elif self.mode == "named":
+            self._named(delta, content)
+        elif self.mode == "required":
+            self._required(delta, content, finished)
+        elif self.hermes:
+            self._auto(delta, content, finished)
+        else:
+            self._content(delta, content, len(content))
+        if delta == DeltaMessage():
+            return None
+        return delta
+
+    def _content(self, delta: DeltaMessage, content: str, upto: int) -> None:
+        if upto > self.content_sent:
+            delta.content = content[self.content_sent : upto]
+            self.content_sent = upto
+
+    def _call_delta(self, delta: DeltaMessage, j: int, name: str | None, args: str) -> None:
+        """Add call j's news: its header (id, name) the first time, then argument text."""
+        if j == len(self.calls):
+            call = new_call(name or "", "")
+            self.calls.append({"id": call["id"], "name": name, "sent": 0})
+            tc = DeltaToolCall(
+                index=j,
+                id=call["id"],
+                type="function",
+                function=FunctionCall(name=name, arguments=args),
+            )
+        else:
+            tc = DeltaToolCall(index=j, function=FunctionCall(arguments=args))
+        self.calls[j]["sent"] += len(args)
+        delta.tool_calls = [*(delta.tool_calls or []), tc]
+
+    def _named(self, delta: DeltaMessage, content: str) -> None:
+        # The arguments are the text itself, streamed as it comes (as vLLM).
+        if not self.calls and not content:
+            return
+        sent = self.calls[0]["sent"] if self.calls else 0
+        if self.calls and len(content) == sent:
+            return
+        self._call_delta(delta, 0, self.named, content[sent:])
+
+    def _required(self, delta: DeltaMessage, content: str, finished: bool) -> None:
+        for j, c in enumerate(scan_required(content)):
+            if c.name is None:
+                break
+            args = canonical_json(c.params_raw, c.params_done or finished)
+            if j < len(self.calls):
+                if len(args) > self.calls[j]["sent"]:
+                    self._call_delta(delta, j, None, args[self.calls[j]["sent"] :])
+            else:
+                self._call_delta(delta, j, c.name, args)
+
+    def _auto(self, delta: DeltaMessage, content: str, finished: bool) -> None:
+        """hermes: content streams until <tool_call> (a text that may be its beginning is held
+        back, and so is whitespace alone); each call is sent whole once its block closes."""
+        tag = "<tool_call>"
+        start = content.find(tag)
+        if start < 0:
+            if finished:
+                self._content(delta, content, len(content))
+                return
+            upto = len(content)
+            for k in range(1, len(tag)):
+                if content.endswith(tag[:k]):
+                    upto = len(content) - k
+                    break
+            if content[:upto].strip():
+                self._content(delta, content, upto)
+            return
+        if content[:start].strip():
+            self._content(delta, content, start)
+        close = content.rfind("</tool_call>")
+        closed = (
+            content if finished else content[: close + len("</tool_call>")] if close >= 0 else ""
+        )
+        _, calls = _hermes(closed) if "<tool_call>" in closed else ("", [])
+        for j in range(len(self.calls), len(calls)):
+            fn = calls[j]["function"]
+            self._call_delta(delta, j, fn["name"], fn["arguments"])
+        if finished and not calls:
+            self._content(delta, content, len(content))  # no call after all: plain text

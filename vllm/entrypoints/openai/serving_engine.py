@@ -101,8 +101,10 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             parts.append("the request body is not valid JSON")
             param = None
         else:
-            # A validator's own message may already start with the field's name.
-            parts.append(f"{where}: {msg}" if where and not msg.startswith(where) else msg)
+            # A validator's own message may already start with the field's name; an error of
+            # no field is the body's as a whole.
+            label = where or ("" if named else "body")
+            parts.append(f"{label}: {msg}" if label and not msg.startswith(label) else msg)
     return "; ".join(parts) or "invalid request", param
 
 
@@ -115,13 +117,21 @@ def stream_error(e: Exception) -> dict[str, Any]:
 
 
 # ---- formatting -----------------------------------------------------------------------------
+def _without_nulls(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _without_nulls(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_without_nulls(v) for v in obj]
+    return obj
+
+
 def sse(obj: Any) -> str:
     """One Server-Sent Event carrying obj as JSON."""
     if isinstance(obj, BaseModel):
         obj = obj.model_dump()
         for choice in obj.get("choices", ()):
-            if "delta" in choice:  # OpenAI leaves unset delta fields out
-                choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            if "delta" in choice:  # OpenAI leaves unset delta fields out (nested ones too)
+                choice["delta"] = _without_nulls(choice["delta"])
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
@@ -264,7 +274,7 @@ async def stream_events(
     streams: list[RequestStream],
     n: int,
     stream_options: StreamOptions | None,
-    make_choice: Callable[[int, RequestOutput, CompletionOutput], BaseModel],
+    make_choice: Callable[[int, RequestOutput, CompletionOutput], BaseModel | None],
     make_chunk: Callable[[Sequence[BaseModel], UsageInfo | None], BaseModel],
     first_chunks: Sequence[BaseModel] = (),
     details: bool = False,
@@ -275,7 +285,8 @@ async def stream_events(
     own finish_reason; a choice already sent with its finish_reason is not sent again (n > 1
     outputs repeat finished siblings). With `include_usage` a last choice-less chunk carries
     the usage, and with `continuous_usage_stats` too each chunk carries its choice's usage so
-    far. An error after the headers went out is sent in-band; `data: [DONE]` always ends it."""
+    far. A choice that has nothing to say yet (make_choice gives None) sends no chunk. An error
+    after the headers went out is sent in-band; `data: [DONE]` always ends it."""
     include_usage = bool(stream_options and stream_options.include_usage)
     continuous = include_usage and bool(stream_options and stream_options.continuous_usage_stats)
     prompt_lens = [0] * len(streams)
@@ -295,8 +306,11 @@ async def stream_events(
                 if c.finish_reason is not None:
                     done.add(idx)
                 choice_tokens[idx] = choice_tokens.get(idx, 0) + len(c.token_ids)
+                choice = make_choice(idx, ro, c)
+                if choice is None:
+                    continue  # nothing to send for these tokens yet
                 usage = usage_info(prompt_lens[i], choice_tokens[idx]) if continuous else None
-                yield sse(make_chunk([make_choice(idx, ro, c)], usage))
+                yield sse(make_chunk([choice], usage))
         if include_usage:
             usage = usage_info(
                 sum(prompt_lens), sum(choice_tokens.values()), sum(cached) if details else None

@@ -368,7 +368,7 @@ class AsyncLLM:
                 break
         for cmd in pending:
             if isinstance(cmd, tuple) and cmd[0] == "add":
-                fut = cmd[-1]
+                fut = cmd[8]  # ("add", rid, text, ids, salt, params, priority, stream, fut, mm)
                 if fut.set_running_or_notify_cancel():
                     fut.set_exception(error)
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}

@@ -17,6 +17,7 @@ from vllm.logger import init_logger
 from vllm.multimodal.inputs import MultiModalInputs
 from vllm.multimodal.processing import ImageProcessor
 from vllm.outputs import RequestOutput
+from vllm.reasoning import ReasoningParser, get_reasoning_parser, reasoning_gate
 from vllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.output_processor import ChildState, OutputProcessor, RequestState
@@ -110,6 +111,12 @@ class LLMEngine:
         # ModelConfig.__post_init__ resolves both from the checkpoint.
         assert mc.tokenizer is not None and mc.max_model_len is not None
         self.tokenizer = load_tokenizer(mc.tokenizer, mc.trust_remote_code)
+        # --reasoning-parser: a grammar waits for the end of the reasoning (unless
+        # enable_in_reasoning); checked before any worker starts.
+        soc = vllm_config.structured_outputs_config
+        self.reasoning_parser: ReasoningParser | None = None
+        if soc.reasoning_parser:
+            self.reasoning_parser = get_reasoning_parser(soc.reasoning_parser)(self.tokenizer)
         # Multimodal checkpoints: their image processor (from the model folder).
         self._mm_processor: ImageProcessor | None = None
         self._mm_unavailable = f"the model {mc.model!r} takes no multimodal input"
@@ -258,7 +265,9 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token id {bad[0]} is out of vocabulary (vocab_size={vocab})")
+            raise VLLMValidationError(
+                f"token id {bad[0]} is out of vocabulary (vocab_size={vocab})", parameter="prompt"
+            )
         max_len = self.model_config.max_model_len
         assert max_len is not None
         if len(ids) >= max_len:
@@ -389,12 +398,24 @@ class LLMEngine:
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = prompt_token_ids
+        so = params.structured_outputs
+        gate = None  # set on the children: the caller's params may be shared by prompts
+        if (
+            so is not None
+            and so._reasoning_gate is None
+            and self.reasoning_parser is not None
+            and not self.vllm_config.structured_outputs_config.enable_in_reasoning
+        ):
+            gate = reasoning_gate(self.reasoning_parser, ids)
         arrival_time = arrival_time if arrival_time is not None else time.time()
         children: dict[str, ChildState] = {}
         requests = []
         for i in range(params.n):
             child_params = params.clone()
             child_params.n = 1
+            if gate is not None:
+                assert child_params.structured_outputs is not None
+                child_params.structured_outputs._reasoning_gate = gate
             child_params.update_from_tokenizer(self.eos_token_id)
             child_params.update_from_generation_config(self.generation_config, self.eos_token_id)
             if params.seed is not None:

@@ -335,12 +335,16 @@ class MultiprocExecutor(DistributedExecutorBase):
                     continue
                 self._died(dead)
 
-    def _send_all(self, method: str, *args: Any) -> None:
+    def _send_all(self, method: str, *args: Any, later_stages: tuple | None = None) -> None:
+        """Send (method, args) to every worker; later_stages: other args for the workers of
+        the stages after the first."""
         self._check_alive()
         data = pickle.dumps((method, args))
+        rest = data if later_stages is None else pickle.dumps((method, later_stages))
+        first_stage = self.parallel_config.tensor_parallel_size
         for r, c in enumerate(self._conns):
             try:
-                c.send_bytes(data)
+                c.send_bytes(data if r < first_stage else rest)
             except (BrokenPipeError, OSError) as e:
                 self._fail(f"{self.parallel_config.describe_rank(r)} is unreachable: {e}")
 
@@ -362,7 +366,10 @@ class MultiprocExecutor(DistributedExecutorBase):
         self.collective_rpc("initialize_kv_cache", num_blocks)
 
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> None:
-        self._send_all("execute_model", scheduler_output)
+        # Pixel values go to the first stage only (the one that runs the encoder).
+        rest = scheduler_output.without_pixel_values()
+        later = None if rest is scheduler_output else (rest,)
+        self._send_all("execute_model", scheduler_output, later_stages=later)
         self._inflight += 1
 
     def get_output(self) -> ModelRunnerOutput:

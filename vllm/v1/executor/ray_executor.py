@@ -165,10 +165,11 @@ class RayExecutor(DistributedExecutorBase):
             self.shutdown()
             raise
         logger.info(
-            "started %d worker actors on Ray (TP %d x PP %d)",
+            "started %d worker actors on Ray (TP %d x PP %d; pids %s)",
             P,
             pc.tensor_parallel_size,
             pc.pipeline_parallel_size,
+            self.worker_pids,
         )
 
     @property
@@ -273,7 +274,14 @@ class RayExecutor(DistributedExecutorBase):
     def execute_model_async(self, scheduler_output: SchedulerOutput) -> None:
         self._check_alive()
         so_ref = self._ray.put(scheduler_output)
-        refs = [a.execute_model.remote(so_ref) for a in self.actors]
+        # Pixel values go to the first stage only (the one that runs the encoder).
+        rest = scheduler_output.without_pixel_values()
+        rest_ref = so_ref if rest is scheduler_output else self._ray.put(rest)
+        first_stage = self.parallel_config.tensor_parallel_size
+        refs = [
+            a.execute_model.remote(so_ref if r < first_stage else rest_ref)
+            for r, a in enumerate(self.actors)
+        ]
         self._rank_of.update({r: i for i, r in enumerate(refs)})
         self._inflight.append(refs)
 

@@ -52,6 +52,9 @@ class Worker:
         self.model_runner: ModelRunner | None = None
         # Stage-to-stage sends not reaped yet; at most one per batch in flight (world_size).
         self._pending_sends: deque[PendingSend] = deque()
+        # The VLLM_TEST_FAULT_RAISE test hook (None: off) and its step count.
+        self._fault: tuple[int, str, int] | None = envs.VLLM_TEST_FAULT_RAISE
+        self._fault_steps = 0
         # Seconds spent in stage-to-stage transfers (see comm_stats).
         self._comm = {
             "steps": 0,
@@ -133,6 +136,8 @@ class Worker:
     def execute_model(self, so: SchedulerOutput, intermediate_tensors=None):
         """Run this stage. P > 1: non-first stages receive IntermediateTensors from the previous
         stage, non-last stages send theirs on (non-blocking) and return None."""
+        if self._fault is not None:
+            self._maybe_fail(so)
         if self.world_size == 1:
             self._comm["steps"] += 1
             return self._runner().execute_model(so, intermediate_tensors)
@@ -151,6 +156,16 @@ class Worker:
             self._pending_sends.append(send_tensor_dict(out.tensors, pp.next_rank))
             self._comm["send_s"] += time.perf_counter() - t0
         return None
+
+    def _maybe_fail(self, so: SchedulerOutput) -> None:
+        """The VLLM_TEST_FAULT_RAISE test hook: raise as a failing forward would."""
+        assert self._fault is not None
+        rank, marker, n = self._fault
+        if rank != self.rank or not any(marker in rid for rid in so.num_scheduled_tokens):
+            return
+        self._fault_steps += 1
+        if self._fault_steps == n:
+            raise RuntimeError(f"injected fault in the forward (VLLM_TEST_FAULT_RAISE={marker})")
 
     def _reap_sends(self, keep: int) -> None:
         """Free the tensors of sends the next stage has taken, keeping at most `keep` posted.
@@ -200,6 +215,7 @@ class Worker:
             broadcast_wait_s=bcast,
             tp_comm_s=tp.comm_s,
             tp_collectives=tp.num_collectives,
+            mm_pixel_bytes=(self.model_runner.mm.pixel_bytes_received if self.model_runner else 0),
         )
 
     def check_health(self) -> bool:

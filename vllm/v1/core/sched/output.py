@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from vllm.multimodal.inputs import MultiModalInputs
@@ -49,6 +50,22 @@ class SchedulerOutput:
     num_draft_steps: int | None = None
     """The most drafts any request of this step verifies next step (its proposer may skip the
     draft steps after them); None: num_speculative_tokens."""
+
+    def without_pixel_values(self) -> SchedulerOutput:
+        """What a pipeline stage after the first receives: the same step, its new requests'
+        images without pixel values (only the first stage runs the encoder; later stages need
+        the placeholder runs and M-RoPE positions alone). Self when no image has any."""
+        if not any(
+            d.mm_inputs is not None and d.mm_inputs.pixel_bytes for d in self.scheduled_new_reqs
+        ):
+            return self
+        new = [
+            d
+            if d.mm_inputs is None
+            else dataclasses.replace(d, mm_inputs=d.mm_inputs.without_pixel_values())
+            for d in self.scheduled_new_reqs
+        ]
+        return dataclasses.replace(self, scheduled_new_reqs=new)
 
     @property
     def req_ids(self) -> list[str]:

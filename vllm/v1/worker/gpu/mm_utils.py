@@ -23,10 +23,13 @@ class MultiModalRunnerState:
         # Encoder outputs by image content hash, and the requests holding each.
         self.encoder_cache: dict[str, torch.Tensor] = {}
         self._holders: dict[str, set[str]] = {}
+        # Pixel-value bytes this stage received (stages after the first receive none).
+        self.pixel_bytes_received = 0
 
     def add(self, req_id: str, mm: MultiModalInputs | None) -> None:
         if mm is not None:
             self.inputs[req_id] = mm
+            self.pixel_bytes_received += mm.pixel_bytes
 
     def remove(self, req_id: str) -> None:
         mm = self.inputs.pop(req_id, None)
@@ -84,7 +87,11 @@ class MultiModalRunnerState:
         if not todo:
             return
         feats = list(todo.values())
-        pixels = torch.from_numpy(np.concatenate([f.pixel_values for f in feats])).to(self.device)
+        if any(f.pixel_values is None for f in feats):
+            raise RuntimeError("an image reached a stage without its pixel values")
+        pixels = torch.from_numpy(
+            np.concatenate([f.pixel_values for f in feats if f.pixel_values is not None])
+        ).to(self.device)
         outs = model.embed_multimodal(pixels, [f.grid_thw for f in feats])
         for f, out in zip(feats, outs):
             if out.shape[0] != f.length:

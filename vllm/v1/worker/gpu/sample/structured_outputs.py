@@ -15,7 +15,15 @@ Drafting for such requests (speculative_config.grammar_aware_drafting, on by def
   forbids (counted in num_forbidden_drafts), so no forbidden draft is ever verified;
 - where the grammar forces the next tokens (a JSON key, a closing brace: jump-forward), those
   tokens are the drafts; the verify pass checks them like any other draft, so the model's KV is
-  written for them and the output is the model's own."""
+  written for them and the output is the model's own;
+- rows still inside their reasoning are not constrained while drafting.
+
+With a reasoning parser the grammar starts after the reasoning (vLLM's enable_in_reasoning
+False): a request's rows are left open while its history (outputs, plus the drafts before the
+row) is inside the reasoning, and the first row after the end marker is masked by the grammar's
+start state; the end marker itself never reaches the matcher. A draft step that crosses the end
+marker is masked exactly as the same tokens one step at a time would be, so speculation stays
+lossless."""
 
 from __future__ import annotations
 
@@ -98,6 +106,8 @@ class StructuredOutputStates:
         self.num_forbidden_drafts = 0
         self.num_jump_forward_tokens = 0
         self.num_masked_draft_rows = 0  # draft positions a draft model chose under a mask
+        # Slots still inside their reasoning -> the end marker's token id (see the gate).
+        self.reasoning: dict[int, int] = {}
 
     @property
     def backend(self) -> XgrammarBackend:
@@ -107,16 +117,34 @@ class StructuredOutputStates:
 
     def add(self, slot: int, params: SamplingParams, output_token_ids: list[int]) -> None:
         """A request entering the batch; a resumed one replays the outputs it already has."""
-        self.matchers.pop(slot, None)
-        if params.structured_outputs is None:
+        self.remove(slot)
+        so = params.structured_outputs
+        if so is None:
             return
-        m = self.backend.new_matcher(params.structured_outputs)
-        for t in output_token_ids:
-            m.accept_token(int(t))
+        m = self.backend.new_matcher(so)
         self.matchers[slot] = m
+        gate = so._reasoning_gate
+        if gate is not None and not gate[2]:
+            self.reasoning[slot] = gate[1]
+        self._advance(slot, [int(t) for t in output_token_ids])
 
     def remove(self, slot: int) -> None:
         self.matchers.pop(slot, None)
+        self.reasoning.pop(slot, None)
+
+    def _advance(self, slot: int, tokens: list[int]) -> None:
+        """The request emitted tokens: the end marker ends its reasoning, the tokens after it
+        advance the grammar."""
+        m = self.matchers[slot]
+        for t in tokens:
+            end = self.reasoning.get(slot)
+            if end is not None:
+                if t == end:
+                    del self.reasoning[slot]
+                continue
+            if m.is_terminated():
+                break
+            m.accept_token(t)
 
     def apply_bitmasks(
         self, logits: torch.Tensor, row_slots: np.ndarray, row_inputs: np.ndarray
@@ -137,14 +165,23 @@ class StructuredOutputStates:
         masked: list[int] = []
         for s, rows in rows_of.items():
             m = self.matchers[s]
-            if m.is_terminated():
-                continue  # only a stop token was left; nothing to constrain
+            end = self.reasoning.get(s)  # None: the grammar applies from row 0
             accepted = 0
             for j, row in enumerate(rows):
-                m.fill_next_token_bitmask(bitmask, row)
-                masked.append(row)
-                if j + 1 == len(rows) or not m.accept_token(int(row_inputs[rows[j + 1]])):
-                    break  # the last row, or a forbidden draft: the rows after are not emitted
+                if end is None:
+                    if m.is_terminated():
+                        break  # only a stop token was left; nothing to constrain
+                    m.fill_next_token_bitmask(bitmask, row)
+                    masked.append(row)
+                if j + 1 == len(rows):
+                    break
+                draft = int(row_inputs[rows[j + 1]])
+                if end is not None:
+                    if draft == end:
+                        end = None  # the rows after the end marker follow the grammar
+                    continue
+                if not m.accept_token(draft):
+                    break  # a forbidden draft: the rows after it are not emitted
                 accepted += 1
                 if m.is_terminated():
                     break  # a drafted stop token: nothing after it is emitted
@@ -158,9 +195,17 @@ class StructuredOutputStates:
 
     def draft_grammar(self, slots: np.ndarray) -> DraftGrammar | None:
         """Forks for the rows of a batch (request-state slots), or None without grammars."""
-        if not self.matchers or not any(int(s) in self.matchers for s in slots.tolist()):
+        rows = [self._draft_matcher(int(s)) for s in slots.tolist()]
+        if not any(m is not None for m in rows):
             return None
-        return DraftGrammar([self.matchers.get(int(s)) for s in slots.tolist()], self.vocab_size)
+        return DraftGrammar(rows, self.vocab_size)
+
+    def _draft_matcher(self, slot: int) -> Any | None:
+        """The matcher drafts of this slot follow (None: unconstrained - no grammar, or still
+        inside the reasoning, where the grammar does not apply yet)."""
+        if slot in self.reasoning:
+            return None
+        return self.matchers.get(slot)
 
     def constrain_drafts(self, drafts: np.ndarray, slots: np.ndarray, jump_forward: bool) -> None:
         """Drafts [R, K] of the batch rows (request-state slots), in place, for the grammar
@@ -171,7 +216,7 @@ class StructuredOutputStates:
 
         K = drafts.shape[1]
         for i, s in enumerate(slots.tolist()):
-            m = self.matchers.get(int(s))
+            m = self._draft_matcher(int(s))
             if m is None or m.is_terminated():
                 continue
             if jump_forward:
@@ -200,10 +245,5 @@ class StructuredOutputStates:
         if not self.matchers:
             return
         for i, s in enumerate(slots.tolist()):
-            m = self.matchers.get(s)
-            if m is None:
-                continue
-            for t in sampled[i, : int(num_sampled[i])].tolist():
-                if m.is_terminated():
-                    break
-                m.accept_token(int(t))
+            if s in self.matchers:
+                self._advance(s, [int(t) for t in sampled[i, : int(num_sampled[i])].tolist()])
