@@ -41,9 +41,12 @@ def server(tmp_path_factory):
     spec = json.dumps(
         {"method": "mtp", "num_speculative_tokens": 2, "adaptive_num_speculative_tokens": False}
     )
+    # JSON without free whitespace for every request (the tiny model would otherwise fill
+    # max_tokens with it), set through vLLM's dotted config flag.
     args = [
         "--served-model-name", NAME, "--max-model-len", "256", "-pp", "2",
         "--speculative-config", spec, "--disable-uvicorn-access-log",
+        "--structured-outputs-config.disable_any_whitespace", "true",
     ]  # fmt: skip
     log = tmp_path_factory.mktemp("serve_so") / "server.log"
     with RemoteServer(str(DEFAULT_MODEL_DIR), args, log) as srv:
@@ -59,7 +62,11 @@ def client(server) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def offline() -> dict[str, str]:
     """The same grammars offline, P = 1, no speculation (greedy)."""
-    llm = LLM(model=str(DEFAULT_MODEL_DIR), max_model_len=256)
+    llm = LLM(
+        model=str(DEFAULT_MODEL_DIR),
+        max_model_len=256,
+        structured_outputs_config={"disable_any_whitespace": True},
+    )
     try:
         out = {}
         for key, so, n in [
