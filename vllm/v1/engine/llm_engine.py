@@ -23,7 +23,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.output_processor import ChildState, OutputProcessor, RequestState
 from vllm.v1.engine.warmup import measure_step_costs, warm_up
 from vllm.v1.executor.abstract import Executor
-from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger, StatsRelay
 from vllm.v1.metrics.reader import Metric, get_metrics_snapshot
 from vllm.v1.metrics.stats import IterationStats
 from vllm.v1.request import Request, RequestStatus
@@ -103,8 +103,12 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
         raise ValueError(f"could not load a tokenizer from {path!r}: {e}") from e
 
 
-class LLMEngine:
-    def __init__(self, vllm_config: VllmConfig) -> None:
+class EngineInputs:
+    """What an engine front does before a request reaches a scheduler: tokenise and check the
+    prompt, check the request against the configuration, draw unseeded requests' seeds. The
+    in-process LLMEngine and the data-parallel front end (DPEngine) share it."""
+
+    def _init_inputs(self, vllm_config: VllmConfig) -> None:
         self.vllm_config = vllm_config
         mc = vllm_config.model_config
         self.model_config = mc
@@ -129,65 +133,75 @@ class LLMEngine:
                 # Text prompts still run; a prompt with images is refused with this reason.
                 logger.warning("%s; prompts with images will be refused", e)
                 self._mm_unavailable = str(e)
-        self.executor = Executor.get_class(vllm_config)(vllm_config)
-        try:
-            num_blocks = self.executor.determine_num_blocks()
-            override = vllm_config.cache_config.num_gpu_blocks_override
-            if override is not None:
-                logger.info(
-                    "Overriding num_gpu_blocks=%d with num_gpu_blocks_override=%d",
-                    num_blocks,
-                    override,
-                )
-                num_blocks = override
-            check_kv_cache_fits(vllm_config, num_blocks)
-            self.executor.initialize_kv_cache(num_blocks)
-            warm_up(vllm_config, self.executor, num_blocks, num_state_slots(vllm_config))
-            step_costs = measure_step_costs(
-                vllm_config, self.executor, num_blocks, num_state_slots(vllm_config)
-            )
-            self.executor.collective_rpc("end_warm_up")
-        except BaseException:
-            self.executor.shutdown()
-            raise
-        bs = vllm_config.cache_config.block_size
-        vllm_config.cache_config.num_gpu_blocks = num_blocks
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens); max concurrency at max_model_len=%d: "
-            "%.1f",
-            num_blocks,
-            bs,
-            num_blocks * bs,
-            mc.max_model_len,
-            num_blocks * bs / mc.max_model_len,
-        )
-        self.scheduler = Scheduler(
-            vllm_config, num_blocks, num_state_slots(vllm_config), step_costs=step_costs
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.generation_config = mc.try_get_generation_config()
         self.priority_policy = vllm_config.scheduler_config.policy == "priority"
         self._rng = random.Random(mc.seed)
         self.max_prompt_bytes = prompt_byte_limit(self.tokenizer, mc.max_model_len)
-        k = vllm_config.num_speculative_tokens
-        self.prom = PrometheusStatLogger(
-            mc.served_model_names[0],
-            k,
-            max_model_len=mc.max_model_len,
-            cache_config_info={
-                f.name: str(getattr(vllm_config.cache_config, f.name))
-                for f in dataclasses.fields(vllm_config.cache_config)
-            },
-        )
-        self.log_stats = not vllm_config.disable_log_stats
-        self.stat_logger = LoggingStatLogger(k) if self.log_stats else None
         self._req_counter = 0
-        self._batch_queue: deque = deque()  # steps in flight (pipeline parallelism)
 
-    @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
-        return cls(engine_args.create_engine_config())
+    def _check_fits(self, num_prompt_tokens: int) -> None:
+        """Refuse a prompt whose KV cache needs exceed the whole cache."""
+        raise NotImplementedError
+
+    def add_processed_request(
+        self,
+        request_id: str,
+        text: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        mm_inputs: MultiModalInputs | None = None,
+    ) -> None:
+        raise NotImplementedError
+
+    # What AsyncLLM and LLM drive (LLMEngine and the data-parallel DPEngine implement it).
+    raise_failures = True
+    """False: requests that fail alone (a data-parallel replica died) are handed out by
+    pop_failures() instead of raised by step()."""
+
+    def step(self) -> list[RequestOutput]:
+        raise NotImplementedError
+
+    def has_unfinished_requests(self) -> bool:
+        raise NotImplementedError
+
+    def get_num_unfinished_requests(self) -> int:
+        raise NotImplementedError
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        raise NotImplementedError
+
+    def reset_prefix_cache(self) -> bool:
+        raise NotImplementedError
+
+    def get_metrics(self) -> list[Metric]:
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def registry(self) -> Any:
+        """The prometheus_client registry the engine's metrics live in."""
+        raise NotImplementedError
+
+    def pop_failures(self) -> list[tuple[str, BaseException]]:
+        """Requests that failed on their own since the last call (none for one engine)."""
+        return []
+
+    def wakeup(self) -> None:
+        """Make a step() that waits for work return early (nothing to do for one engine)."""
+
+    def draw_seeds(self, n: int) -> list[int]:
+        """Seeds of an unseeded request's n completions, from the engine's seeded generator
+        (in request order: a data-parallel front end draws them as one engine would)."""
+        return [self._rng.getrandbits(62) for _ in range(n)]
 
     # ---- inputs -------------------------------------------------------------------------
     def check_prompt_text(self, text: str) -> None:
@@ -275,12 +289,7 @@ class LLMEngine:
                 f"The decoder prompt (length {len(ids)}) is longer than the maximum model "
                 f"length of {max_len} (it must leave room for at least one output token)"
             )
-        if not self.scheduler.kv_cache_manager.can_ever_fit(len(ids) + 1):
-            raise ValueError(
-                f"the prompt of {len(ids)} tokens can never fit in the KV cache "
-                f"({self.scheduler.kv_cache_manager.num_blocks} blocks of "
-                f"{self.scheduler.block_size} tokens)"
-            )
+        self._check_fits(len(ids))
         return text, ids, mm
 
     def add_request(
@@ -380,6 +389,116 @@ class LLMEngine:
         text, ids, mm = self.process_prompt_mm(prompt)
         return text, ids, cache_salt, mm
 
+    @staticmethod
+    def _cache_salt(prompt: PromptType) -> str | None:
+        """A dict prompt's optional cache_salt: only requests with the same salt share cached
+        prefix blocks (what keeps tenants from probing each other's prompts)."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise TypeError(f"cache_salt must be a non-empty string, got {salt!r}")
+        return salt
+
+    def next_request_id(self) -> str:
+        self._req_counter += 1
+        return str(self._req_counter - 1)
+
+
+def create_engine(vllm_config: VllmConfig) -> EngineInputs:
+    """The engine a configuration asks for: one in-process LLMEngine, or a data-parallel
+    front end over replica engines (same interface)."""
+    if vllm_config.parallel_config.uses_dp_front_end:
+        from vllm.v1.engine.dp_engine import DPEngine
+
+        return DPEngine(vllm_config)
+    return LLMEngine(vllm_config)
+
+
+class LLMEngine(EngineInputs):
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self._init_inputs(vllm_config)
+        mc = self.model_config
+        assert mc.max_model_len is not None
+        self.executor = Executor.get_class(vllm_config)(vllm_config)
+        try:
+            num_blocks = self.executor.determine_num_blocks()
+            override = vllm_config.cache_config.num_gpu_blocks_override
+            if override is not None:
+                logger.info(
+                    "Overriding num_gpu_blocks=%d with num_gpu_blocks_override=%d",
+                    num_blocks,
+                    override,
+                )
+                num_blocks = override
+            check_kv_cache_fits(vllm_config, num_blocks)
+            self.executor.initialize_kv_cache(num_blocks)
+            warm_up(vllm_config, self.executor, num_blocks, num_state_slots(vllm_config))
+            step_costs = measure_step_costs(
+                vllm_config, self.executor, num_blocks, num_state_slots(vllm_config)
+            )
+            self.executor.collective_rpc("end_warm_up")
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        bs = vllm_config.cache_config.block_size
+        vllm_config.cache_config.num_gpu_blocks = num_blocks
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens); max concurrency at max_model_len=%d: "
+            "%.1f",
+            num_blocks,
+            bs,
+            num_blocks * bs,
+            mc.max_model_len,
+            num_blocks * bs / mc.max_model_len,
+        )
+        self.scheduler = Scheduler(
+            vllm_config, num_blocks, num_state_slots(vllm_config), step_costs=step_costs
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        k = vllm_config.num_speculative_tokens
+        self.prom = PrometheusStatLogger(
+            mc.served_model_names[0],
+            k,
+            max_model_len=mc.max_model_len,
+            cache_config_info={
+                f.name: str(getattr(vllm_config.cache_config, f.name))
+                for f in dataclasses.fields(vllm_config.cache_config)
+            },
+        )
+        self.log_stats = not vllm_config.disable_log_stats
+        self.stat_logger: LoggingStatLogger | None = (
+            LoggingStatLogger(k) if self.log_stats else None
+        )
+        self._batch_queue: deque = deque()  # steps in flight (pipeline parallelism)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
+
+    def _check_fits(self, num_prompt_tokens: int) -> None:
+        kv = self.scheduler.kv_cache_manager
+        if not kv.can_ever_fit(num_prompt_tokens + 1):
+            raise ValueError(
+                f"the prompt of {num_prompt_tokens} tokens can never fit in the KV cache "
+                f"({kv.num_blocks} blocks of {self.scheduler.block_size} tokens)"
+            )
+
+    def relay_stats(self) -> StatsRelay:
+        """Run as a data-parallel replica: statistics are kept for the front end (which
+        records them under this replica's `engine` label and logs them) instead of being
+        recorded and logged here."""
+        relay = StatsRelay()
+        self.prom = relay  # type: ignore[assignment]
+        self.stat_logger = None
+        return relay
+
+    def check_health(self) -> None:
+        """Raise if a worker is dead or hung (the idle liveness check)."""
+        self.executor.check_health()
+
+    @property
+    def registry(self) -> Any:
+        return self.prom.registry
+
     def add_processed_request(
         self,
         request_id: str,
@@ -390,9 +509,12 @@ class LLMEngine:
         cache_salt: str | None = None,
         priority: int = 0,
         mm_inputs: MultiModalInputs | None = None,
+        seeds: list[int] | None = None,
     ) -> None:
         """Add a request whose prompt already went through preprocess (the server does that
-        on a tokenizer thread, so a long prompt never holds up the engine thread)."""
+        on a tokenizer thread, so a long prompt never holds up the engine thread). seeds: the
+        completions' seeds of an unseeded request, drawn by a data-parallel front end (None:
+        drawn here)."""
         params = check_params(params)
         self.check_request(params, priority)
         if request_id in self.output_processor.requests:
@@ -420,8 +542,10 @@ class LLMEngine:
             child_params.update_from_generation_config(self.generation_config, self.eos_token_id)
             if params.seed is not None:
                 seed = child_seed(params.seed, i)
+            elif seeds is not None:
+                seed = seeds[i]
             else:
-                seed = self._rng.getrandbits(62)
+                (seed,) = self.draw_seeds(1)
             cid = request_id if params.n == 1 else f"{i}_{request_id}"
             children[cid] = ChildState(i, child_params)
             requests.append(
@@ -432,15 +556,6 @@ class LLMEngine:
         )
         for r in requests:
             self.scheduler.add_request(r)
-
-    @staticmethod
-    def _cache_salt(prompt: PromptType) -> str | None:
-        """A dict prompt's optional cache_salt: only requests with the same salt share cached
-        prefix blocks (what keeps tenants from probing each other's prompts)."""
-        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        if salt is not None and (not isinstance(salt, str) or not salt):
-            raise TypeError(f"cache_salt must be a non-empty string, got {salt!r}")
-        return salt
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (nothing changes) while requests hold KV blocks."""
@@ -468,10 +583,6 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.requests)
-
-    def next_request_id(self) -> str:
-        self._req_counter += 1
-        return str(self._req_counter - 1)
 
     # ---- one step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

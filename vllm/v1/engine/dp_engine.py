@@ -1,0 +1,732 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""DPEngine: the front end of data parallelism - N engine replicas (dp_replica.py), each a
+whole LLMEngine with its own scheduler, KV cache and TP x PP workers, behind one LLMEngine-like
+interface, so `LLM` and `AsyncLLM` (and so `vllm serve`) drive it unchanged.
+
+- Inputs are tokenised and checked here (EngineInputs), and unseeded requests get their seeds
+  here, drawn in request order exactly as one engine would: outputs do not depend on the
+  number of replicas or on which replica ran a request.
+- Routing (LoadBalancer): each request goes to the live replica with the fewest outstanding
+  tokens (prompt tokens not yet answered plus output tokens still allowed, over its queued and
+  running requests), unless a replica that served the same prompt prefix (full KV blocks,
+  chained hashes salted by cache_salt) is within the tokens its cache would save.
+- Statistics: every replica relays its step statistics; they are recorded here under the
+  replica's `engine` label (vLLM's), and get_metrics() adds their sum over replicas.
+- Failure: a replica that dies (its process or actor, or its engine failing on a dead worker)
+  is named in the log; each of its requests that has not delivered any output yet is sent
+  once to another live replica, the others fail with ReplicaDeadError naming the replica;
+  the other replicas keep serving. Only when no replica is left does the engine fail.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import secrets
+import threading
+import time
+import weakref
+from multiprocessing import connection as mp_connection
+from typing import Any
+
+from vllm import envs
+from vllm.config import VllmConfig
+from vllm.config.parallel import describe_replica
+from vllm.logger import init_logger
+from vllm.multimodal.inputs import MultiModalInputs
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine.async_llm import EngineDeadError
+from vllm.v1.engine.llm_engine import EngineInputs, check_params
+from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+from vllm.v1.metrics.reader import Metric, get_metrics_snapshot, sum_over_engines
+
+logger = init_logger(__name__)
+
+_WAIT_S = 1.0  # longest a step waits for a replica (then the caller's loop checks in)
+_JOIN_S = 10.0  # a replica's orderly exit at shutdown, before it is killed
+_PREFIX_ENTRIES = 1 << 16  # prefix-block hashes the router remembers (LRU)
+
+
+class ReplicaDeadError(EngineDeadError):
+    """The data-parallel replica a request ran on died; other replicas keep serving."""
+
+
+# ---- routing ----------------------------------------------------------------------------------
+class LoadBalancer:
+    """Picks a replica per request: fewest outstanding tokens, with prefix affinity.
+
+    Pure bookkeeping (no I/O), so it is tested on its own. `load[r]` is the outstanding
+    tokens of replica r; the caller adds a request's cost when routing it and takes off its
+    progress as outputs arrive."""
+
+    def __init__(self, num_replicas: int, block_size: int) -> None:
+        self.load = [0] * num_replicas
+        self.alive = [True] * num_replicas
+        self.block_size = block_size
+        self._prefix: collections.OrderedDict[int, int] = collections.OrderedDict()
+
+    def block_hashes(self, token_ids: list[int], cache_salt: str | None) -> list[int]:
+        """Chained hashes of the prompt's full blocks (salted: only equal salts match)."""
+        out = []
+        h = hash(("vllm-dp", cache_salt))
+        b = self.block_size
+        for i in range(len(token_ids) // b):
+            h = hash((h, tuple(token_ids[i * b : (i + 1) * b])))
+            out.append(h)
+        return out
+
+    def choose(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        live = [r for r, a in enumerate(self.alive) if a]
+        if not live:
+            raise EngineDeadError("no data-parallel replica is alive")
+        least = min(live, key=lambda r: (self.load[r], r))
+        hashes = self.block_hashes(token_ids, cache_salt)
+        choice = least
+        # The longest cached prefix on a live replica: worth going there while the replica is
+        # no busier than the least loaded by more than the prefill its cache saves.
+        for n in range(len(hashes), 0, -1):
+            r = self._prefix.get(hashes[n - 1])
+            if r is not None and self.alive[r]:
+                if self.load[r] <= self.load[least] + n * self.block_size:
+                    choice = r
+                break
+        for h in hashes:
+            self._prefix[h] = choice
+            self._prefix.move_to_end(h)
+        while len(self._prefix) > _PREFIX_ENTRIES:
+            self._prefix.popitem(last=False)
+        return choice
+
+    def mark_dead(self, replica: int) -> None:
+        self.alive[replica] = False
+        self.load[replica] = 0
+
+
+@dataclasses.dataclass
+class _Tracked:
+    """A request the front end routed: where it runs and what re-sending it takes."""
+
+    replica: int
+    kwargs: dict[str, Any]  # add_processed_request's arguments (to retry it elsewhere)
+    cost: int  # outstanding tokens when routed: n x (prompt + allowed output tokens)
+    prompt_tokens: int
+    done: int = 0  # tokens of progress taken off the replica's load
+    delivered: bool = False  # an output reached the caller
+    retried: bool = False
+    outputs: dict[int, int] = dataclasses.field(default_factory=dict)  # index -> tokens
+
+
+# ---- replicas ---------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Replica:
+    """The front end's handle on one replica."""
+
+    rank: int
+    conn: Any = None
+    process: Any = None  # mp backend
+    actor: Any = None  # ray backend
+    run_ref: Any = None  # ray: the actor's run() call (ends when the replica does)
+    pg: Any = None  # ray: the replica's placement group
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    alive: bool = False
+    error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return describe_replica(self.rank)
+
+
+def _stop_replicas(state: dict[str, Any]) -> None:
+    """Ask every replica to stop, then end whatever is still running: processes, actors,
+    placement groups, and the local Ray this front end started."""
+    replicas: list[Replica] = state["replicas"]
+    for r in replicas:
+        if r.conn is not None:
+            try:
+                r.conn.send(("shutdown",))
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+    deadline = time.monotonic() + _JOIN_S
+    for r in replicas:
+        if r.process is not None:
+            r.process.join(max(0.0, deadline - time.monotonic()))
+    refs = [r.run_ref for r in replicas if r.run_ref is not None]
+    if refs:
+        import ray
+
+        if ray.is_initialized():
+            try:
+                ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - Ray is going away
+                pass
+    for r in replicas:
+        if r.process is not None and r.process.is_alive():
+            r.process.kill()
+            r.process.join(5.0)
+        if r.conn is not None:
+            try:
+                r.conn.close()
+            except OSError:
+                pass
+            r.conn = None
+        r.alive = False
+    if any(r.actor is not None or r.pg is not None for r in replicas) or state.get("started_ray"):
+        import ray
+
+        if ray.is_initialized():
+            from ray.util.placement_group import remove_placement_group
+
+            for r in replicas:
+                if r.actor is not None:
+                    try:
+                        ray.kill(r.actor, no_restart=True)
+                    except Exception:  # noqa: BLE001 - already dead
+                        pass
+                    r.actor = None
+                if r.pg is not None:
+                    try:
+                        remove_placement_group(r.pg)
+                    except Exception:  # noqa: BLE001 - freed with the cluster
+                        pass
+                    r.pg = None
+            if state.get("started_ray"):
+                ray.shutdown()
+                state["started_ray"] = False
+    listener = state.get("listener")
+    if listener is not None:
+        try:
+            listener.close()
+        except OSError:
+            pass
+        state["listener"] = None
+
+
+class DPEngine(EngineInputs):
+    """N replica engines behind one LLMEngine-like interface (see the module docstring)."""
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self._init_inputs(vllm_config)
+        pc = vllm_config.parallel_config
+        mc = self.model_config
+        assert mc.max_model_len is not None
+        self.num_replicas = pc.data_parallel_size
+        k = vllm_config.num_speculative_tokens
+        self.prom = PrometheusStatLogger(
+            mc.served_model_names[0],
+            k,
+            max_model_len=mc.max_model_len,
+            cache_config_info={
+                f.name: str(getattr(vllm_config.cache_config, f.name))
+                for f in dataclasses.fields(vllm_config.cache_config)
+            },
+            engine_indexes=list(range(self.num_replicas)),
+        )
+        self.stat_loggers: list[LoggingStatLogger] | None = None
+        if not vllm_config.disable_log_stats:
+            self.stat_loggers = [
+                LoggingStatLogger(k, prefix=f"Engine {i:03d}: ") for i in range(self.num_replicas)
+            ]
+        self.raise_failures = True  # LLM: step() raises; AsyncLLM reads pop_failures()
+        self._requests: dict[str, _Tracked] = {}
+        self._pending: list[RequestOutput] = []
+        self._failures: list[tuple[str, BaseException]] = []
+        self._replies: dict[int, dict[int, Any]] = {}
+        self._call_id = 0
+        self._closed = False
+        self._wake_r, self._wake_w = mp_connection.Pipe(duplex=False)
+        self.replicas = [Replica(i) for i in range(self.num_replicas)]
+        self._state: dict[str, Any] = {"replicas": self.replicas, "started_ray": False}
+        self._finalizer = weakref.finalize(self, _stop_replicas, self._state)
+        self.backend = pc.data_parallel_backend or "mp"
+        try:
+            if self.backend == "ray":
+                self._start_ray()
+            else:
+                self._start_mp()
+            self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        infos = [r.info for r in self.replicas]
+        self.num_blocks = min(i["num_blocks"] for i in infos)
+        self.block_size = infos[0]["block_size"]
+        vllm_config.cache_config.num_gpu_blocks = self.num_blocks
+        self.balancer = LoadBalancer(self.num_replicas, self.block_size)
+        for r in self.replicas:
+            logger.info(
+                "%s ready: node %s, pid %s, cores %s, workers %s, %d KV blocks",
+                r.name,
+                r.info.get("node_ip"),
+                r.info.get("pid"),
+                r.info.get("cores"),
+                r.info.get("worker_pids"),
+                r.info["num_blocks"],
+            )
+
+    # ---- start-up ---------------------------------------------------------------------------
+    def _replica_config(self, rank: int) -> VllmConfig:
+        cfg = dataclasses.replace(self.vllm_config)
+        cfg.parallel_config = dataclasses.replace(
+            self.vllm_config.parallel_config, data_parallel_rank=rank
+        )
+        return cfg
+
+    def _start_mp(self) -> None:
+        from vllm.v1.engine.dp_replica import replica_process_main, split_cores, usable_core_ids
+        from vllm.v1.executor.multiproc_executor import _mp_context
+
+        ctx = _mp_context(self.vllm_config)
+        cores = split_cores(self.num_replicas, usable_core_ids())
+        env = envs.vllm_env()
+        for r in self.replicas:
+            parent, child = ctx.Pipe(duplex=True)
+            # Not a daemon: a replica starts its own worker processes (TP x PP > 1).
+            proc = ctx.Process(
+                target=replica_process_main,
+                args=(child, self._replica_config(r.rank), cores[r.rank], env),
+                name=f"VllmDPReplica-{r.rank}",
+                daemon=False,
+            )
+            proc.start()
+            child.close()
+            r.process, r.conn, r.alive = proc, parent, True
+
+    def _start_ray(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from vllm.v1.engine.dp_replica import RayReplica, split_cores
+        from vllm.v1.executor import ray_utils
+
+        pc = self.vllm_config.parallel_config
+        use_gpu = self.vllm_config.device_config.device.startswith("cuda")
+        cpus = ray_utils.per_worker_cpus()
+        ray_workers = pc.distributed_executor_backend == "ray"
+        if ray_workers:
+            bundles = ray_utils.stage_bundles(pc, use_gpu)
+        else:  # one worker, in the replica's own actor
+            bundles = [{"CPU": cpus, **({"GPU": 1.0} if use_gpu else {})}]
+        self._state["started_ray"] = ray_utils.ensure_ray(
+            self.num_replicas * sum(b["CPU"] for b in bundles)
+        )
+        ray_utils.check_placement_feasible([(r.name, bundles) for r in self.replicas])
+        address = (
+            pc.data_parallel_address or ray_utils.node_ip(),
+            pc.data_parallel_rpc_port or 0,
+        )
+        authkey = secrets.token_bytes(32)
+        listener = mp_connection.Listener(address, authkey=authkey)
+        self._state["listener"] = listener
+        env = envs.vllm_env()
+        actor_cls = ray.remote(RayReplica)
+        for r in self.replicas:
+            r.pg = ray_utils.create_placement_group([dict(b) for b in bundles], r.name)
+            r.actor = actor_cls.options(
+                name=None,
+                # The replica's own engine (scheduler, and the worker when it has one) holds
+                # the bundle's CPU; with Ray workers they hold it and the replica is light.
+                num_cpus=0 if ray_workers else cpus,
+                num_gpus=0 if ray_workers or not use_gpu else 1,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=r.pg, placement_group_bundle_index=0
+                ),
+            ).remote(env)
+        hosts = ray.get([r.actor.host_info.remote() for r in self.replicas])
+        # Replicas on one physical host (simulated nodes share it) get disjoint cores.
+        by_host: dict[str, list[int]] = {}
+        for r, h in zip(self.replicas, hosts):
+            r.info.update(node_ip=h["node_ip"], node_id=h["node_id"])
+            by_host.setdefault(h["host"], []).append(r.rank)
+        cores: dict[int, list[int] | None] = {}
+        for ranks in by_host.values():
+            want = [0 if ray_workers else max(1, int(-(-cpus // 1)))] * len(ranks)
+            split = split_cores(len(ranks), hosts[ranks[0]]["cores"], want)
+            for rank, c, w in zip(ranks, split, want):
+                cores[rank] = c if w else None
+        for r in self.replicas:
+            r.run_ref = r.actor.run.remote(
+                listener.address, authkey, self._replica_config(r.rank), cores[r.rank]
+            )
+        self._accept(listener)
+
+    def _accept(self, listener: Any) -> None:
+        """Take each Ray replica's connection, watching the actors meanwhile (one that fails
+        before it connects never will)."""
+        import queue
+
+        import ray
+
+        conns: queue.SimpleQueue = queue.SimpleQueue()
+
+        def accept() -> None:
+            for _ in self.replicas:
+                try:
+                    conns.put(listener.accept())
+                except Exception as e:  # noqa: BLE001 - reported below
+                    conns.put(e)
+                    return
+
+        threading.Thread(target=accept, name="dp-accept", daemon=True).start()
+        waiting = {r.rank for r in self.replicas}
+        by_ref = {r.run_ref: r for r in self.replicas}
+        while waiting:
+            try:
+                conn = conns.get(timeout=0.5)
+            except queue.Empty:
+                done, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=0)
+                for ref in done:
+                    r = by_ref[ref]
+                    if r.rank in waiting:
+                        try:
+                            ray.get(ref)
+                            why = "ended before connecting"
+                        except Exception as e:  # noqa: BLE001 - the actor's error
+                            why = f"failed: {_one_line(e)}"
+                        raise RuntimeError(f"{r.name} {why}") from None
+                continue
+            if isinstance(conn, BaseException):
+                raise RuntimeError(f"the data-parallel listener failed: {conn}")
+            hello = conn.recv()
+            rank = hello[1]
+            self.replicas[rank].conn, self.replicas[rank].alive = conn, True
+            waiting.discard(rank)
+
+    def _wait_ready(self) -> None:
+        """Every replica's ("ready", info); any failing to start fails the engine, naming it."""
+        waiting = {r.rank for r in self.replicas}
+        while waiting:
+            conns = {self.replicas[i].conn: self.replicas[i] for i in waiting}
+            for c in mp_connection.wait(list(conns)):
+                r = conns[c]
+                try:
+                    msg = r.conn.recv()
+                except (EOFError, OSError):
+                    raise RuntimeError(
+                        f"{r.name} died while starting{self._exit_detail(r)}"
+                    ) from None
+                if msg[0] == "ready":
+                    r.info.update(msg[1])
+                    waiting.discard(r.rank)
+                elif msg[0] == "dead":
+                    raise RuntimeError(f"{r.name} {msg[1]}")
+
+    def _exit_detail(self, r: Replica) -> str:
+        if r.process is not None:
+            r.process.join(1.0)
+            return f" (pid {r.process.pid}, exit code {r.process.exitcode})"
+        if r.run_ref is not None:
+            import ray
+
+            try:
+                ray.get(r.run_ref, timeout=1.0)
+            except Exception as e:  # noqa: BLE001 - the actor's fate
+                return f" ({_one_line(e)})"
+        return ""
+
+    # ---- requests ---------------------------------------------------------------------------
+    def _check_fits(self, num_prompt_tokens: int) -> None:
+        need = -(-(num_prompt_tokens + 1) // self.block_size)
+        if need > self.num_blocks:
+            raise ValueError(
+                f"the prompt of {num_prompt_tokens} tokens can never fit in the KV cache "
+                f"({self.num_blocks} blocks of {self.block_size} tokens)"
+            )
+
+    def add_processed_request(
+        self,
+        request_id: str,
+        text: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        priority: int = 0,
+        mm_inputs: MultiModalInputs | None = None,
+    ) -> None:
+        params = check_params(params)
+        self.check_request(params, priority)
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._check_alive()
+        kwargs = {
+            "request_id": request_id,
+            "text": text,
+            "prompt_token_ids": list(prompt_token_ids),
+            "params": params,
+            "arrival_time": arrival_time if arrival_time is not None else time.time(),
+            "cache_salt": cache_salt,
+            "priority": priority,
+            "mm_inputs": mm_inputs,
+            # Drawn here, in request order, as one engine draws them.
+            "seeds": self.draw_seeds(params.n) if params.seed is None else None,
+        }
+        max_len = self.model_config.max_model_len
+        assert max_len is not None
+        n_prompt = len(prompt_token_ids)
+        max_out = params.max_tokens if params.max_tokens is not None else max_len - n_prompt
+        cost = params.n * (n_prompt + max(0, max_out))
+        replica = self.balancer.choose(list(prompt_token_ids), cache_salt)
+        self._requests[request_id] = _Tracked(replica, kwargs, cost, n_prompt)
+        self.balancer.load[replica] += cost
+        self._send(replica, ("add", kwargs))
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        by_replica: dict[int, list[str]] = {}
+        for rid in request_ids:
+            t = self._requests.pop(rid, None)
+            if t is None:
+                continue
+            self._release(t)
+            by_replica.setdefault(t.replica, []).append(rid)
+        for replica, ids in by_replica.items():
+            if self.replicas[replica].alive:
+                self._send(replica, ("abort", ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests or self._pending or self._failures)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def reset_prefix_cache(self) -> bool:
+        results = self._call_all("reset_prefix_cache")
+        return all(results)
+
+    def worker_pids(self) -> dict[int, list[int]]:
+        """Per live replica, the pids of its workers (its own pid when it holds its worker)."""
+        live = [r.rank for r in self.replicas if r.alive]
+        return dict(zip(live, self._call_all("worker_pids")))
+
+    # ---- stepping ---------------------------------------------------------------------------
+    def wakeup(self) -> None:
+        """Make a step() waiting for the replicas return now (a new command is queued)."""
+        try:
+            self._wake_w.send_bytes(b"w")
+        except OSError:
+            pass
+
+    def step(self) -> list[RequestOutput]:
+        """Outputs of any replica (waits up to a second for one when none is pending)."""
+        if not (self._pending or self._failures) and self._requests:
+            self._poll(_WAIT_S)
+        elif not self._requests:
+            self._poll(0)
+        return self._take()
+
+    def _take(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        if self.raise_failures and self._failures:
+            _, error = self._failures[0]
+            self._failures = []
+            raise error
+        if not any(r.alive for r in self.replicas) and not self._failures and not outputs:
+            self._check_alive()
+        return outputs
+
+    def pop_failures(self) -> list[tuple[str, BaseException]]:
+        """Requests that failed (their replica died) since the last call."""
+        failures, self._failures = self._failures, []
+        return failures
+
+    def check_health(self) -> None:
+        """Notice replicas that died while idle; raise when none is left."""
+        self._poll(0)
+        self._check_alive()
+
+    def _check_alive(self) -> None:
+        if not any(r.alive for r in self.replicas):
+            why = "; ".join(f"{r.name}: {r.error}" for r in self.replicas if r.error)
+            raise EngineDeadError(f"every data-parallel replica died ({why})")
+
+    def _poll(self, timeout: float) -> None:
+        conns = {r.conn: r for r in self.replicas if r.alive and r.conn is not None}
+        if not conns:
+            return
+        ready = mp_connection.wait([*conns, self._wake_r], timeout=timeout)
+        if self._wake_r in ready:
+            while self._wake_r.poll():
+                self._wake_r.recv_bytes()
+        for c in ready:
+            r = conns.get(c)
+            if r is None:
+                continue
+            try:
+                while r.alive and r.conn is not None and r.conn.poll():
+                    self._handle(r, r.conn.recv())
+            except (EOFError, OSError):
+                self._replica_died(r, f"died unexpectedly{self._exit_detail(r)}")
+
+    def _handle(self, r: Replica, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "out":
+            for out in msg[1]:
+                self._on_output(r, out)
+            for call, args in msg[2]:
+                if call == "record":
+                    stats, num_prompt, num_gen, iteration = args
+                    self.prom.record(stats, num_prompt, num_gen, iteration, engine=r.rank)
+                    if self.stat_loggers is not None and stats is not None:
+                        self.stat_loggers[r.rank].record(stats, num_prompt, num_gen)
+                else:
+                    self.prom.record_iteration(args[0], engine=r.rank)
+        elif kind == "reply":
+            self._replies.setdefault(r.rank, {})[msg[1]] = msg[2]
+        elif kind == "reject":
+            t = self._requests.pop(msg[1], None)
+            if t is not None:
+                self._release(t)
+                self._failures.append((msg[1], ValueError(msg[2])))
+        elif kind == "dead":
+            self._replica_died(r, msg[1])
+
+    def _on_output(self, r: Replica, out: RequestOutput) -> None:
+        t = self._requests.get(out.request_id)
+        if t is None or t.replica != r.rank:
+            return  # aborted, or answered by the replica it was retried away from
+        t.delivered = True
+        kind = t.kwargs["params"].output_kind
+        for c in out.outputs:
+            n = len(c.token_ids)
+            t.outputs[c.index] = (
+                t.outputs.get(c.index, 0) + n if kind == RequestOutputKind.DELTA else n
+            )
+        progress = sum(t.outputs.values()) + t.prompt_tokens * t.kwargs["params"].n
+        step = min(progress, t.cost) - t.done
+        if step > 0:
+            self.balancer.load[r.rank] -= step
+            t.done += step
+        if out.finished:
+            self._requests.pop(out.request_id, None)
+            self._release(t)
+        self._pending.append(out)
+
+    def _release(self, t: _Tracked) -> None:
+        if self.balancer.alive[t.replica]:
+            self.balancer.load[t.replica] -= t.cost - t.done
+        t.done = t.cost
+
+    def _replica_died(self, r: Replica, why: str) -> None:
+        if not r.alive:
+            return
+        r.alive, r.error = False, why
+        self.balancer.mark_dead(r.rank)
+        self.prom.set_idle(r.rank)
+        if r.conn is not None:
+            try:
+                r.conn.close()
+            except OSError:
+                pass
+            r.conn = None
+        retried, failed = [], []
+        for rid, t in list(self._requests.items()):
+            if t.replica != r.rank:
+                continue
+            if not t.delivered and not t.retried and any(x.alive for x in self.replicas):
+                t.retried = True
+                t.replica = self.balancer.choose(
+                    t.kwargs["prompt_token_ids"], t.kwargs["cache_salt"]
+                )
+                t.done = 0
+                t.outputs = {}
+                self.balancer.load[t.replica] += t.cost
+                self._send(t.replica, ("add", t.kwargs))
+                retried.append(rid)
+            else:
+                del self._requests[rid]
+                failed.append(rid)
+                self._failures.append(
+                    (
+                        rid,
+                        ReplicaDeadError(
+                            f"{r.name} died: {why} (request {rid} was running there; the "
+                            "other replicas keep serving)"
+                        ),
+                    )
+                )
+        logger.error(
+            "%s died: %s; %d of its requests retried on other replicas, %d failed; %d "
+            "replicas left",
+            r.name,
+            why,
+            len(retried),
+            len(failed),
+            sum(x.alive for x in self.replicas),
+        )
+
+    def _send(self, replica: int, msg: tuple) -> None:
+        r = self.replicas[replica]
+        try:
+            r.conn.send(msg)
+        except (OSError, AttributeError) as e:
+            self._replica_died(r, f"unreachable ({e})")
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        """Replica.method(*args) on every live replica (rank order); outputs that arrive
+        meanwhile are kept for the next step."""
+        self._call_id += 1
+        cid = self._call_id
+        targets = [r for r in self.replicas if r.alive]
+        for r in targets:
+            self._send(r.rank, ("call", cid, method, args))
+        results = []
+        for r in targets:
+            while r.alive and cid not in self._replies.get(r.rank, {}):
+                self._poll(_WAIT_S)
+            if r.alive:
+                results.append(self._replies[r.rank].pop(cid))
+        return results
+
+    # ---- metrics and shutdown ---------------------------------------------------------------
+    @property
+    def registry(self):
+        return self.prom.registry
+
+    def get_metrics(self) -> list[Metric]:
+        """Each replica's metrics (label `engine`), then their sums (no `engine` label)."""
+        per_engine = get_metrics_snapshot(self.prom.registry)
+        return per_engine + sum_over_engines(per_engine)
+
+    def replica_status(self) -> list[dict[str, Any]]:
+        """Per replica: alive, its error, and its outstanding tokens and requests."""
+        counts = collections.Counter(t.replica for t in self._requests.values())
+        return [
+            {
+                "engine": r.rank,
+                "alive": r.alive,
+                "error": r.error,
+                "outstanding_tokens": self.balancer.load[r.rank] if r.alive else 0,
+                "requests": counts.get(r.rank, 0),
+                "node_ip": r.info.get("node_ip"),
+            }
+            for r in self.replicas
+        ]
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer()
+        for c in (self._wake_r, self._wake_w):
+            try:
+                c.close()
+            except OSError:
+                pass
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+
+
+def _one_line(e: BaseException) -> str:
+    inner = getattr(e, "cause", None)
+    if isinstance(inner, BaseException):
+        e = inner
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
