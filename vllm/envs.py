@@ -174,7 +174,8 @@ _VARS = [
         True,
         _flag,
         "0 runs the torch reference path instead of the C++ CPU kernels (csrc/cpu: paged "
-        "attention, fused RMSNorm + residual, rotary, the small-batch linear).",
+        "attention (decode and prefill), fused RMSNorm + residual, rotary, the small-batch "
+        "linear).",
     ),
     EnvVar(
         "VLLM_CPU_LINEAR_ISA",
@@ -183,6 +184,15 @@ _VARS = [
         "Instruction-set path of the CPU small-M linear kernel (decode / verify / draft rows): "
         "auto picks the best this CPU has (cpuid); naming one the CPU lacks is an error. For "
         "tests and benchmarks of each path.",
+    ),
+    EnvVar(
+        "VLLM_CPU_PREFILL_ATTN_ISA",
+        "auto",
+        _choice("auto", "avx512bf16", "avx512", "avx2", "portable"),
+        "Instruction-set path of the CPU prefill attention kernel (prefill and chunked-prefill "
+        "requests, read from the paged cache): auto picks the best this CPU has (cpuid; "
+        "avx512bf16 runs the avx512 path, bf16 widened to fp32 per key tile); naming one the "
+        "CPU lacks is an error. For tests and benchmarks of each path.",
     ),
     EnvVar(
         "VLLM_CPU_KERNELS_BUILD_DIR",
@@ -251,6 +261,7 @@ if TYPE_CHECKING:  # the names this module provides
     VLLM_CPU_KERNELS: bool
     VLLM_CPU_KERNELS_BUILD_DIR: str | None
     VLLM_CPU_LINEAR_ISA: str
+    VLLM_CPU_PREFILL_ATTN_ISA: str
     VLLM_BENCH_CACHE: str | None
     VLLM_CACHE_ROOT: str | None
     XDG_CACHE_HOME: str | None
