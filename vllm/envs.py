@@ -195,6 +195,14 @@ _VARS = [
         "CPU lacks is an error. For tests and benchmarks of each path.",
     ),
     EnvVar(
+        "VLLM_STEP_COST_BUDGET_S",
+        4.0,
+        _positive_float("seconds"),
+        "Seconds the start-up measurement of step costs (adaptive speculative K) may take: "
+        "batch sizes are timed in increasing order while the next one is expected to fit "
+        "(the first two always); the cost model extrapolates past the last one timed.",
+    ),
+    EnvVar(
         "VLLM_CPU_KERNELS_BUILD_DIR",
         None,
         _text,
@@ -262,6 +270,7 @@ if TYPE_CHECKING:  # the names this module provides
     VLLM_CPU_KERNELS_BUILD_DIR: str | None
     VLLM_CPU_LINEAR_ISA: str
     VLLM_CPU_PREFILL_ATTN_ISA: str
+    VLLM_STEP_COST_BUDGET_S: float
     VLLM_BENCH_CACHE: str | None
     VLLM_CACHE_ROOT: str | None
     XDG_CACHE_HOME: str | None

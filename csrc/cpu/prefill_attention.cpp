@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_isa.h"
@@ -87,17 +88,14 @@ struct VecOps {
   static inline V sub(V a, V b) { VLLM_PA_LANES(a.v[i] - b.v[i]) }
   static inline V max(V a, V b) { VLLM_PA_LANES(std::max(a.v[i], b.v[i])) }
   static inline V exp2(V a) { VLLM_PA_LANES(std::exp2(a.v[i])) }
+  // s where the key at kpos is visible from the query at qpos, -inf where it is not.
+  static inline V select_neg_inf(V s, V kpos, V qpos, bool window, V win) {
+    VLLM_PA_LANES((kpos.v[i] > qpos.v[i] || (window && qpos.v[i] - kpos.v[i] >= win.v[i]))
+                      ? kPaNegInf
+                      : s.v[i])
+  }
+  static inline V is_neg_inf_to_zero(V a) { VLLM_PA_LANES(a.v[i] == kPaNegInf ? 0.f : a.v[i]) }
 #undef VLLM_PA_LANES
-  static inline float hmax(V a) {
-    float m = a.v[0];
-    for (int i = 1; i < 8; ++i) m = std::max(m, a.v[i]);
-    return m;
-  }
-  static inline float hsum(V a) {
-    float s = 0.f;
-    for (float e : a.v) s += e;
-    return s;
-  }
 };
 #include "prefill_attention_body.h"
 }  // namespace portable
@@ -130,17 +128,14 @@ struct VecOps {
   static inline V add(V a, V b) { return _mm256_add_ps(a, b); }
   static inline V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static inline V max(V a, V b) { return _mm256_max_ps(a, b); }
-  static inline float hmax(V a) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
+  static inline V select_neg_inf(V s, V kpos, V qpos, bool window, V win) {
+    V hide = _mm256_cmp_ps(kpos, qpos, _CMP_GT_OQ);
+    if (window) hide = _mm256_or_ps(hide, _mm256_cmp_ps(_mm256_sub_ps(qpos, kpos), win, _CMP_GE_OQ));
+    return _mm256_blendv_ps(s, _mm256_set1_ps(kPaNegInf), hide);
   }
-  static inline float hsum(V a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
+  static inline V is_neg_inf_to_zero(V a) {
+    return _mm256_blendv_ps(a, _mm256_setzero_ps(),
+                            _mm256_cmp_ps(a, _mm256_set1_ps(kPaNegInf), _CMP_EQ_OQ));
   }
   static inline V exp2(V x) {
     x = _mm256_max_ps(x, _mm256_set1_ps(-127.f));
@@ -172,8 +167,15 @@ struct VecOps {
   static inline V add(V a, V b) { return _mm512_add_ps(a, b); }
   static inline V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static inline V max(V a, V b) { return _mm512_max_ps(a, b); }
-  static inline float hmax(V a) { return _mm512_reduce_max_ps(a); }
-  static inline float hsum(V a) { return _mm512_reduce_add_ps(a); }
+  static inline V select_neg_inf(V s, V kpos, V qpos, bool window, V win) {
+    __mmask16 hide = _mm512_cmp_ps_mask(kpos, qpos, _CMP_GT_OQ);
+    if (window) hide |= _mm512_cmp_ps_mask(_mm512_sub_ps(qpos, kpos), win, _CMP_GE_OQ);
+    return _mm512_mask_blend_ps(hide, s, _mm512_set1_ps(kPaNegInf));
+  }
+  static inline V is_neg_inf_to_zero(V a) {
+    const __mmask16 inf = _mm512_cmp_ps_mask(a, _mm512_set1_ps(kPaNegInf), _CMP_EQ_OQ);
+    return _mm512_mask_blend_ps(inf, a, _mm512_setzero_ps());
+  }
   static inline V exp2(V x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
     const V n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -225,10 +227,9 @@ void run(vllm_cpu_isa::Isa isa, at::Tensor& out, const at::Tensor& q, const at::
   a.window = window;
   const int64_t max_blocks = block_table.size(1);
 
-  // Query tiles of about kRows rows (tokens x heads of a group): enough rows that each key
-  // tile's gather is amortised and the products run from registers, few enough that a tile's
-  // scratch stays in L2; fewer for wide heads (MLA's latent 512 + 64).
-  const int64_t want_rows = (a.Dk <= 128 && a.Dv <= 128) ? 96 : 48;
+  // Query tiles of about 96 rows (tokens x heads of a group): enough rows that each key row
+  // read from the cache serves many queries, few enough that a tile's scratch stays in L2.
+  const int64_t want_rows = 96;
   const int64_t bq = std::max<int64_t>(1, want_rows / a.G);
   std::vector<PrefillItem> items;
   const int64_t* rp = rows.const_data_ptr<int64_t>();
