@@ -21,6 +21,7 @@ import time
 
 from vllm import envs
 from vllm.config import VllmConfig
+from vllm.config.scheduler import WARMUP_TOKENS
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -30,9 +31,6 @@ from vllm.v1.request import Request, RequestStatus
 
 logger = init_logger(__name__)
 
-# Token budget of one warm-up step: enough for a prefill chunk that takes the prefill paths
-# (GEMMs through BLAS, the prefill attention kernel), small enough to cost little.
-WARMUP_TOKENS = 64
 # Short requests that share the warm-up's later steps (decode / verify rows).
 WARMUP_SHORT_REQUESTS = 3
 

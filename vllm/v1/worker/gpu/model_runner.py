@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from vllm.config import VllmConfig
+from vllm.config.scheduler import WARMUP_TOKENS
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.forward_context import decode_rows, set_forward_context
 from vllm.logger import init_logger
@@ -155,8 +156,31 @@ class ModelRunner:
             self.state_cache_bytes() / 2**20,
             self.states.nbytes() / 2**20,
         )
+        if self.device.type == "cpu":
+            self._bound_heap()
         if self.speculator is not None:
             self.speculator.capture()
+
+    def _bound_heap(self) -> None:
+        """Activations larger than the warm-up's prefill step makes are mapped per step from
+        now on, so the heap the warm-up grew is all this process keeps (see cpu_memory); the
+        CPU kernels' library is loaded here too, not by the first request."""
+        from vllm._custom_ops import cpu_kernels_available
+        from vllm.model_executor.layers.linear import LinearLayerBase
+        from vllm.v1.worker.cpu_memory import bound_heap_allocations
+
+        cpu_kernels_available()
+        widest = max(
+            (m.out_features for _, m in self._all_modules() if isinstance(m, LinearLayerBase)),
+            default=0,
+        )
+        hidden = int(getattr(self.vllm_config.model_config.hf_config, "hidden_size", 0) or 0)
+        # fp32 rows (bf16 products are computed in fp32 on CPUs without a bf16 GEMM).
+        row_bytes = max(widest, hidden) * 4
+        threshold = bound_heap_allocations(WARMUP_TOKENS * row_bytes)
+        logger.debug(
+            "stage %d: allocations over %d bytes are mapped per step", self.pp.rank, threshold
+        )
 
     # ---- per step -----------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
