@@ -215,9 +215,7 @@ def prefill_attention_isa() -> int:
     try:
         return int(torch.ops.vllm_cpu.prefill_attention_isa(LINEAR_ISAS[name]))
     except RuntimeError as e:
-        raise ValueError(
-            f"VLLM_CPU_PREFILL_ATTN_ISA={name}: this CPU cannot run that path"
-        ) from e
+        raise ValueError(f"VLLM_CPU_PREFILL_ATTN_ISA={name}: this CPU cannot run that path") from e
 
 
 def prefill_attention_isas_available() -> list[str]:

@@ -2,8 +2,8 @@
 # Copyright 2026 The vllm-pp-spec contributors
 """The C++ CPU paged-attention kernel against a brute-force float64 attention per request, and
 the backend's dispatch (the decode kernel for short queries, the prefill kernel for long ones)
-against the torch reference path: decode, draft verification, chunked prefill, prefill, GQA/MQA ratios, MLA's
-latent single-head form, odd block counts, key splits, bf16 and fp32."""
+against the torch reference path: decode, draft verification, chunked prefill, prefill,
+GQA/MQA ratios, MLA's latent single-head form, odd block counts, key splits, bf16 and fp32."""
 
 from __future__ import annotations
 

@@ -302,9 +302,7 @@ def _sdpa_attention(
         qr = q[t0:t1].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
         kr = k_src[slots].transpose(0, 1).unsqueeze(0)
         vr = v_src[slots].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(
-            qr, kr, vr, is_causal=True, scale=scale, enable_gqa=gqa
-        )
+        o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale, enable_gqa=gqa)
         out[t0:t1] = o[0].transpose(0, 1)
     return out
 
