@@ -195,6 +195,15 @@ _VARS = [
         "CPU lacks is an error. For tests and benchmarks of each path.",
     ),
     EnvVar(
+        "VLLM_CPU_PREFILL_GEMM",
+        "auto",
+        _choice("auto", "torch", "onednn", "fp32", "onednn-fp32"),
+        "BLAS route of prefill products on CPU: torch (torch's linear in the model's dtype: "
+        "MKL for fp32), onednn (oneDNN's linear), and for bf16 models fp32 / onednn-fp32 "
+        "(the same on fp32 copies). auto times the candidates once per process on the first "
+        "prefill product (the start-up warm-up's) and keeps the fastest.",
+    ),
+    EnvVar(
         "VLLM_STEP_COST_BUDGET_S",
         4.0,
         _positive_float("seconds"),
@@ -271,6 +280,7 @@ if TYPE_CHECKING:  # the names this module provides
     VLLM_CPU_LINEAR_ISA: str
     VLLM_CPU_PREFILL_ATTN_ISA: str
     VLLM_STEP_COST_BUDGET_S: float
+    VLLM_CPU_PREFILL_GEMM: str
     VLLM_BENCH_CACHE: str | None
     VLLM_CACHE_ROOT: str | None
     XDG_CACHE_HOME: str | None
