@@ -13,13 +13,11 @@ Two things grew a CPU stage's memory for thousands of requests after start-up:
   system on every free instead costs a page fault per 4 KiB touched on every step (~30x the
   time of reusing heap memory for a 3 MiB activation, measured).
 
-Once the model is loaded, the mmap threshold is lowered to the size of the largest activation
-of the start-up warm-up's prefill step (bound_heap_allocations): every activation up to that
-size (decode, verify and small prefill steps) is reused from the heap that the warm-up grew,
-and the larger ones of bigger prefill steps are mapped for the step and returned after it.
-The heap then never grows past what the warm-up left, without replaying a full token budget at
-start-up; a prefill step pays the page faults of its large activations (their zeroing is one
-write pass over memory that a GEMM of hundreds of products per element then fills).
+Once the pools are allocated, the heap is grown by what a full step's activations take
+(reserve_heap, sized by the runner from the model's widths and max_num_batched_tokens): those
+pages are written once and kept (automatic trimming stays above them), so the steps reuse them
+and a stage's resident memory after start-up is what it keeps under load, without replaying a
+full token budget at start-up.
 """
 
 from __future__ import annotations
@@ -59,20 +57,38 @@ def _mallopt():
         return None
 
 
-# Below this, a lowered threshold would map allocations a decode step makes many of.
-_MMAP_THRESHOLD_MIN = 256 * 2**10
+_RESERVE_CHUNK = 8 * 2**20  # under the mmap threshold: served from the heap
 
 
-def bound_heap_allocations(max_bytes: int) -> int:
-    """Serve allocations larger than max_bytes (clamped to [256 KiB, 32 MiB]) by mmap from now
-    on: the heap keeps only what is at most that large. Returns the threshold set (0: the C
-    library has no mallopt, or refused)."""
-    mallopt = _mallopt()
-    threshold = min(max(int(max_bytes), _MMAP_THRESHOLD_MIN), _MMAP_THRESHOLD_MAX)
-    if mallopt is None or not mallopt(_M_MMAP_THRESHOLD, threshold):
-        logger.debug("mmap threshold left as it is")
+def reserve_heap(nbytes: int) -> int:
+    """Grow this thread's malloc heap by about nbytes of written pages and keep them: chunks
+    under the mmap threshold are allocated, written and freed, with the trim threshold raised
+    above them so that free() does not hand them back. Call from the thread that runs the
+    steps (its arena serves their activations). Returns the bytes reserved (0: no mallopt)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        libc = None
+    if libc is None or nbytes <= 0:
         return 0
-    return threshold
+    trim = min(int(nbytes) + 2 * _MMAP_THRESHOLD_MAX, 2**31 - 1)
+    if not libc.mallopt(_M_TRIM_THRESHOLD, trim):
+        return 0
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    chunks = []
+    for _ in range(-(-int(nbytes) // _RESERVE_CHUNK)):
+        p = libc.malloc(_RESERVE_CHUNK)
+        if not p:
+            break
+        libc.memset(p, 0, _RESERVE_CHUNK)
+        chunks.append(p)
+    for p in chunks:
+        libc.free(p)
+    return len(chunks) * _RESERVE_CHUNK
 
 
 def _fix_malloc_thresholds() -> None:

@@ -12,7 +12,6 @@ import numpy as np
 import torch
 
 from vllm.config import VllmConfig
-from vllm.config.scheduler import WARMUP_TOKENS
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.forward_context import decode_rows, set_forward_context
 from vllm.logger import init_logger
@@ -157,17 +156,16 @@ class ModelRunner:
             self.states.nbytes() / 2**20,
         )
         if self.device.type == "cpu":
-            self._bound_heap()
+            self._reserve_step_memory()
         if self.speculator is not None:
             self.speculator.capture()
 
-    def _bound_heap(self) -> None:
-        """Activations larger than the warm-up's prefill step makes are mapped per step from
-        now on, so the heap the warm-up grew is all this process keeps (see cpu_memory); the
-        CPU kernels' library is loaded here too, not by the first request."""
+    def _reserve_step_memory(self) -> None:
+        """Grow the heap by what a full step's activations take (see cpu_memory), and load
+        the CPU kernels' library here rather than in the first request."""
         from vllm._custom_ops import cpu_kernels_available
         from vllm.model_executor.layers.linear import LinearLayerBase
-        from vllm.v1.worker.cpu_memory import bound_heap_allocations
+        from vllm.v1.worker.cpu_memory import reserve_heap
 
         cpu_kernels_available()
         widest = max(
@@ -175,11 +173,20 @@ class ModelRunner:
             default=0,
         )
         hidden = int(getattr(self.vllm_config.model_config.hf_config, "hidden_size", 0) or 0)
-        # fp32 rows (bf16 products are computed in fp32 on CPUs without a bf16 GEMM).
-        row_bytes = max(widest, hidden) * 4
-        threshold = bound_heap_allocations(WARMUP_TOKENS * row_bytes)
-        logger.debug(
-            "stage %d: allocations over %d bytes are mapped per step", self.pp.rank, threshold
+        # Live at a layer's peak, per token, in fp32 (bf16 products are computed on fp32
+        # copies where the CPU has no bf16 GEMM): the widest projection's output, its
+        # activation and a copy, and a handful of hidden-sized rows (residual, norm, attention
+        # output, the layer's output, their copies); twice that, because tensors that outlive
+        # a step (a stage's pending sends) split the free heap: with 1x, a 2-stage test model
+        # still grew stage 0 by 44-57 MiB over its first requests, with 2x by under 1 MiB.
+        per_token = 2 * 4 * (3 * widest + 8 * hidden)
+        tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
+        reserved = reserve_heap(per_token * tokens)
+        logger.info(
+            "stage %d: step activations %.1f MiB reserved (%d tokens)",
+            self.pp.rank,
+            reserved / 2**20,
+            tokens,
         )
 
     # ---- per step -----------------------------------------------------------------------
