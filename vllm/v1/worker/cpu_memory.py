@@ -1,15 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
 """Process-wide memory settings of a CPU worker, so that its resident memory after start-up
-(pools touched, warm-up run) is what it keeps under load.
+(pools touched, step memory reserved, warm-up run) is what it keeps under load.
 
 Two things grew a CPU stage's memory for thousands of requests after start-up:
 - oneDNN's primitive cache and PyTorch's ideep cache keep one entry (~0.5 MiB) per GEMM shape,
   up to 1024 each, and every new batch size is a new shape: both are bounded here.
 - glibc's malloc starts by mmapping large blocks and raises that threshold (up to 32 MiB) the
   first time one is freed, after which activations of that size come from the heap, which then
-  grows past what start-up used. The thresholds are fixed at the values it converges to, so the
-  start-up warm-up already grows the heap to what steps need. Returning large blocks to the
+  grows past what start-up used. The thresholds are fixed at the values it converges to, so
+  the heap that start-up grows (below) is the one steps use. Returning large blocks to the
   system on every free instead costs a page fault per 4 KiB touched on every step (~30x the
   time of reusing heap memory for a 3 MiB activation, measured).
 
