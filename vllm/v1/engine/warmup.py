@@ -2,9 +2,10 @@
 # Copyright 2026 The vllm-pp-spec contributors
 """Start-up warm-up: one small step of each kind through every stage before serving.
 
-A prompt one and a half warm-up budgets long (WARMUP_TOKENS: a fresh prefill chunk, then a
-chunk over its cached context) and a few short requests whose prompt, decode and (speculating)
-verify rows share the later steps, greedy and seeded-random rows both; then all are freed. The
+Two steps of WARMUP_TOKENS at most: a few short requests' prompts next to a fresh prefill chunk
+of a longer prompt, then the short requests' decode (speculating: verify) rows next to that
+prompt's second chunk, which attends to its cached context; greedy and seeded-random rows both;
+then all are freed. The
 steps go through a throwaway scheduler over the same KV pool, so they take real blocks, state
 slots and the real PP / speculative path, and leave nothing behind in the serving scheduler (no
 cached prefixes, no metrics). What this buys: every kernel (the CPU kernels' library, each
@@ -49,11 +50,14 @@ def warm_up(
     budget = max(1, min(sc.max_num_batched_tokens, WARMUP_TOKENS))
     # Room for the prompt, one sampled token and its drafts, within one request's length.
     per_req = max(1, min(max_model_len - 2 - k, sc.max_num_batched_tokens))
-    # Chunked (when allowed): a fresh chunk, then one attending to its cached context.
-    first = budget + budget // 2 if sc.enable_chunked_prefill else budget
-    lens = [min(per_req, first)] + [min(per_req, 2)] * min(
-        sc.max_num_seqs - 1, WARMUP_SHORT_REQUESTS
-    )
+    # Short requests first, so their prompts share the first step with the long prompt's
+    # first chunk and their decode / verify rows the second step with its second chunk.
+    n_short = min(sc.max_num_seqs - 1, WARMUP_SHORT_REQUESTS)
+    short_len = min(per_req, 2)
+    first_chunk = max(1, budget - n_short * short_len)
+    # The long prompt's second chunk (when chunking is allowed) attends to its cached first.
+    long_len = first_chunk + budget // 2 if sc.enable_chunked_prefill else first_chunk
+    lens = [short_len] * n_short + [min(per_req, long_len)]
 
     # Blocks a request takes: prompt + the decode step's 1 + k tokens.
     def blocks(n: int) -> int:
@@ -69,8 +73,14 @@ def warm_up(
     sched.max_num_batched_tokens = budget
     vocab = max(1, vllm_config.model_config.vocab_size)
     for i, n in enumerate(fits):
-        # Greedy and seeded-random rows both, so both sampling paths run.
-        params = SamplingParams(max_tokens=2, temperature=0.0 if i % 2 == 0 else 1.0, seed=i)
+        # Greedy and seeded-random rows both, so both sampling paths run; the long prompt
+        # samples once, when its last chunk is done (alone, it decodes one step too).
+        long = i == len(fits) - 1 and len(fits) > n_short
+        params = SamplingParams(
+            max_tokens=1 if long and n_short else 2,
+            temperature=0.0 if i % 2 == 0 else 1.0,
+            seed=i,
+        )
         ids = [(i * 7919 + j * 31) % vocab for j in range(n)]
         sched.add_request(Request(f"warmup-{i}", ids, params, seed=i))
     steps = 0
