@@ -69,6 +69,7 @@ def _blas_linear(
         or weight.dtype != x.dtype
         or x.dim() != 2
         or x.shape[0] <= 1
+        or not weight.is_contiguous()
     ):
         return F.linear(x, weight, bias)
     return _ROUTES[prefill_gemm_route(x.dtype, weight)](x, weight, bias)
