@@ -34,6 +34,8 @@ logger = init_logger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 * 2**20
+# Larger allocations are mapped (and returned on free), never taken from the heap.
+HEAP_ALLOCATION_MAX = _MMAP_THRESHOLD_MAX
 
 _configured = False
 

@@ -165,7 +165,7 @@ class ModelRunner:
         the CPU kernels' library here rather than in the first request."""
         from vllm._custom_ops import cpu_kernels_available
         from vllm.model_executor.layers.linear import LinearLayerBase
-        from vllm.v1.worker.cpu_memory import reserve_heap
+        from vllm.v1.worker.cpu_memory import HEAP_ALLOCATION_MAX, reserve_heap
 
         cpu_kernels_available()
         widest = max(
@@ -173,15 +173,21 @@ class ModelRunner:
             default=0,
         )
         hidden = int(getattr(self.vllm_config.model_config.hf_config, "hidden_size", 0) or 0)
-        # Live at a layer's peak, per token, in fp32 (bf16 products are computed on fp32
-        # copies where the CPU has no bf16 GEMM): the widest projection's output, its
-        # activation and a copy, and a handful of hidden-sized rows (residual, norm, attention
-        # output, the layer's output, their copies); twice that, because tensors that outlive
-        # a step (a stage's pending sends) split the free heap: with 1x, a 2-stage test model
-        # still grew stage 0 by 44-57 MiB over its first requests, with 2x by under 1 MiB.
-        per_token = 2 * 4 * (3 * widest + 8 * hidden)
         tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
-        reserved = reserve_heap(per_token * tokens)
+
+        def heap_bytes(width: int, count: int) -> int:
+            # fp32 rows (bf16 products are computed on fp32 copies where the CPU has no bf16
+            # GEMM); a tensor over the mmap threshold is mapped, not taken from the heap.
+            size = tokens * width * 4
+            return count * size if size <= HEAP_ALLOCATION_MAX else 0
+
+        # Live at a layer's peak: the widest projection's output, its activation and a copy,
+        # and a handful of hidden-sized rows (residual, norm, attention output, the layer's
+        # output, their copies); twice that, because tensors that outlive a step (a stage's
+        # pending sends) split the free heap: with 1x, a 2-stage test model still grew stage 0
+        # by 44-57 MiB over its first requests, with 2x by under 1 MiB.
+        need = heap_bytes(widest, 3) + heap_bytes(hidden, 8)
+        reserved = reserve_heap(2 * need)
         logger.info(
             "stage %d: step activations %.1f MiB reserved (%d tokens)",
             self.pp.rank,
