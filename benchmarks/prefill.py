@@ -15,7 +15,8 @@ repeats. Model FLOPs: the linear layers' 2 x params per token plus causal attent
 (4 x layers x heads x head_dim x n(n+1)/2). Routes: the model's own four projection shapes at
 M = 512 and 2048 rows through each BLAS route (fp32: MKL via torch's linear, oneDNN's
 linear; bf16: native bf16, fp32 MKL / oneDNN on widened copies), and the route the engine
-picked.
+picked. Attention: one layer's causal attention over 512 / 2000 fresh tokens through the CPU
+prefill kernel (paged cache), SDPA's causal path and SDPA with a boolean mask.
 
     python benchmarks/prefill.py [--dtypes float32 bfloat16] [--lengths 256 512 1000 2000 4000 8000]
         [--repeats 3] [--chunk 512] [--hf-budget-s 600] [--num-threads N]
@@ -90,6 +91,51 @@ def time_gemms(dtype, shapes, m, reps=3) -> dict[str, float]:
     return {r: flops / statistics.median(v) / 1e9 for r, v in times.items()}
 
 
+def time_attention(cfg, n: int, dtype: torch.dtype, reps: int = 3) -> dict[str, float]:
+    """GF/s of one layer's causal attention over n fresh tokens (the model's heads): the CPU
+    prefill kernel reading a paged cache, SDPA's causal path and SDPA with a boolean mask
+    (what the padded groups ran), on the same tensors (interleaved, medians)."""
+    from vllm import _custom_ops as ops
+
+    h, H = cfg.hidden_size, cfg.num_attention_heads
+    Hkv = getattr(cfg, "num_key_value_heads", None) or H
+    D = getattr(cfg, "head_dim", None) or h // H
+    bs = 16
+    nb = -(-n // bs)
+    g = torch.Generator().manual_seed(0)
+    table = torch.randperm(nb + 4, generator=g)[:nb].long()[None]
+    q = torch.randn(n, H, D, generator=g).to(dtype)
+    kc = torch.randn((nb + 4) * bs, Hkv, D, generator=g).to(dtype)
+    vc = torch.randn((nb + 4) * bs, Hkv, D, generator=g).to(dtype)
+    pos = torch.arange(n)
+    slots = table[0][pos // bs] * bs + pos % bs
+    meta = (table, torch.tensor([n]), torch.tensor([0, n]), torch.tensor([0]))
+    out = torch.empty(n, H, D, dtype=dtype)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+
+    def kernel():
+        ops.prefill_attention(out, q, kc, vc, *meta, bs, D**-0.5)
+
+    def sdpa(m=None):
+        k = kc[slots].transpose(0, 1)[None]
+        v = vc[slots].transpose(0, 1)[None]
+        F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k, v, attn_mask=m, is_causal=m is None, enable_gqa=True
+        )
+
+    fns = {"kernel": kernel, "sdpa causal": sdpa, "sdpa mask": lambda: sdpa(mask)}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for f in fns.values():
+        f()
+    for _ in range(reps):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    flops = 4.0 * H * D * n * (n + 1) / 2
+    return {k: flops / statistics.median(v) / 1e9 for k, v in times.items()}
+
+
 def random_prompt(vocab: int, n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
@@ -110,6 +156,9 @@ def main() -> None:
         help="skip HF at longer prompts once one HF forward took longer than this",
     )
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument(
+        "--micro-only", action="store_true", help="only the BLAS-route and attention timings"
+    )
     ap.add_argument("--num-threads", type=int, default=None)
     args = ap.parse_args()
     if args.num_threads:
@@ -141,6 +190,14 @@ def main() -> None:
                 f"BLAS routes, the model's projections at M={m}: "
                 + ", ".join(f"{r} {v:.1f} GF/s" for r, v in rates.items())
             )
+        for n in (512, 2000):
+            rates = time_attention(cfg, n, dtype)
+            print(
+                f"one layer's causal attention over {n} tokens (GF/s of causal FLOPs): "
+                + ", ".join(f"{r} {v:.1f}" for r, v in rates.items())
+            )
+        if args.micro_only:
+            continue
         kv_bytes = 2 * 2 * cfg.num_hidden_layers * Hkv * D * dtype.itemsize * (max_len + 64)
         llm = LLM(
             model=path,
