@@ -97,6 +97,7 @@ def time_attention(cfg, n: int, dtype: torch.dtype, reps: int = 3) -> dict[str, 
     (what the padded groups ran), on the same tensors (interleaved, medians)."""
     from vllm import _custom_ops as ops
 
+    assert ops.cpu_kernels_available(), "the CPU kernels did not build"
     h, H = cfg.hidden_size, cfg.num_attention_heads
     Hkv = getattr(cfg, "num_key_value_heads", None) or H
     D = getattr(cfg, "head_dim", None) or h // H
