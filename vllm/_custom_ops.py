@@ -120,6 +120,7 @@ def _register_fakes() -> None:
     torch.library.register_fake(lib + "rotary_embedding")(
         lambda pos, q, k, *args: (torch.empty_like(q), torch.empty_like(k))
     )
+    torch.library.register_fake(lib + "prefill_attention")(lambda out, *args: None)
     torch.library.register_fake(lib + "linear_small_m")(
         lambda x, w, b, isa=0: x.new_empty(x.shape[0], w.shape[0])
     )
@@ -189,16 +190,37 @@ def linear_isa() -> int:
 
 def linear_isas_available() -> list[str]:
     """The VLLM_CPU_LINEAR_ISA paths (other than auto) this CPU can run."""
+    return _isas_available(torch.ops.vllm_cpu.linear_small_m_isa)
+
+
+def _isas_available(probe) -> list[str]:
     ok = []
     for name, code in LINEAR_ISAS.items():
         if code == 0:
             continue
         try:
-            torch.ops.vllm_cpu.linear_small_m_isa(code)
+            probe(code)
         except RuntimeError:
             continue
         ok.append(name)
     return ok
+
+
+@functools.cache
+def prefill_attention_isa() -> int:
+    """The path prefill_attention runs (VLLM_CPU_PREFILL_ATTN_ISA, same names as
+    VLLM_CPU_LINEAR_ISA, resolved against the CPU once; cache_clear() after changing the
+    variable). ValueError naming the variable when the CPU lacks the one asked for."""
+    name = envs.VLLM_CPU_PREFILL_ATTN_ISA
+    try:
+        return int(torch.ops.vllm_cpu.prefill_attention_isa(LINEAR_ISAS[name]))
+    except RuntimeError as e:
+        raise ValueError(f"VLLM_CPU_PREFILL_ATTN_ISA={name}: this CPU cannot run that path") from e
+
+
+def prefill_attention_isas_available() -> list[str]:
+    """The VLLM_CPU_PREFILL_ATTN_ISA paths (other than auto) this CPU can run."""
+    return _isas_available(torch.ops.vllm_cpu.prefill_attention_isa)
 
 
 def linear_small_m(
@@ -243,4 +265,38 @@ def paged_attention(
         block_size,
         scale,
         blocks_per_split,
+    )
+
+
+def prefill_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    rows: torch.Tensor,
+    block_size: int,
+    scale: float,
+    sliding_window: int = 0,
+) -> None:
+    """paged_attention's result for prefill / chunked-prefill requests (long queries), read
+    straight from the paged cache in query x key tiles with an online softmax (no padding, no
+    mask tensor): out[t] for the tokens of the requests in `rows`, other rows left alone.
+    Same layouts as paged_attention; sliding_window > 0: a query at position p sees the keys
+    at positions (p - sliding_window, p]."""
+    torch.ops.vllm_cpu.prefill_attention(
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        rows,
+        block_size,
+        scale,
+        sliding_window,
+        prefill_attention_isa(),
     )

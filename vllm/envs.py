@@ -254,7 +254,8 @@ _VARS = [
         True,
         _flag,
         "0 runs the torch reference path instead of the C++ CPU kernels (csrc/cpu: paged "
-        "attention, fused RMSNorm + residual, rotary, the small-batch linear).",
+        "attention (decode and prefill), fused RMSNorm + residual, rotary, the small-batch "
+        "linear).",
     ),
     EnvVar(
         "VLLM_CPU_LINEAR_ISA",
@@ -263,6 +264,32 @@ _VARS = [
         "Instruction-set path of the CPU small-M linear kernel (decode / verify / draft rows): "
         "auto picks the best this CPU has (cpuid); naming one the CPU lacks is an error. For "
         "tests and benchmarks of each path.",
+    ),
+    EnvVar(
+        "VLLM_CPU_PREFILL_ATTN_ISA",
+        "auto",
+        _choice("auto", "avx512bf16", "avx512", "avx2", "portable"),
+        "Instruction-set path of the CPU prefill attention kernel (prefill and chunked-prefill "
+        "requests, read from the paged cache): auto picks the best this CPU has (cpuid; "
+        "avx512bf16 runs the avx512 path, bf16 widened to fp32 per key tile); naming one the "
+        "CPU lacks is an error. For tests and benchmarks of each path.",
+    ),
+    EnvVar(
+        "VLLM_CPU_PREFILL_GEMM",
+        "auto",
+        _choice("auto", "torch", "onednn", "fp32", "onednn-fp32"),
+        "BLAS route of prefill products on CPU: torch (torch's linear in the model's dtype: "
+        "MKL for fp32), onednn (oneDNN's linear), and for bf16 models fp32 / onednn-fp32 "
+        "(the same on fp32 copies). auto times the candidates once per process on the first "
+        "prefill product (the start-up warm-up's) and keeps the fastest.",
+    ),
+    EnvVar(
+        "VLLM_STEP_COST_BUDGET_S",
+        4.0,
+        _positive_float("seconds"),
+        "Seconds the start-up measurement of step costs (adaptive speculative K) may take: "
+        "batch sizes are timed in increasing order while the next one is expected to fit "
+        "(the first two always); the cost model extrapolates past the last one timed.",
     ),
     EnvVar(
         "VLLM_CPU_KERNELS_BUILD_DIR",
@@ -341,6 +368,9 @@ if TYPE_CHECKING:  # the names this module provides
     VLLM_CPU_KERNELS: bool
     VLLM_CPU_KERNELS_BUILD_DIR: str | None
     VLLM_CPU_LINEAR_ISA: str
+    VLLM_CPU_PREFILL_ATTN_ISA: str
+    VLLM_STEP_COST_BUDGET_S: float
+    VLLM_CPU_PREFILL_GEMM: str
     VLLM_BENCH_CACHE: str | None
     VLLM_CACHE_ROOT: str | None
     XDG_CACHE_HOME: str | None

@@ -13,6 +13,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 #include <vector>
@@ -27,7 +28,10 @@ template <typename T>
 __attribute__((optimize("fp-contract=off"))) void norm_rows(
     T* out, T* sum_out, const T* x, int64_t x_stride, const T* res, const T* w, int64_t rows,
     int64_t d, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  // Chunks of at least ~32K elements (ATen's own grain for elementwise work): a parallel
+  // region costs more than a few rows' worth of work, and far more when a core is busy.
+  const int64_t grain = std::max<int64_t>(16, 32768 / std::max<int64_t>(d, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(d);
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * x_stride;

@@ -33,42 +33,25 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
+#include "cpu_isa.h"
+#include "ops.h"
+
+#ifdef VLLM_CPU_X86
 #define VLLM_LINEAR_X86 1
 #endif
 
-#include "ops.h"
-
 namespace linear_small_m_impl {
 
-enum Isa : int64_t { kAuto = 0, kPortable = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Bf16 = 4 };
+using vllm_cpu_isa::best_isa;
+using vllm_cpu_isa::cpu_has;
+using vllm_cpu_isa::Isa;
+using vllm_cpu_isa::kAuto;
+using vllm_cpu_isa::kAvx2;
+using vllm_cpu_isa::kAvx512;
+using vllm_cpu_isa::kAvx512Bf16;
+using vllm_cpu_isa::kPortable;
 
 constexpr int64_t kNR = 4;  // weight rows per block, read from memory once for all M rows
-
-inline bool cpu_has(Isa isa) {
-  switch (isa) {
-    case kPortable:
-      return true;
-#ifdef VLLM_LINEAR_X86
-    case kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case kAvx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl");
-    case kAvx512Bf16:
-      return cpu_has(kAvx512) && __builtin_cpu_supports("avx512bf16");
-#endif
-    default:
-      return false;
-  }
-}
-
-inline Isa best_isa() {
-  for (Isa isa : {kAvx512Bf16, kAvx512, kAvx2})
-    if (cpu_has(isa)) return isa;
-  return kPortable;
-}
 
 template <typename T>
 inline float to_f(T v) {

@@ -31,6 +31,19 @@ std::tuple<at::Tensor, at::Tensor> rotary_embedding(const at::Tensor& positions,
 at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,
                           const c10::optional<at::Tensor>& bias, int64_t isa);
 
+// Causal attention of the long-query (prefill / chunked-prefill) requests in `rows`, read
+// straight from the paged cache; sliding_window > 0: a query at position p sees keys in
+// (p - sliding_window, p]. isa: as linear_small_m's (0: the best this CPU has).
+void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& block_table,
+                       const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                       const at::Tensor& rows, int64_t block_size, double scale,
+                       int64_t sliding_window, int64_t isa);
+
+// The instruction-set path prefill_attention runs for `requested`; raises like
+// linear_small_m_isa.
+int64_t prefill_attention_isa(int64_t requested);
+
 // The instruction-set path linear_small_m runs for `requested` (0: the best this CPU has);
 // raises when the CPU lacks the requested one.
 int64_t linear_small_m_isa(int64_t requested);

@@ -13,6 +13,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <tuple>
 
 #include "ops.h"
@@ -27,7 +28,9 @@ __attribute__((optimize("fp-contract=off"))) void rotate(
     int64_t head_stride, int64_t rot, const float* cos, const float* sin, const int64_t* pos,
     int64_t cache_stride, bool neox) {
   const int64_t half = rot / 2;
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  // Chunks of at least ~32K elements (see layernorm.cpp).
+  const int64_t grain = std::max<int64_t>(16, 32768 / std::max<int64_t>(heads * head_size, 1));
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + pos[t] * cache_stride;
       const float* s = sin + pos[t] * cache_stride;

@@ -13,6 +13,7 @@
 #include "ops.h"
 #include "paged_attention.cpp"
 #include "pos_encoding.cpp"
+#include "prefill_attention.cpp"
 
 TORCH_LIBRARY(vllm_cpu, m) {
   m.def(
@@ -26,6 +27,11 @@ TORCH_LIBRARY(vllm_cpu, m) {
       "Tensor sin_cache, int head_size, int rotary_dim, bool is_neox) -> (Tensor, Tensor)");
   m.def("linear_small_m(Tensor x, Tensor weight, Tensor? bias, int isa=0) -> Tensor");
   m.def("linear_small_m_isa(int requested) -> int", &linear_small_m_isa);
+  m.def(
+      "prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+      "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, Tensor rows, "
+      "int block_size, float scale, int sliding_window, int isa) -> ()");
+  m.def("prefill_attention_isa(int requested) -> int", &prefill_attention_isa);
 }
 
 TORCH_LIBRARY_IMPL(vllm_cpu, CPU, m) {
@@ -34,4 +40,5 @@ TORCH_LIBRARY_IMPL(vllm_cpu, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("linear_small_m", &linear_small_m);
+  m.impl("prefill_attention", &prefill_attention);
 }

@@ -275,7 +275,7 @@ def test_controls_change_the_output(request, references) -> None:
     stop token after at least min_tokens tokens."""
     path = request.getfixturevalue("llama_target")
     prompts, sps = _requests(path)
-    ref = [r for r, _ in references("llama")]
+    ref = [r for r, *_ in references("llama")]
     for i in (1, 2, 3, 4):
         sp = sps[i]
         plain = SamplingParams(

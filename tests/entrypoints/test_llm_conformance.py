@@ -131,7 +131,9 @@ def test_beam_search(llm):
     scores = [get_beam_search_score(b.tokens, b.cum_logprob, None, 1.0) for b in out]
     assert scores == sorted(scores, reverse=True)
     g = llm.generate([PROMPT], greedy(steps, ignore_eos=True, logprobs=0), use_tqdm=False)[0]
-    assert out[0].cum_logprob >= g.outputs[0].cumulative_logprob - 1e-4
+    # The beams' logprobs come from prefill steps over each beam, greedy's from decode steps:
+    # two attention kernels, the same values up to the bundled model's bf16 rounding (as above).
+    assert out[0].cum_logprob >= g.outputs[0].cumulative_logprob - 2e-3
     one = llm.beam_search(
         [PROMPT], BeamSearchParams(beam_width=1, max_tokens=steps, ignore_eos=True)
     )

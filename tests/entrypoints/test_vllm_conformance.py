@@ -570,7 +570,8 @@ def test_beam_search_over_http(server, client):
     assert len(set(texts)) == 3 and res["usage"]["completion_tokens"] == 12
     scores = [sum(c["logprobs"]["token_logprobs"]) for c in res["choices"]]
     assert scores == sorted(scores, reverse=True)  # best beam first
-    assert scores[0] >= sum(greedy["logprobs"]["token_logprobs"]) - 1e-4
+    # Beams scored by prefill steps, greedy by decode steps: equal up to bf16 rounding.
+    assert scores[0] >= sum(greedy["logprobs"]["token_logprobs"]) - 2e-3
 
 
 # ---- metrics -----------------------------------------------------------------------------

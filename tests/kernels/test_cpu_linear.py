@@ -203,15 +203,38 @@ def test_decode_row_is_bit_identical_whatever_the_step_holds(dtype):
     )
 
 
-def test_bf16_prefill_product_is_the_fp32_product_rounded_once():
-    """Prefill rows: a bf16 product on a CPU without a native bf16 GEMM is BLAS on
-    fp32 copies rounded once: the same arithmetic as torch's bf16 linear, 5-7x faster."""
-    if linear_mod._cpu_has_bf16_gemm():
-        pytest.skip("this CPU has a native bf16 GEMM (torch's bf16 linear is used)")
+@pytest.fixture
+def clear_gemm_route(monkeypatch):
+    monkeypatch.setattr(linear_mod, "_chosen", {})
+    yield
+    linear_mod._chosen.clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_gemm_routes_match_the_fp64_product(dtype, monkeypatch, clear_gemm_route):
+    """Every BLAS route a prefill product may take (VLLM_CPU_PREFILL_GEMM forces one) against
+    an fp64 product; bf16 through fp32 is the fp32 product rounded once (the same arithmetic
+    as torch's bf16 linear, 5-7x faster without a native bf16 GEMM). auto picks a candidate."""
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(40, 64, generator=g).bfloat16()
-    w = torch.randn(48, 64, generator=g).bfloat16()
-    b = torch.randn(48, generator=g).bfloat16()
-    expected = F.linear(x.float(), w.float(), b.float()).bfloat16()
-    assert torch.equal(linear_mod.linear(x, w, b), expected)
-    torch.testing.assert_close(linear_mod.linear(x, w, b), F.linear(x, w, b), atol=0.1, rtol=1e-2)
+    x = torch.randn(40, 64, generator=g).to(dtype)
+    w = torch.randn(48, 64, generator=g).to(dtype)
+    b = torch.randn(48, generator=g).to(dtype)
+    ref = _ref(x, w, b)
+    for route in linear_mod.prefill_gemm_candidates(dtype):
+        monkeypatch.setenv("VLLM_CPU_PREFILL_GEMM", route)
+        linear_mod._chosen.clear()
+        y = linear_mod.linear(x, w, b)  # outside a forward: prefill-kind rows
+        assert linear_mod.prefill_gemm_route(dtype) == route
+        torch.testing.assert_close(y.double(), ref, **_tol(dtype))
+        if route == "fp32":
+            assert torch.equal(y, F.linear(x.float(), w.float(), b.float()).bfloat16())
+    monkeypatch.setenv("VLLM_CPU_PREFILL_GEMM", "auto")
+    linear_mod._chosen.clear()
+    torch.testing.assert_close(linear_mod.linear(x, w, b).double(), ref, **_tol(dtype))
+    assert linear_mod.prefill_gemm_route(dtype) in linear_mod.prefill_gemm_candidates(dtype)
+
+
+def test_prefill_gemm_route_not_for_the_dtype_is_a_value_error(monkeypatch, clear_gemm_route):
+    monkeypatch.setenv("VLLM_CPU_PREFILL_GEMM", "fp32")
+    with pytest.raises(ValueError, match="VLLM_CPU_PREFILL_GEMM"):
+        linear_mod.linear(torch.randn(4, 8), torch.randn(3, 8))

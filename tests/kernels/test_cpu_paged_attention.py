@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
 """The C++ CPU paged-attention kernel against a brute-force float64 attention per request, and
-the backend's dispatch (kernel for short queries, SDPA for long ones) against the torch
-reference path: decode, draft verification, chunked prefill, prefill, GQA/MQA ratios, MLA's
-latent single-head form, odd block counts, key splits, bf16 and fp32."""
+the backend's dispatch (the decode kernel for short queries, the prefill kernel for long ones)
+against the torch reference path: decode, draft verification, chunked prefill, prefill,
+GQA/MQA ratios, MLA's latent single-head form, odd block counts, key splits, bf16 and fp32."""
 
 from __future__ import annotations
 
@@ -141,7 +141,8 @@ def test_kernel_rejects_a_short_block_table():
 @pytest.mark.parametrize("heads", ["gqa3", "mla"])
 @pytest.mark.parametrize("short_query_len", [1, 4])
 def test_backend_dispatch_matches_torch_reference(heads, dtype, short_query_len):
-    """paged_attention (kernel for short queries + SDPA for long ones) == padded_attention."""
+    """paged_attention (decode kernel for short queries + prefill kernel for long ones) ==
+    padded_attention."""
     q_lens, seq_lens = [1, 4, 24, 1, 3, 40], [200, 19, 24, 1, 50, 41]
     H, Hkv, Dk, Dv = MLA if heads == "mla" else HEADS[heads]
     qsl, sl, table, slots = _layout(q_lens, seq_lens, seed=1)

@@ -9,6 +9,11 @@ from typing import Literal
 
 SchedulerPolicy = Literal["fcfs", "priority"]
 
+# Token budget of one start-up warm-up step (vllm/v1/engine/warmup.py): enough for a prefill
+# chunk that takes the prefill paths, small enough to cost little. A CPU worker keeps
+# activations up to the size of such a step's on its heap (ModelRunner.initialize_kv_cache).
+WARMUP_TOKENS = 64
+
 
 @dataclass
 class SchedulerConfig:

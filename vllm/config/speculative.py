@@ -119,7 +119,11 @@ _SPEC_KEYS = {
     "suffix_decoding_max_spec_factor",
     "suffix_decoding_min_token_prob",
     "grammar_aware_drafting",
+    "hybrid_method",
+    "hybrid_min_match_length",
+    "hybrid_model_num_speculative_tokens",
 }
+_HYBRID_KEYS = ("hybrid_method", "hybrid_min_match_length", "hybrid_model_num_speculative_tokens")
 _SUFFIX_KEYS = (
     "suffix_decoding_max_tree_depth",
     "suffix_decoding_max_cached_requests",
@@ -197,6 +201,15 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     """suffix: drafting stops before a token whose estimated probability (the product of the
     frequencies along the draft) falls below this."""
+    hybrid_method: str | None = None
+    """A draft-free proposer ("suffix" or "ngram") run beside the draft model of `method`
+    (mtp, eagle, eagle3): per request and step, its drafts are used when its match is at
+    least hybrid_min_match_length tokens, the draft model's otherwise. None: off."""
+    hybrid_min_match_length: int = 4
+    """hybrid: the shortest match whose draft-free proposal wins over the draft model's."""
+    hybrid_model_num_speculative_tokens: int | None = None
+    """hybrid: the draft model's own K (default: num_speculative_tokens); num_speculative_tokens
+    is then the most any proposal drafts (a long suffix match can draft more than the model)."""
     grammar_aware_drafting: bool = True
     """Structured-output requests: a draft model's choices are masked by the request's
     grammar, drafts the grammar forbids are never proposed, and where the grammar forces the
@@ -244,6 +257,7 @@ class SpeculativeConfig:
             "adaptive_num_speculative_tokens",
             *_SUFFIX_KEYS,
             "grammar_aware_drafting",
+            *_HYBRID_KEYS,
         )
         keep: dict[str, Any] = {k: d[k] for k in names if d.get(k) is not None}
         return cls(**keep)
@@ -272,6 +286,7 @@ class SpeculativeConfig:
         self._check_prompt_lookup()
         self._check_suffix()
         self._check_batch_size_schedule()
+        self._check_hybrid()
         if not isinstance(self.grammar_aware_drafting, bool):
             raise ValueError(
                 "speculative_config.grammar_aware_drafting must be true or false, got "
@@ -294,14 +309,14 @@ class SpeculativeConfig:
         for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"speculative_config.{name} must be an integer >= 1, got {v!r}")
-        if self.method != "ngram":
+        if self.method != "ngram" and self.hybrid_method != "ngram":
             if lo is not None or hi is not None:
                 logger.warning(
                     "speculative_config.prompt_lookup_min/max are ignored by method %r",
                     self.method,
                 )
             return
-        if self.model:
+        if self.method == "ngram" and self.model:
             raise ValueError(
                 f"speculative_config.model must not be set for method 'ngram' (it drafts from "
                 f"the request's own tokens), got {self.model!r}"
@@ -318,6 +333,36 @@ class SpeculativeConfig:
                 f"speculative_config.prompt_lookup_min={lo} must be <= prompt_lookup_max={hi}"
             )
         self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+
+    def _check_hybrid(self) -> None:
+        where = "speculative_config."
+        h = self.hybrid_method
+        if h is None:
+            if self.hybrid_model_num_speculative_tokens is not None:
+                raise ValueError(f"{where}hybrid_model_num_speculative_tokens needs hybrid_method")
+            return
+        if h not in ("suffix", "ngram"):
+            raise ValueError(f"{where}hybrid_method must be 'suffix' or 'ngram', got {h!r}")
+        if self.method not in ("mtp", "eagle", "eagle3"):
+            raise ValueError(
+                f"{where}hybrid_method combines a draft-free proposer with a draft model that "
+                f"drafts token by token (mtp, eagle, eagle3), not method {self.method!r}"
+            )
+        m = self.hybrid_min_match_length
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            raise ValueError(f"{where}hybrid_min_match_length must be an integer >= 1, got {m!r}")
+        k = self.hybrid_model_num_speculative_tokens
+        if k is None:
+            self.hybrid_model_num_speculative_tokens = self.num_speculative_tokens
+        elif (
+            not isinstance(k, int)
+            or isinstance(k, bool)
+            or not 1 <= k <= self.num_speculative_tokens
+        ):
+            raise ValueError(
+                f"{where}hybrid_model_num_speculative_tokens must be an integer in 1.."
+                f"{self.num_speculative_tokens} (num_speculative_tokens), got {k!r}"
+            )
 
     def _check_suffix(self) -> None:
         where = "speculative_config."

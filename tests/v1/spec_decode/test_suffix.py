@@ -27,8 +27,9 @@ def brute_force(
     factor: float,
     min_prob: float,
 ) -> tuple[int, list[int], float]:
-    """The definition, by scanning every position: occurrences of the longest suffix of the
-    context (<= depth) that are followed by a token, then the greedy walk by frequency."""
+    """The definition, by scanning every position: for every suffix of the context (<= depth)
+    that occurred followed by a token, the greedy walk by frequency from its occurrences; the
+    walk with the largest expected acceptance wins (ties: the longer suffix)."""
     seqs = [list(s) for s in sequences]
     if own is not None:
         seqs.append(list(own))
@@ -46,24 +47,25 @@ def brute_force(
         if occurrences(context[-n:]):
             m = n
             break
-    if m == 0:
-        return 0, [], 0.0
-    limit = min(k, int(factor * m), depth - m)
-    w = context[-m:]
-    drafts: list[int] = []
-    prob, score = 1.0, 0.0
-    for _ in range(limit):
-        nexts = [seqs[si][end] for si, end in occurrences(w + drafts)]
-        if not nexts:
-            break
-        counts = {t: nexts.count(t) for t in set(nexts)}
-        best = min(counts, key=lambda t: (-counts[t], t))
-        p = prob * counts[best] / len(nexts)
-        if p < min_prob:
-            break
-        prob, score = p, score + p
-        drafts.append(best)
-    return m, drafts, score
+    best: tuple[float, int, list[int]] = (0.0, 0, [])
+    for j in range(min(m, depth - 1), 0, -1):  # every match length; the best draft wins
+        w = context[-j:]
+        drafts: list[int] = []
+        prob, score = 1.0, 0.0
+        for _ in range(min(k, int(factor * j), depth - j)):
+            nexts = [seqs[si][end] for si, end in occurrences(w + drafts)]
+            if not nexts:
+                break
+            counts = {t: nexts.count(t) for t in set(nexts)}
+            tok = min(counts, key=lambda t: (-counts[t], t))
+            p = prob * counts[tok] / len(nexts)
+            if p < min_prob:
+                break
+            prob, score = p, score + p
+            drafts.append(tok)
+        if score > best[0]:
+            best = (score, j, drafts)
+    return best[1], best[2], best[0]
 
 
 def _text(rng: random.Random, n: int) -> list[int]:
@@ -227,3 +229,62 @@ def test_global_cache_learns_across_requests_and_forgets(llama_dir):
     assert after_other < again
     off = accepted_per_run(0, [a, a])
     assert off[1] == off[0]  # no global cache: the second run learns nothing
+
+
+# ---- hybrid: a draft model and a draft-free proposer ------------------------------------------
+
+
+def test_hybrid_keys_are_checked():
+    base = {"method": "mtp", "num_speculative_tokens": 8}
+    cfg = SpeculativeConfig.from_dict({**base, "hybrid_method": "suffix"})
+    assert cfg.hybrid_model_num_speculative_tokens == 8 and cfg.hybrid_min_match_length == 4
+    for extra, field in [
+        ({"hybrid_method": "eagle"}, "hybrid_method"),
+        ({"hybrid_method": "suffix", "hybrid_min_match_length": 0}, "hybrid_min_match_length"),
+        (
+            {"hybrid_method": "suffix", "hybrid_model_num_speculative_tokens": 9},
+            "hybrid_model_num_speculative_tokens",
+        ),
+        ({"hybrid_model_num_speculative_tokens": 2}, "needs hybrid_method"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            SpeculativeConfig.from_dict({**base, **extra})
+    with pytest.raises(ValueError, match="token by token"):
+        SpeculativeConfig.from_dict({"method": "ngram", "hybrid_method": "suffix"})
+
+
+@pytest.mark.usefixtures("pp_forkserver")
+@pytest.mark.parametrize("pp", [1, 2])
+def test_hybrid_mtp_and_suffix_is_lossless_and_uses_both(pp):
+    """The bundled model's MTP head beside suffix decoding: the first round of requests has
+    nothing to match (the MTP head drafts its 2), the same requests again match the first
+    round's outputs in the global cache (suffix drafts up to 8); every round's tokens equal the
+    run without speculation (greedy and seeded)."""
+    from vllm.config import default_model_path
+
+    model = str(default_model_path())
+    prompts = make_prompts(512, [23, 31, 17], seed=47)
+    spec = {
+        "method": "mtp",
+        "num_speculative_tokens": 8,
+        "hybrid_method": "suffix",
+        "hybrid_model_num_speculative_tokens": 2,
+        "adaptive_num_speculative_tokens": False,
+    }
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    for sp in (GREEDY, SEEDED):
+        ref, _ = _run(model, prompts, sp, pipeline_parallel_size=pp)
+        llm = LLM(model=model, speculative_config=spec, pipeline_parallel_size=pp, **COMMON)
+        try:
+            rounds = [llm.generate(batch, sp, use_tqdm=False) for _ in range(2)]
+            counts = spec_decode_counts(llm)
+            by = None
+            if pp == 1:
+                by = llm.llm_engine.executor.worker.model_runner.speculator.num_steps_by
+        finally:
+            llm.shutdown()
+        for outs in rounds:
+            assert [list(o.outputs[0].token_ids) for o in outs] == ref
+        assert counts[1] > 0 and counts[2] > 0
+        if by is not None:
+            assert by["model"] > 0 and by["suffix"] > 0, by

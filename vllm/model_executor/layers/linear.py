@@ -61,20 +61,120 @@ def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def _blas_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Prefill rows: torch's linear (BLAS / oneDNN)."""
+    """Prefill rows: a BLAS product, on the route measured fastest for this dtype on this CPU
+    (prefill_gemm_route)."""
     if (
-        x.dtype == torch.bfloat16
-        and weight.dtype == x.dtype
-        and x.device.type == "cpu"
-        and x.dim() == 2
-        and x.shape[0] > 1
-        and not _cpu_has_bf16_gemm()
+        x.device.type != "cpu"
+        or x.dtype not in _KERNEL_DTYPES
+        or weight.dtype != x.dtype
+        or x.dim() != 2
+        or x.shape[0] <= 1
+        or not weight.is_contiguous()
     ):
-        # Without a native bf16 GEMM torch runs a generic loop: fp32 BLAS on widened copies,
-        # rounded once, is 5-7x faster with the same fp32 accumulation.
+        return F.linear(x, weight, bias)
+    return _ROUTES[prefill_gemm_route(x.dtype, weight)](x, weight, bias)
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+
+
+def _widened(route):
+    def run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         b = None if bias is None else bias.float()
-        return F.linear(x.float(), weight.float(), b).to(torch.bfloat16)
-    return F.linear(x, weight, bias)
+        return route(x.float(), weight.float(), b).to(x.dtype)
+
+    return run
+
+
+# The BLAS routes of a prefill product (x [M, K] @ weight [N, K]^T + bias, M > 1, on CPU):
+# torch's linear in the input's dtype (fp32: MKL; bf16: oneDNN's bf16 GEMM where the CPU has
+# one, else a generic loop), oneDNN's linear, and for bf16 either of them on fp32 copies
+# (widening is exact and both accumulate in fp32, so the result is the same up to rounding
+# order).
+_ROUTES = {
+    "torch": F.linear,
+    "onednn": _onednn,
+    "fp32": _widened(F.linear),
+    "onednn-fp32": _widened(_onednn),
+}
+_CANDIDATES = {
+    torch.float32: ("torch", "onednn"),
+    torch.bfloat16: ("torch", "onednn", "fp32", "onednn-fp32"),
+}
+_chosen: dict[torch.dtype, str] = {}
+
+
+def prefill_gemm_route(dtype: torch.dtype, weight: torch.Tensor | None = None) -> str:
+    """The prefill BLAS route for dtype: VLLM_CPU_PREFILL_GEMM if set, else measured once per
+    process on the first prefill product (its weight, 256 rows, each candidate timed three
+    times interleaved, medians; the default - torch's linear for fp32, for bf16 the native
+    GEMM where oneDNN has one, else fp32 - is kept unless another is 10% faster). The
+    start-up warm-up makes the first prefill product, so no request pays for it."""
+    if dtype in _chosen:
+        return _chosen[dtype]
+    from vllm import envs
+
+    forced = envs.VLLM_CPU_PREFILL_GEMM
+    if forced != "auto":
+        if forced not in _CANDIDATES[dtype]:
+            raise ValueError(
+                f"VLLM_CPU_PREFILL_GEMM={forced}: not a route for {dtype} (choose from "
+                f"{list(_CANDIDATES[dtype])})"
+            )
+        _chosen[dtype] = forced
+        return forced
+    default = "torch" if dtype == torch.float32 or _cpu_has_bf16_gemm() else "fp32"
+    if weight is None:
+        return default
+    _chosen[dtype] = _measure_routes(dtype, weight, default, prefill_gemm_candidates(dtype))
+    return _chosen[dtype]
+
+
+def prefill_gemm_candidates(dtype: torch.dtype) -> tuple[str, ...]:
+    """The routes auto chooses from: without a native bf16 GEMM (oneDNN on AVX512-BF16 /
+    AMX), the bf16 routes are a generic loop or have no oneDNN kernel, so only the fp32 ones."""
+    if dtype == torch.bfloat16 and not _cpu_has_bf16_gemm():
+        return ("fp32", "onednn-fp32")
+    return _CANDIDATES[dtype]
+
+
+def _measure_routes(
+    dtype: torch.dtype, weight: torch.Tensor, default: str, candidates: tuple[str, ...]
+) -> str:
+    import statistics
+    import time
+
+    from vllm.logger import init_logger
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, weight.shape[1], generator=g).to(dtype)
+    times: dict[str, list[float]] = {}
+    with torch.inference_mode():
+        for r in candidates:
+            try:
+                _ROUTES[r](x, weight, None)  # first call: any one-time set-up
+            except RuntimeError:  # no kernel for this shape / dtype on this CPU
+                continue
+            times[r] = []
+        for _ in range(3):
+            for r in times:
+                t = time.perf_counter()
+                _ROUTES[r](x, weight, None)
+                times[r].append(time.perf_counter() - t)
+    med = {r: statistics.median(v) for r, v in times.items()}
+    best = min(med, key=lambda r: med[r])
+    chosen = best if med[best] < 0.9 * med[default] else default
+    init_logger(__name__).info(
+        "prefill GEMM route for %s: %s (ms per [256 x %d] x [%d x %d]^T: %s)",
+        str(dtype).removeprefix("torch."),
+        chosen,
+        weight.shape[1],
+        weight.shape[0],
+        weight.shape[1],
+        ", ".join(f"{r} {v * 1e3:.2f}" for r, v in med.items()),
+    )
+    return chosen
 
 
 @functools.cache

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import time
 
 import torch
 from torch import nn
@@ -37,6 +38,32 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
+_RANDOM_INITS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+)
+
+
+@contextlib.contextmanager
+def _no_random_init():
+    """torch.nn.init's random initialisers as no-ops: every parameter of a model built to be
+    loaded is overwritten by the strict loader (a missing one is an error), so drawing random
+    values for them first (~0.5 s for a 135M model's embedding and LM head) is wasted."""
+    saved = {name: getattr(nn.init, name) for name in _RANDOM_INITS}
+    for name in _RANDOM_INITS:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
 def get_model(
     vllm_config: VllmConfig,
     model_config: ModelConfig | None = None,
@@ -50,7 +77,9 @@ def get_model(
     dtype = model_config.torch_dtype(device.type)
     cls = resolve_model_cls(architecture or model_config.architecture)
     quant_config = model_config.get_quant_config()
-    with _default_dtype(dtype), device, set_quant_config(quant_config):
+    t0 = time.perf_counter()
+    no_init = _no_random_init() if load_weights else contextlib.nullcontext()
+    with _default_dtype(dtype), device, set_quant_config(quant_config), no_init:
         model = cls(vllm_config=vllm_config, model_config=model_config, prefix="")
     stored = "weights"
     if load_weights:
@@ -68,9 +97,10 @@ def get_model(
             stored = f"weights {_mib(weights.loaded_bytes)} as stored ->"
     quant = f", {model_config.quantization} checkpoint" if quant_config is not None else ""
     logger.info(
-        "loaded %s from %s (%s%s, %.1fM params on this stage; %s %s in memory)",
+        "loaded %s from %s in %.2f s (%s%s, %.1fM params on this stage; %s %s in memory)",
         cls.__name__,
         model_config.model,
+        time.perf_counter() - t0,
         dtype,
         quant,
         sum(p.numel() for p in model.parameters()) / 1e6,

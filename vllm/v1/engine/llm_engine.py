@@ -112,6 +112,9 @@ class EngineInputs:
         self.vllm_config = vllm_config
         mc = vllm_config.model_config
         self.model_config = mc
+        # Seconds of each start-up phase, in order (logged once the engine is ready).
+        self.startup_phases: dict[str, float] = {}
+        t_phase = time.perf_counter()
         # ModelConfig.__post_init__ resolves both from the checkpoint.
         assert mc.tokenizer is not None and mc.max_model_len is not None
         self.tokenizer = load_tokenizer(mc.tokenizer, mc.trust_remote_code)
@@ -133,12 +136,27 @@ class EngineInputs:
                 # Text prompts still run; a prompt with images is refused with this reason.
                 logger.warning("%s; prompts with images will be refused", e)
                 self._mm_unavailable = str(e)
+        self._t_phase = self._phase("tokenizer", t_phase)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.generation_config = mc.try_get_generation_config()
         self.priority_policy = vllm_config.scheduler_config.policy == "priority"
         self._rng = random.Random(mc.seed)
         self.max_prompt_bytes = prompt_byte_limit(self.tokenizer, mc.max_model_len)
         self._req_counter = 0
+
+    def _phase(self, name: str, since: float) -> float:
+        """Record the phase that began at `since` as ended now; return now."""
+        now = time.perf_counter()
+        self.startup_phases[name] = now - since
+        return now
+
+    def _log_ready(self, t_phase: float) -> None:
+        self._phase("engine", t_phase)
+        logger.info(
+            "Start-up: engine ready in %.2f s (%s)",
+            sum(self.startup_phases.values()),
+            ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_phases.items()),
+        )
 
     def _check_fits(self, num_prompt_tokens: int) -> None:
         """Refuse a prompt whose KV cache needs exceed the whole cache."""
@@ -418,7 +436,9 @@ class LLMEngine(EngineInputs):
         self._init_inputs(vllm_config)
         mc = self.model_config
         assert mc.max_model_len is not None
+        t_phase = self._t_phase
         self.executor = Executor.get_class(vllm_config)(vllm_config)
+        t_phase = self._phase("load", t_phase)  # workers started, weights loaded
         try:
             num_blocks = self.executor.determine_num_blocks()
             override = vllm_config.cache_config.num_gpu_blocks_override
@@ -431,10 +451,14 @@ class LLMEngine(EngineInputs):
                 num_blocks = override
             check_kv_cache_fits(vllm_config, num_blocks)
             self.executor.initialize_kv_cache(num_blocks)
+            t_phase = self._phase("pools", t_phase)
             warm_up(vllm_config, self.executor, num_blocks, num_state_slots(vllm_config))
+            t_phase = self._phase("warm-up", t_phase)
             step_costs = measure_step_costs(
                 vllm_config, self.executor, num_blocks, num_state_slots(vllm_config)
             )
+            if step_costs is not None:
+                t_phase = self._phase("step costs", t_phase)
             self.executor.collective_rpc("end_warm_up")
         except BaseException:
             self.executor.shutdown()
@@ -469,6 +493,7 @@ class LLMEngine(EngineInputs):
             LoggingStatLogger(k) if self.log_stats else None
         )
         self._batch_queue: deque = deque()  # steps in flight (pipeline parallelism)
+        self._log_ready(t_phase)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:

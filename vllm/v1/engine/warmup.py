@@ -1,23 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""Start-up warm-up: a few steps of dummy requests through every stage before serving.
+"""Start-up warm-up: one small step of each kind through every stage before serving.
 
-A full token budget of prefill (the last request chunked, so a later step mixes verify rows with
-a prefill chunk over its cached context), then short requests up to max_num_seqs, so a decode
-step runs with every request slot busy; then all are freed. The steps go through a throwaway
-scheduler over the same KV pool, so they take real blocks, state slots and the real PP /
-speculative path, and leave nothing behind in the serving scheduler (no cached prefixes, no
-metrics). What this buys: the memory a step's activations need, the allocator's pools, library
-caches and lazily built kernels are all in place when start-up ends, so a stage's resident
-memory after start-up is what it keeps (vLLM's profile run does the same), and the first real
-request does not pay for them.
+Two steps of WARMUP_TOKENS at most: a few short requests' prompts next to a fresh prefill chunk
+of a longer prompt, then the short requests' decode (speculating: verify) rows next to that
+prompt's second chunk, which attends to its cached context; greedy and seeded-random rows both;
+then all are freed. The
+steps go through a throwaway scheduler over the same KV pool, so they take real blocks, state
+slots and the real PP / speculative path, and leave nothing behind in the serving scheduler (no
+cached prefixes, no metrics). What this buys: every kernel (the CPU kernels' library, each
+attention path, the samplers, the drafter) has run once and every lazily built library state
+exists when start-up ends, so the first real request does not pay for them. The memory side
+(pools written when allocated, the heap grown to what a full step needs) is the workers' own
+(ModelRunner.initialize_kv_cache), so no full token budget is replayed here: on 2 CPU cores a
+2048-token step of a 135M model takes seconds, and the old warm-up ran several.
 """
 
 from __future__ import annotations
 
 import time
 
+from vllm import envs
 from vllm.config import VllmConfig
+from vllm.config.scheduler import WARMUP_TOKENS
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -27,47 +32,59 @@ from vllm.v1.request import Request, RequestStatus
 
 logger = init_logger(__name__)
 
+# Short requests that share the warm-up's later steps (decode / verify rows).
+WARMUP_SHORT_REQUESTS = 3
 
-def warm_up(vllm_config: VllmConfig, executor: Executor, num_blocks: int, num_slots: int) -> None:
-    """Run the dummy steps; raise what a stage raised (start-up then fails as a load would)."""
+
+def warm_up(
+    vllm_config: VllmConfig, executor: Executor, num_blocks: int, num_slots: int
+) -> tuple[int, int, int]:
+    """Run the dummy steps; raise what a stage raised (start-up then fails as a load would).
+    Returns (requests, prompt tokens, steps)."""
     t0 = time.perf_counter()
     sc = vllm_config.scheduler_config
     max_model_len = vllm_config.model_config.max_model_len
     assert max_model_len is not None  # resolved from the checkpoint by ModelConfig
     bs = vllm_config.cache_config.block_size
     k = vllm_config.num_speculative_tokens
+    budget = max(1, min(sc.max_num_batched_tokens, WARMUP_TOKENS))
     # Room for the prompt, one sampled token and its drafts, within one request's length.
     per_req = max(1, min(max_model_len - 2 - k, sc.max_num_batched_tokens))
-    # A full budget of prefill, plus half a request more: that one is chunked, so the second
-    # step mixes decode (verify) rows with a prefill chunk attending to its cached context.
-    budget = min(sc.max_num_batched_tokens + per_req // 2, sc.max_num_seqs * per_req)
+    # Short requests first, so their prompts share the first step with the long prompt's
+    # first chunk and their decode / verify rows the second step with its second chunk.
+    n_short = min(sc.max_num_seqs - 1, WARMUP_SHORT_REQUESTS)
+    short_len = min(per_req, 2)
+    first_chunk = max(1, budget - n_short * short_len)
+    # The long prompt's second chunk (when chunking is allowed) attends to its cached first.
+    long_len = first_chunk + budget // 2 if sc.enable_chunked_prefill else first_chunk
+    lens = [short_len] * n_short + [min(per_req, long_len)]
 
     # Blocks a request takes: prompt + the decode step's 1 + k tokens.
     def blocks(n: int) -> int:
         return -(-(n + 2 + k) // bs)
 
-    lens: list[int] = []
-    used = 0
-    while budget > 0 and used + blocks(per_req) <= num_blocks:
-        lens.append(min(per_req, budget))
-        budget -= lens[-1]
-        used += blocks(lens[-1])
-    # Then short requests up to max_num_seqs, so one decode step runs with every slot busy.
-    short = 4
-    while len(lens) < sc.max_num_seqs and used + blocks(short) <= num_blocks:
-        lens.append(short)
-        used += blocks(short)
-    if not lens:
-        return
+    fits: list[int] = []
+    for n in lens:
+        if sum(blocks(m) for m in fits) + blocks(n) <= num_blocks:
+            fits.append(n)
+    if not fits:
+        return 0, 0, 0
     sched = Scheduler(vllm_config, num_blocks, num_slots)
+    sched.max_num_batched_tokens = budget
     vocab = max(1, vllm_config.model_config.vocab_size)
-    for i, n in enumerate(lens):
-        # Greedy and seeded-random rows both, so both sampling paths run.
-        params = SamplingParams(max_tokens=2, temperature=0.0 if i % 2 == 0 else 1.0, seed=i)
+    for i, n in enumerate(fits):
+        # Greedy and seeded-random rows both, so both sampling paths run; the long prompt
+        # samples once, when its last chunk is done (alone, it decodes one step too).
+        long = i == len(fits) - 1 and len(fits) > n_short
+        params = SamplingParams(
+            max_tokens=1 if long and n_short else 2,
+            temperature=0.0 if i % 2 == 0 else 1.0,
+            seed=i,
+        )
         ids = [(i * 7919 + j * 31) % vocab for j in range(n)]
         sched.add_request(Request(f"warmup-{i}", ids, params, seed=i))
     steps = 0
-    while sched.has_unfinished_requests() and steps < 64:
+    while sched.has_unfinished_requests() and steps < 32:
         so = sched.schedule()
         if so.total_num_scheduled_tokens == 0 and not so.finished_req_ids:
             break
@@ -79,11 +96,12 @@ def warm_up(vllm_config: VllmConfig, executor: Executor, num_blocks: int, num_sl
         executor.execute_model(so)
     logger.info(
         "Warm-up: %d dummy requests, %d prompt tokens, %d steps in %.2f s",
-        len(lens),
-        sum(lens),
+        len(fits),
+        sum(fits),
         steps,
         time.perf_counter() - t0,
     )
+    return len(fits), sum(fits), steps
 
 
 def measure_step_costs(
@@ -92,8 +110,10 @@ def measure_step_costs(
     """The step cost model the adaptive K needs (vllm.v1.core.sched.spec_k), timed through the
     real stages after the warm-up: per batch size B (1, 2, 4, ... up to max_num_seqs and 16),
     a step verifying 0 and K dummy drafts per request without drafting, and one verifying K
-    drafting K steps (medians of 3). None when speculation or the adaptive K is off or the
-    dummy requests do not fit."""
+    drafting K steps (medians of 3). Bounded in time: batch sizes are measured in increasing
+    order while the next one is expected to end within VLLM_STEP_COST_BUDGET_S of the start
+    (the first two always; the model extrapolates linearly past the last one measured). None
+    when speculation or the adaptive K is off or the dummy requests do not fit."""
     spec = vllm_config.speculative_config
     if spec is None or not spec.adaptive_num_speculative_tokens:
         return None
@@ -114,7 +134,16 @@ def measure_step_costs(
     vocab = max(1, vllm_config.model_config.vocab_size)
     verify: dict[int, list[float]] = {}
     draft_step: dict[int, float] = {}
+    budget_s = envs.VLLM_STEP_COST_BUDGET_S
+    measured: list[int] = []
+    last_b, last_s = 0, 0.0
     for b in sizes:
+        elapsed = time.perf_counter() - t0
+        # A size's measurement costs about its batch size's share of the last one's.
+        expected = last_s * b / last_b if last_b else 0.0
+        if len(measured) >= 2 and elapsed + expected > budget_s:
+            break
+        t_size = time.perf_counter()
         sched = Scheduler(vllm_config, num_blocks, num_slots)
         policy = sched.spec_k
         assert policy is not None
@@ -144,6 +173,9 @@ def measure_step_costs(
         verify.setdefault(b, []).append(med[(0, 0)])
         verify.setdefault(b * (k + 1), []).append(med[(k, 0)])
         draft_step[b] = max(med[(k, k)] - med[(k, 0)], 0.0) / k
+        measured.append(b)
+        last_b, last_s = b, time.perf_counter() - t_size
+    sizes = measured
     tokens = sorted(verify)
     raw = [sum(verify[t]) / len(verify[t]) for t in tokens]
     model = StepCostModel(

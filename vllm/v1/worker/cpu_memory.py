@@ -1,17 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
 """Process-wide memory settings of a CPU worker, so that its resident memory after start-up
-(pools touched, warm-up run) is what it keeps under load.
+(pools touched, step memory reserved, warm-up run) is what it keeps under load.
 
 Two things grew a CPU stage's memory for thousands of requests after start-up:
 - oneDNN's primitive cache and PyTorch's ideep cache keep one entry (~0.5 MiB) per GEMM shape,
   up to 1024 each, and every new batch size is a new shape: both are bounded here.
 - glibc's malloc starts by mmapping large blocks and raises that threshold (up to 32 MiB) the
   first time one is freed, after which activations of that size come from the heap, which then
-  grows past what start-up used. The thresholds are fixed at the values it converges to, so the
-  start-up warm-up already grows the heap to what steps need. Returning large blocks to the
+  grows past what start-up used. The thresholds are fixed at the values it converges to, so
+  the heap that start-up grows (below) is the one steps use. Returning large blocks to the
   system on every free instead costs a page fault per 4 KiB touched on every step (~30x the
   time of reusing heap memory for a 3 MiB activation, measured).
+
+Once the pools are allocated, the heap is grown by what a full step's activations take
+(reserve_heap, sized by the runner from the model's widths and max_num_batched_tokens): those
+pages are written once and kept (automatic trimming stays above them), so the steps reuse them
+and a stage's resident memory after start-up is what it keeps under load, without replaying a
+full token budget at start-up.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ logger = init_logger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MMAP_THRESHOLD_MAX = 32 * 2**20
+# Larger allocations are mapped (and returned on free), never taken from the heap.
+HEAP_ALLOCATION_MAX = _MMAP_THRESHOLD_MAX
 
 _configured = False
 
@@ -43,12 +51,50 @@ def configure_cpu_process_memory() -> None:
     _fix_malloc_thresholds()
 
 
-def _fix_malloc_thresholds() -> None:
+def _mallopt():
     name = ctypes.util.find_library("c")
     try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
+        return ctypes.CDLL(name).mallopt if name else None
     except (OSError, AttributeError):
-        mallopt = None
+        return None
+
+
+_RESERVE_CHUNK = 8 * 2**20  # under the mmap threshold: served from the heap
+
+
+def reserve_heap(nbytes: int) -> int:
+    """Grow this thread's malloc heap by about nbytes of written pages and keep them: chunks
+    under the mmap threshold are allocated, written and freed, with the trim threshold raised
+    above them so that free() does not hand them back. Call from the thread that runs the
+    steps (its arena serves their activations). Returns the bytes reserved (0: no mallopt)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        libc = None
+    if libc is None or nbytes <= 0:
+        return 0
+    trim = min(int(nbytes) + 2 * _MMAP_THRESHOLD_MAX, 2**31 - 1)
+    if not libc.mallopt(_M_TRIM_THRESHOLD, trim):
+        return 0
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    chunks = []
+    for _ in range(-(-int(nbytes) // _RESERVE_CHUNK)):
+        p = libc.malloc(_RESERVE_CHUNK)
+        if not p:
+            break
+        libc.memset(p, 0, _RESERVE_CHUNK)
+        chunks.append(p)
+    for p in chunks:
+        libc.free(p)
+    return len(chunks) * _RESERVE_CHUNK
+
+
+def _fix_malloc_thresholds() -> None:
+    mallopt = _mallopt()
     if mallopt is None:
         logger.debug("no mallopt in this C library; malloc thresholds left as they are")
         return

@@ -70,6 +70,8 @@ class Attention(AttentionLayerBase):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         meta = get_forward_context().attn_metadata
+        if self.kv_cache is not None and meta is not None and meta.num_tokens == q.shape[0]:
+            return self.impl.forward(q, k, v, self.kv_cache, meta)  # no padding rows
         out = torch.zeros(
             q.shape[0], self.num_heads * self.head_size, dtype=q.dtype, device=q.device
         )

@@ -8,9 +8,11 @@ values gathered from the paged cache into [R, S], and one SDPA call runs with a 
 by the request's already-computed tokens. Requests with short queries (decode, verify) and long
 ones (prefill) are padded in separate groups so one long prompt does not pad every decode row.
 
-On CPU, paged_attention() runs the short-query requests through a C++ kernel that reads keys and
-values straight from the cache by block table (no gather); the padded groups are built only
-when something uses them.
+On CPU, paged_attention() runs every request through a C++ kernel that reads keys and values
+straight from the cache by block table (no gather, no padding, no mask): the decode kernel for
+short queries, the prefill kernel (query x key tiles, online softmax) for long ones. Elsewhere
+a prefill with no cached context takes SDPA's mask-free causal path; the padded groups are built
+only when something uses them (sparse masks, chunked prefill without the kernels).
 """
 
 from __future__ import annotations
@@ -80,12 +82,22 @@ class AttentionMetadata:
             return np.nonzero((q_lens <= self.short_query_len) & (q_lens > 0))[0]
         return np.nonzero(q_lens > self.short_query_len)[0]
 
-    def group(self, short: bool) -> PaddedGroup | None:
+    def long_rows(self) -> torch.Tensor:
+        """The long-query (prefill, chunked prefill) requests, as an int64 tensor."""
+        if "long_rows" not in self._cache:
+            rows = np.ascontiguousarray(self._rows(False), dtype=np.int64)
+            self._cache["long_rows"] = torch.from_numpy(rows).to(self.device)
+        return self._cache["long_rows"]
+
+    def group(self, short: bool, exclude: np.ndarray | None = None) -> PaddedGroup | None:
         """The padded group of the short-query (decode, verify) or long-query (prefill)
-        requests, built on first use; None when there are none."""
-        key = ("group", short)
+        requests, built on first use; None when there are none. exclude: a boolean mask over
+        the requests to leave out (computed another way)."""
+        key = ("group", short, None if exclude is None else exclude.tobytes())
         if key not in self._cache:
             rows = self._rows(short)
+            if exclude is not None:
+                rows = rows[~exclude[rows]]
             g = None
             if len(rows):
                 qsl, sl = self.query_start_loc_np, self.seq_lens_np
@@ -262,12 +274,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """padded_attention's result, with the short-query requests (decode, draft verification)
-    computed by the CPU kernel straight from the paged cache where it is available. Long-query
-    requests (prefill chunks) keep the padded SDPA path: their gather is amortised over many
-    query tokens and SDPA's blocked GEMMs beat the kernel's per-row loops there."""
+    """padded_attention's result, without its padding where possible. On CPU with the kernels
+    built, every request reads its keys and values straight from the paged cache: short queries
+    (decode, draft verification) through the decode kernel, long ones (prefill, chunked prefill
+    over a cached context) through the prefill kernel's query x key tiles. Elsewhere, a prefill
+    with no cached context runs SDPA's mask-free causal path on its own keys (no padding to the
+    group's longest request, no mask tensor); the rest keep the padded groups."""
     if not use_cpu_kernel(q, k_src, v_src):
-        return padded_attention(q, k_src, v_src, meta, scale)
+        return _sdpa_attention(q, k_src, v_src, meta, scale)
     from vllm import _custom_ops as ops
 
     T, H, _ = q.shape
@@ -277,9 +291,43 @@ def paged_attention(
         ops.paged_attention(
             out, q, k_src, v_src, block_table, seq_lens, qsl, short_rows, meta.block_size, scale
         )
-    long_group = meta.group(False)
-    if long_group is not None:
-        padded_attention(q, k_src, v_src, meta, scale, groups=[long_group], out=out)
+    long_rows = meta.long_rows()
+    if long_rows.numel():
+        ops.prefill_attention(
+            out, q, k_src, v_src, block_table, seq_lens, qsl, long_rows, meta.block_size, scale
+        )
+    return out
+
+
+def _sdpa_attention(
+    q: torch.Tensor,
+    k_src: torch.Tensor,
+    v_src: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The torch path: prefills without a cached context one SDPA call each on their own keys
+    (is_causal: the flash / memory-efficient kernels skip the masked half, no mask tensor), the
+    other requests in the padded groups."""
+    qsl, sl = meta.query_start_loc_np, meta.seq_lens_np
+    q_lens = qsl[1:] - qsl[:-1]
+    fresh = (q_lens > meta.short_query_len) & (sl == q_lens)
+    if not fresh.any():
+        return padded_attention(q, k_src, v_src, meta, scale)
+    T, H, _ = q.shape
+    out = q.new_zeros(T, H, v_src.shape[-1])
+    groups = [g for g in (meta.group(True), meta.group(False, exclude=fresh)) if g is not None]
+    if groups:
+        padded_attention(q, k_src, v_src, meta, scale, groups=groups, out=out)
+    gqa = k_src.shape[1] != H
+    for r in np.nonzero(fresh)[0].tolist():
+        t0, t1 = int(qsl[r]), int(qsl[r + 1])
+        slots = meta.slot_mapping[t0:t1]  # a fresh prefill's keys are this step's tokens
+        qr = q[t0:t1].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+        kr = k_src[slots].transpose(0, 1).unsqueeze(0)
+        vr = v_src[slots].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qr, kr, vr, is_causal=True, scale=scale, enable_gqa=gqa)
+        out[t0:t1] = o[0].transpose(0, 1)
     return out
 
 

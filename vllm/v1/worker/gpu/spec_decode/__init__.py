@@ -17,6 +17,10 @@ def init_speculator(vllm_config: VllmConfig, device: torch.device | str) -> Base
     spec = vllm_config.speculative_config
     if spec is None:
         raise ValueError("init_speculator needs a speculative_config")
+    if spec.hybrid_method is not None:
+        from vllm.v1.worker.gpu.spec_decode.hybrid import HybridSpeculator
+
+        return HybridSpeculator(vllm_config, device)
     module, name = spec.method_info.speculator.split(":")
     cls = getattr(importlib.import_module(module), name)
     return cls(vllm_config, device)

@@ -186,6 +186,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
 
     # Structured-output rows' grammar forks for the propose() in progress (None: none).
     draft_grammar: DraftGrammar | None = None
+    # At most this many draft steps (a hybrid's draft model within wider drafts; None: K).
+    max_draft_steps: int | None = None
 
     def _masked(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits with what each grammar row forbids at -inf (draft vocabulary: through
@@ -212,6 +214,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         min_draft_steps that keep the draft's own state (its KV) complete."""
         K = self.num_speculative_steps
         want = K if num_steps is None else max(0, min(K, num_steps))
+        if self.max_draft_steps is not None:
+            want = min(want, self.max_draft_steps)
         steps = max(want, self.min_draft_steps)
         R = db.num_reqs
         dev = self.device

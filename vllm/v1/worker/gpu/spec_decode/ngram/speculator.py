@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 class NgramIndex:
     """One request's tokens and its n-gram -> continuation-start index."""
 
-    __slots__ = ("lo", "hi", "tokens", "table", "indexed_end")
+    __slots__ = ("lo", "hi", "tokens", "table", "indexed_end", "match_length")
 
     def __init__(self, lo: int, hi: int) -> None:
         self.lo, self.hi = lo, hi
@@ -42,6 +42,7 @@ class NgramIndex:
         # n-grams ending before this position are in the table (the one ending at the last
         # token is not: it has no continuation yet, and it is what the lookup searches for).
         self.indexed_end = 0
+        self.match_length = 0
 
     def extend(self, new_tokens: list[int]) -> None:
         toks = self.tokens
@@ -54,12 +55,15 @@ class NgramIndex:
         self.indexed_end = max(self.indexed_end, end + 1)
 
     def propose(self, k: int) -> list[int] | None:
-        """K drafts from the longest matching n-gram, or None without a match."""
+        """K drafts from the longest matching n-gram, or None without a match (the n-gram's
+        length is left in self.match_length)."""
         toks, L = self.tokens, len(self.tokens)
+        self.match_length = 0
         for n in range(min(self.hi, L - 1), self.lo - 1, -1):
             start = self.table.get(tuple(toks[L - n :]))
             if start is None:
                 continue
+            self.match_length = n
             out: list[int] = []
             for i in range(k):
                 j = start + i
@@ -83,6 +87,8 @@ class NgramSpeculator(BaseSpeculator):
         self.num_speculative_steps = spec.num_speculative_tokens
         self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.indices: list[NgramIndex | None] = [None] * self.max_num_reqs
+        # The n-gram each row of the last propose() matched (0: none), for a hybrid.
+        self.last_match_lengths = np.zeros(0, dtype=np.int64)
 
     def load_model(self, target_model: CausalLMBase) -> None:
         """Nothing to build: the drafts come from the requests' own tokens."""
@@ -99,6 +105,7 @@ class NgramSpeculator(BaseSpeculator):
             raise ValueError("the ngram speculator needs the requests' token history")
         k_max = K if inputs.num_draft_steps is None else min(K, inputs.num_draft_steps)
         slots = b.idx_mapping_np
+        self.last_match_lengths = np.zeros(R, dtype=np.int64)
         for i in range(R):
             s = int(slots[i])
             idx = self.indices[s]
@@ -115,6 +122,7 @@ class NgramSpeculator(BaseSpeculator):
             got = idx.propose(k_max)
             if got is not None:
                 drafts[i, :k_max] = got
+                self.last_match_lengths[i] = idx.match_length
         return drafts
 
 

@@ -5,16 +5,18 @@ drafts from what the request itself and earlier requests wrote; no draft model, 
 
 Two sources are searched each step: the request's own tokens (prompt and output so far) and
 a global corpus of the outputs of requests that left the batch (FIFO, at most
-`suffix_decoding_max_cached_requests` of them, 0: none). For a source, the match is the
-longest suffix of the request's tokens, at most `suffix_decoding_max_tree_depth` (D) long,
-that occurred earlier followed by at least one token. From the occurrences of that suffix, the
-drafts follow the most frequent next token (ties: the lowest id), then the most frequent after
-that among the occurrences that agreed, and so on, while the product of the chosen tokens'
-frequencies (their estimated probability) stays >= `suffix_decoding_min_token_prob`, for at
-most min(K, floor(`suffix_decoding_max_spec_factor` x match length), D - match length)
-tokens - a suffix tree of depth D walked greedily, as the method's paper describes. Of the two
-sources' drafts, the one with the larger sum of estimated probabilities (the expected number
-of accepted tokens) wins; ties go to the longer draft, then to the request's own.
+`suffix_decoding_max_cached_requests` of them, 0: none). For a source, a match is a suffix of
+the request's tokens, at most `suffix_decoding_max_tree_depth` (D) long, that occurred earlier
+followed by at least one token. From the occurrences of a match of length j, the drafts follow
+the most frequent next token (ties: the lowest id), then the most frequent after that among the
+occurrences that agreed, and so on, while the product of the chosen tokens' frequencies (their
+estimated probability) stays >= `suffix_decoding_min_token_prob`, for at most min(K,
+floor(`suffix_decoding_max_spec_factor` x j), D - j) tokens - a suffix tree of depth D walked
+greedily, as the method's paper describes. The depth bounds match + draft, so the longest match
+is not always the best: of the match lengths, the one whose draft has the largest sum of
+estimated probabilities (the expected number of accepted tokens) is used (ties: the longer
+match). Of the two sources' drafts, the larger expected acceptance wins; ties go to the longer
+draft, then to the request's own.
 
 Both sources are a token buffer plus an index from each token to the positions it occurs at
 (positions with a next token only), so adding tokens costs O(new tokens) and a lookup is D
@@ -109,8 +111,24 @@ class TokenCorpus:
                 break
             length += alive
         m = int(length.max())
-        limit = min(k, int(factor * m), max_depth - m)
-        cand = pos[length == m]
+        best: tuple[float, int, list[int]] = (0.0, 0, [])
+        # The depth bounds match + draft, so the longest match may leave no room: shorter
+        # matches (more occurrences, more room) are tried while they could still do better.
+        for j in range(min(m, max_depth - 1), 0, -1):
+            limit = min(k, int(factor * j), max_depth - j)
+            if limit <= best[0]:
+                if int(factor * j) <= best[0] or k <= best[0]:
+                    break  # shorter matches only allow shorter drafts from here on
+                continue
+            drafts, score = self._walk(pos[length >= j], limit, min_prob)
+            if score > best[0]:
+                best = (score, j, drafts)
+        return best[1], best[2], best[0]
+
+    def _walk(self, cand: np.ndarray, limit: int, min_prob: float) -> tuple[list[int], float]:
+        """The most frequent continuation of the occurrences ending at `cand`, token by token
+        while the product of the frequencies stays >= min_prob, at most `limit` tokens."""
+        buf = self.buf
         drafts: list[int] = []
         prob, score = 1.0, 0.0
         for d in range(1, limit + 1):
@@ -130,7 +148,7 @@ class TokenCorpus:
             score += prob
             drafts.append(int(values[best]))
             cand = nxt[toks == values[best]] - d
-        return m, drafts, score
+        return drafts, score
 
     def blank(self, start: int, end: int) -> None:
         self.buf[start:end] = _SEP
@@ -191,6 +209,8 @@ class SuffixSpeculator(BaseSpeculator):
         self.global_cache = GlobalSuffixCache(spec.suffix_decoding_max_cached_requests)
         # Drafts proposed, by the source they came from (tests, benchmarks).
         self.num_proposed = {"request": 0, "global": 0}
+        # The match each row of the last propose() drafted from (0: none), for a hybrid.
+        self.last_match_lengths = np.zeros(0, dtype=np.int64)
 
     def load_model(self, target_model: CausalLMBase) -> None:
         """Nothing to build: the drafts come from tokens already written."""
@@ -217,6 +237,7 @@ class SuffixSpeculator(BaseSpeculator):
             raise ValueError("the suffix speculator needs the requests' token history")
         k_max = K if inputs.num_draft_steps is None else min(K, inputs.num_draft_steps)
         slots = b.idx_mapping_np
+        self.last_match_lengths = np.zeros(R, dtype=np.int64)
         for i in range(R):
             s = int(slots[i])
             own = self.own[s]
@@ -231,16 +252,17 @@ class SuffixSpeculator(BaseSpeculator):
                 continue
             own.append(inputs.sampled_token_ids[i, :n], new_sequence=False)
             context = own.buf[max(0, own.size - self.depth) : own.size]
-            best: tuple[float, int, int, list[int], str] = (0.0, 0, 0, [], "")
+            best: tuple[float, int, int, list[int], str, int] = (0.0, 0, 0, [], "", 0)
             for name, corpus in (("request", own), ("global", self.global_cache.corpus)):
-                _, got, score = corpus.match_and_draft(
+                m, got, score = corpus.match_and_draft(
                     context, self.depth, k_max, self.factor, self.min_prob
                 )
                 # Larger expected acceptance, then longer; the request's own wins ties.
-                key = (score, len(got), 1 if name == "request" else 0, got, name)
+                key = (score, len(got), 1 if name == "request" else 0, got, name, m)
                 if key[:3] > best[:3]:
                     best = key
             got, name = best[3], best[4]
+            self.last_match_lengths[i] = best[5] if got else 0
             if got:
                 drafts[i, : len(got)] = got
                 self.num_proposed[name] += len(got)
