@@ -409,15 +409,22 @@ def __dir__() -> list[str]:
     return sorted(ENV_VARS)
 
 
+# Settings that describe the process's own node: never carried to another node.
+_NODE_LOCAL = frozenset({"VLLM_HOST_IP"})
+
+
 def vllm_env() -> dict[str, str]:
-    """The engine's VLLM_* settings, to apply in every stage process (and Ray node)."""
-    return {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+    """The engine's VLLM_* settings, to apply in every stage process (and Ray node), less the
+    node-local ones (VLLM_HOST_IP: each node's own address)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("VLLM_") and k not in _NODE_LOCAL}
 
 
 def apply_vllm_env(env: dict[str, str]) -> None:
     """Make this process's VLLM_* settings exactly `env`."""
     # A fork server's children inherit the server's environment, not the engine's current one.
-    for k in [k for k in os.environ if k.startswith("VLLM_") and k not in env]:
+    for k in [
+        k for k in os.environ if k.startswith("VLLM_") and k not in env and k not in _NODE_LOCAL
+    ]:
         del os.environ[k]
     os.environ.update(env)
 

@@ -188,6 +188,11 @@ def _bound_gloo(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
     return ProcessGroupGloo(store, rank, size, options)
 
 
+def gloo_host() -> str | None:
+    """The address this process's gloo groups were bound to (None: gloo's default)."""
+    return _GLOO_HOST
+
+
 def bind_gloo_to(host: str) -> str:
     """The torch.distributed backend name of gloo bound to `host` in this process.
 

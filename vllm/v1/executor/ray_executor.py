@@ -49,7 +49,11 @@ class RayStage:
         return os.getpid()
 
     def placement(self) -> dict[str, Any]:
-        return ray_utils.placement_info()
+        """Where this worker runs, and (once initialised) the address its gloo groups
+        listen on."""
+        from vllm.distributed import parallel_state
+
+        return {**ray_utils.placement_info(), "gloo_host": parallel_state.gloo_host()}
 
     def init_worker(self, vllm_config: VllmConfig, rank: int, init_method: str) -> None:
         from vllm.v1.worker.worker import Worker
@@ -149,7 +153,6 @@ class RayExecutor(DistributedExecutorBase):
                 ).remote(env)
                 self._state["actors"].append(actor)
             self.actors = list(self._state["actors"])
-            self.placement = self._get_all([a.placement.remote() for a in self.actors])
             ip, port = self._get(self.actors[0].address.remote())
             init_method = f"tcp://{ip}:{port}"
             self._get_all(
@@ -158,14 +161,16 @@ class RayExecutor(DistributedExecutorBase):
                     for r, a in enumerate(self.actors)
                 ]
             )
+            self.placement = self._get_all([a.placement.remote() for a in self.actors])
         except BaseException:
             self.shutdown()
             raise
         logger.info(
-            "started %d worker actors on Ray (TP %d x PP %d; rank -> node: %s)",
+            "started %d worker actors on Ray (TP %d x PP %d; pids %s), rank -> node: %s",
             P,
             pc.tensor_parallel_size,
             pc.pipeline_parallel_size,
+            self.worker_pids,
             ", ".join(
                 f"{r}: {p['node_ip']} (pid {p['pid']})" for r, p in enumerate(self.placement)
             ),
