@@ -102,10 +102,10 @@ def _check_gone(pids: list[int]) -> None:
 def test_mtp_spread_over_nodes_equals_one_worker(
     cluster,
     mtp_reference,
-    deepseek_v3_mtp2_4l_dir,
+    deepseek_v3_mtp2_4l_dir,  # noqa: F811
     monkeypatch,
     tp,
-    pp,  # noqa: F811
+    pp,
 ):
     prompts, ref_tokens, ref_counts = mtp_reference
     # Each stage's bundle needs 2 CPUs, so no node holds two stages: PACK spreads them.

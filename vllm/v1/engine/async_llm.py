@@ -178,6 +178,12 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._dead is None and self._thread.is_alive()
 
+    def replica_status(self) -> list[dict[str, Any]] | None:
+        """Per data-parallel replica: alive, its error, pid, node, outstanding tokens and
+        requests (None for one engine). Read from any thread."""
+        status = getattr(self.engine, "replica_status", None)
+        return status() if status is not None else None
+
     @property
     def errored(self) -> bool:
         """True once the engine loop died of an exception (not a requested shutdown)."""

@@ -693,7 +693,8 @@ class DPEngine(EngineInputs):
 
     def replica_status(self) -> list[dict[str, Any]]:
         """Per replica: alive, its error, and its outstanding tokens and requests."""
-        counts = collections.Counter(t.replica for t in self._requests.values())
+        # Called from other threads (the server's /load): copy before iterating.
+        counts = collections.Counter(t.replica for t in list(self._requests.values()))
         return [
             {
                 "engine": r.rank,
@@ -702,6 +703,8 @@ class DPEngine(EngineInputs):
                 "outstanding_tokens": self.balancer.load[r.rank] if r.alive else 0,
                 "requests": counts.get(r.rank, 0),
                 "node_ip": r.info.get("node_ip"),
+                "pid": r.info.get("pid"),
+                "worker_pids": r.info.get("worker_pids"),
             }
             for r in self.replicas
         ]
