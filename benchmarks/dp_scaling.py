@@ -5,7 +5,9 @@
 CPU and is pinned to one core) and with the mp backend (one process per replica, one core
 each; DP = 1 is the plain in-process engine on one thread). Engines are started in
 interleaved order (1, 2, 2, 1, ...), each does a warm-up pass and one timed pass of the same
-64 requests; medians over the repeats, the ratio printed last. Greedy tokens of DP = 2 are
+64 requests; medians over the repeats, the ratio printed last. The CPU share of this process
+(the front end; with mp DP = 1 also the engine itself) is printed per run: on 2 cores the
+front end competes with the replicas. Greedy tokens of DP = 2 are
 checked equal to DP = 1's.
 
     python -m benchmarks.dp_scaling [--model PATH] [--num-prompts 64] [--repeats 3]
@@ -26,6 +28,25 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core per replica (and for D
 from benchmarks.common import cpu_flags, timer
 
 
+def _replica_procs(llm) -> list:
+    """The replica processes of a data-parallel engine (none for the in-process engine)."""
+    import psutil
+
+    replicas = getattr(llm.llm_engine, "replicas", [])
+    return [psutil.Process(r.info["pid"]) for r in replicas]
+
+
+def _cpu_s(procs: list) -> list[float]:
+    """CPU seconds (user + system) of each process and its children so far."""
+    out = []
+    for p in procs:
+        total = sum(p.cpu_times()[:2])
+        for c in p.children(recursive=True):
+            total += sum(c.cpu_times()[:2])
+        out.append(total)
+    return out
+
+
 def run(model: str, prompts: list[list[int]], args, dp: int, backend: str) -> dict:
     from vllm import LLM, SamplingParams
 
@@ -44,8 +65,13 @@ def run(model: str, prompts: list[list[int]], args, dp: int, backend: str) -> di
         sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
         llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], warm, use_tqdm=False)
+        replicas = _replica_procs(llm)
+        r0 = _cpu_s(replicas)
+        c0 = time.process_time()
         with timer() as t:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        front_cpu = time.process_time() - c0
+        replica_cpu = [b - a for a, b in zip(r0, _cpu_s(replicas))]
     finally:
         llm.shutdown()
     n = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -53,6 +79,8 @@ def run(model: str, prompts: list[list[int]], args, dp: int, backend: str) -> di
         "tok_s": n / t["s"],
         "seconds": t["s"],
         "start_s": start_s,
+        "front_cpu": front_cpu,
+        "replica_cpu": replica_cpu,
         "ids": [list(o.outputs[0].token_ids) for o in outs],
     }
 
@@ -66,7 +94,13 @@ def bench_backend(model: str, prompts, args, backend: str) -> tuple[float, float
             res[dp].append(r)
             print(
                 f"  {backend} DP={dp} repeat {rep}: {r['tok_s']:8.1f} tok/s ({r['seconds']:.2f} s;"
-                f" start-up {r['start_s']:.1f} s)",
+                f" start-up {r['start_s']:.1f} s; this process on a CPU "
+                f"{100 * r['front_cpu'] / r['seconds']:.0f}% of the time"
+                + "".join(
+                    f", replica {i} {100 * c / r['seconds']:.0f}%"
+                    for i, c in enumerate(r["replica_cpu"])
+                )
+                + ")",
                 flush=True,
             )
     for r in res[2]:

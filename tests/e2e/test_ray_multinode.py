@@ -30,6 +30,12 @@ SPEC = {"method": "mtp", "adaptive_num_speculative_tokens": False, "num_speculat
 NODE_LABELS = ("node_a", "node_b")
 
 
+class NodeLabels(dict):
+    """The cluster's node id -> label, and its address."""
+
+    address = ""
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """Two simulated worker nodes (2 CPUs each, resource `node_a` / `node_b`) behind a head
@@ -44,7 +50,8 @@ def cluster():
             c.add_node(num_cpus=2, resources={label: 1.0})
         c.wait_for_nodes()
         ray.init(address=c.address, log_to_driver=False)
-        labels = {}
+        labels = NodeLabels()
+        labels.address = c.address
         for n in ray.nodes():
             for label in NODE_LABELS:
                 if label in n["Resources"]:
@@ -165,15 +172,38 @@ def test_dp2_on_ray_equals_dp1(cluster, llama_dir):
         # Both replicas served (fewest outstanding tokens), and the sums add up.
         assert set(per_engine) == {"0", "1"} and min(per_engine.values()) > 0
         assert sum(per_engine.values()) == 3 * len(prompts) * MAX_TOKENS
+        # Replica 1's actor (its worker: one per replica here) stopped, then killed, before
+        # its requests produce anything: they are retried on replica 0, same tokens.
+        victim = psutil.Process(engine.replicas[1].info["pid"])
+        victim.suspend()
+        ids = []
+        for p in prompts:
+            rid = engine.next_request_id()
+            engine.add_request(rid, {"prompt_token_ids": p}, seeded)
+            ids.append(rid)
+        assert any(engine._requests[rid].replica == 1 for rid in ids)
+        victim.kill()
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+        assert [done[rid] for rid in ids] == want[1]
+        status = engine.replica_status()
+        assert [s["alive"] for s in status] == [True, False], status
+        assert "died" in status[1]["error"]
     finally:
         llm.shutdown()
     _check_gone(pids)
 
 
 def test_placement_the_cluster_cannot_hold_is_refused(cluster, llama_dir, monkeypatch):
-    # A stage of 3 CPUs: no node has that many.
+    # The engine joins the existing cluster through RAY_ADDRESS (as after `ray start`).
+    ray.shutdown()
+    monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+    # A stage of 3 CPUs: no node has that many (the error lists the cluster's 2-CPU nodes).
     monkeypatch.setenv("VLLM_RAY_PER_WORKER_CPUS", "3")
-    with pytest.raises(ValueError, match="pipeline stage 0.*no node of the cluster"):
+    with pytest.raises(ValueError, match="pipeline stage 0.*no node of the cluster.*CPU 2"):
         LLM(
             model=llama_dir,
             pipeline_parallel_size=2,
@@ -189,4 +219,6 @@ def test_placement_the_cluster_cannot_hold_is_refused(cluster, llama_dir, monkey
             distributed_executor_backend="ray",
             **COMMON,
         )
+    assert ray.is_initialized()  # joined, not started: still connected to the cluster
+    assert {n["NodeID"] for n in ray.nodes() if n["Alive"]} >= set(cluster)
     assert not _alive_actors()
