@@ -6,7 +6,9 @@ request order), both replicas serve and the `engine`-labelled metrics add up to 
 replica killed before its requests produced anything: they are retried on the other replica
 and still give DP = 1's tokens; `vllm serve -dp 2` behind the openai client answers like
 DP = 1, /load and /metrics show both replicas, and killing one replica mid-stream fails only
-its stream with an error naming the replica while the other replica keeps answering."""
+its stream with an error naming the replica while the other replica keeps answering; at
+DP = 2 x PP = 2 a killed stage worker of one replica fails that replica's running requests
+(naming it) while the other replica finishes its own and keeps serving."""
 
 from __future__ import annotations
 
@@ -115,6 +117,55 @@ def test_requests_of_a_replica_killed_before_any_output_are_retried(llama_dir, d
         assert [done[rid] for rid in ids] == dp1["seeded"][0]
     finally:
         llm.shutdown()
+
+
+def test_a_killed_worker_fails_only_its_replica(llama_dir, dp1):
+    """DP = 2 x PP = 2: a stage worker of replica 1 killed mid-run fails replica 1's running
+    requests with an error naming it; replica 0's requests finish with DP = 1's tokens, its
+    workers keep serving new requests, and replica 1's processes are gone."""
+    llm = LLM(model=llama_dir, data_parallel_size=2, pipeline_parallel_size=2, **COMMON)
+    engine = llm.llm_engine
+    try:
+        engine.raise_failures = False  # failures handed out per request, as AsyncLLM takes them
+        workers = engine.worker_pids()
+        assert all(len(w) == 2 for w in workers.values()), workers
+        replica1 = [engine.replicas[1].process.pid, *workers[1]]
+        long = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        ids = []
+        for p in PROMPTS:
+            rid = engine.next_request_id()
+            engine.add_request(rid, {"prompt_token_ids": p}, long)
+            ids.append(rid)
+        on1 = {rid for rid in ids if engine._requests[rid].replica == 1}
+        assert on1 and len(on1) < len(ids)
+        done: dict[str, list[int]] = {}
+        failed: dict[str, BaseException] = {}
+
+        def step() -> None:
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+            failed.update(engine.pop_failures())
+
+        while not any(engine._requests[rid].delivered for rid in on1):
+            step()
+        delivered = {rid for rid in on1 if engine._requests[rid].delivered}
+        psutil.Process(workers[1][1]).kill()  # replica 1's second pipeline stage
+        while engine.has_unfinished_requests():
+            step()
+        assert delivered <= set(failed) <= on1, (delivered, failed)
+        for error in failed.values():
+            assert "data-parallel replica 1 (engine 1) died" in str(error), error
+        for i, rid in enumerate(ids):
+            if rid not in failed:
+                assert done[rid][:MAX_TOKENS] == dp1["greedy"][0][i]
+        _gone(replica1)
+        assert [s["alive"] for s in engine.replica_status()] == [True, False]
+        # Replica 0 alone answers what DP = 1 answers.
+        assert _gen(llm, GREEDY)[0] == dp1["greedy"][0]
+    finally:
+        llm.shutdown()
+    _gone(workers[0])
 
 
 def test_serve_dp2_openai_client_and_a_dead_replica(llama_dir, dp1, tmp_path):
