@@ -90,8 +90,9 @@ def _cpu_bind(name: str, raw: str) -> str | list[list[int]]:
         for part in value.split("|"):
             cores: list[int] = []
             for item in part.split(","):
-                lo, _, hi = item.strip().partition("-")
-                a, b = int(lo), int(hi or lo)
+                lo, dash, hi = item.strip().partition("-")
+                a = int(lo)
+                b = int(hi) if dash else a  # "0-" is malformed, not core 0
                 if a < 0 or b < a:
                     raise ValueError
                 cores += range(a, b + 1)
