@@ -227,10 +227,11 @@ def test_preemption_matches_hf(qwen3_5_dir):
     state_bytes = runner.state_cache_bytes()
     max_seqs = probe.llm_engine.vllm_config.scheduler_config.max_num_seqs
     probe.shutdown()
-    # Conv + recurrent state of each linear-attention layer, for every slot.
+    # Conv + recurrent state of each linear-attention layer, for every slot and every
+    # prefix-cache checkpoint (2 x max_num_seqs by default).
     conv = (2 * 2 * 16 + 4 * 16) * 3 * 4
     rec = 4 * 16 * 16 * 4
-    assert state_bytes == 2 * (conv + rec) * max_seqs
+    assert state_bytes == 2 * (conv + rec) * (max_seqs + 2 * max_seqs)
     # max_model_len within the pool's 14 x 8 tokens (a longer one is refused at start-up).
     llm = LLM(
         model=qwen3_5_dir,
