@@ -80,6 +80,15 @@ def test_chunked_gated_delta_rule_matches_recurrence():
     _, kept = recurrent_gated_delta_rule(q, k, v, decay, beta, s0, keep_states=True)
     assert kept.shape[1] == 150
     torch.testing.assert_close(kept[:, -1], s_ref)
+    # Prefix-cache checkpoints: chunks cut at the kept steps, the states after them equal the
+    # recurrence's, and the output is unchanged.
+    at = [5, 64, 100, 150]
+    states: list[torch.Tensor] = []
+    o, s = chunked_gated_delta_rule(q, k, v, decay, beta, s0, keep_at=at, kept=states)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-4)
+    assert len(states) == len(at)
+    for step, st in zip(at, states):
+        torch.testing.assert_close(st, kept[:, step - 1], atol=1e-5, rtol=1e-4)
 
 
 def test_states_carry_across_pieces():

@@ -215,3 +215,40 @@ def test_config_and_sizing(qwen3_5_dir, caplog):
         assert all(t.shape[0] == 5 for ts in las.checkpoints.values() for t in ts)
     finally:
         llm.shutdown()
+
+
+def test_boundary_passed_on_accepted_drafts(qwen3_5_self_draft_dir, prompts):
+    """K = 3, every draft accepted: decoding A's answer jumps 97 -> 101 -> 105, past boundary
+    104 on drafts not known when that step was scheduled; the next step checkpoints it from
+    the per-token states the verify step kept, and a follow-up turn resumes there."""
+    path = qwen3_5_self_draft_dir
+    spec = {**MTP, "num_speculative_tokens": 3}
+    llm = LLM(model=path, speculative_config=spec, **COMMON)
+    saves: list[tuple[int, int, int]] = []  # (boundary, tokens computed before the step, id)
+    sched = llm.llm_engine.scheduler
+    orig = sched.schedule
+
+    def spy(*a, **kw):
+        so = orig(*a, **kw)
+        for d in so.scheduled_new_reqs:
+            saves.extend(
+                (p, d.num_computed_tokens, ck)
+                for p, ck in so.state_checkpoint_saves.get(d.req_id, [])
+            )
+        cr = so.scheduled_cached_reqs
+        for rid, c in zip(cr.req_ids, cr.num_computed_tokens):
+            saves.extend((p, c, ck) for p, ck in so.state_checkpoint_saves.get(rid, []))
+        return so
+
+    sched.schedule = spy
+    try:
+        a = prompts[0]
+        first = _one_by_one(llm, [a])[0]
+        assert list(first.outputs[0].token_ids) == _hf(path, a)
+        assert (104, 105) in [(p, c) for p, c, _ in saves]  # copied after the fact
+        turn = a + list(first.outputs[0].token_ids) + make_prompts(512, [5], 3)[0]
+        out = _one_by_one(llm, [turn])[0]
+        assert out.num_cached_tokens == 104
+        assert list(out.outputs[0].token_ids) == _hf(path, turn)
+    finally:
+        llm.shutdown()
