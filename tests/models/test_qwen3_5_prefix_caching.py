@@ -16,7 +16,6 @@ no checkpoint inside them, so it computes everything and checkpoints where the c
 from __future__ import annotations
 
 import pytest
-import torch
 
 from vllm import LLM, SamplingParams
 from vllm.testing.engine_utils import hf_greedy, make_prompts
@@ -29,12 +28,7 @@ EXPECTED_CACHED = [0, 0, 88, 96]
 MTP = {"method": "mtp", "num_speculative_tokens": 2, "adaptive_num_speculative_tokens": False}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,8 @@ from torch import nn
 
 from vllm.model_executor.layers.mamba import MambaBase
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata, build_gdn_metadata
+from vllm.v1.core.sched.output import NewRequestData
+from vllm.v1.worker.gpu.states import RequestStates
 
 
 class LinearAttnStates:
@@ -100,6 +102,13 @@ class LinearAttnStates:
             ]
             layer.checkpoints = ckpts if self.num_checkpoints else None
             self.checkpoints[name] = ckpts
+
+    def restore_hits(self, new_reqs: list[NewRequestData], states: RequestStates) -> None:
+        """New requests starting after a prefix-cache hit: their states from its checkpoint."""
+        for d in new_reqs:
+            if d.state_checkpoint >= 0:
+                slot = int(states.state_slot[states.slot(d.req_id)])
+                self.restore(slot, d.state_checkpoint, d.num_computed_tokens)
 
     def restore(self, slot: int, checkpoint: int, num_computed: int) -> None:
         """A request starting after num_computed cached tokens: its slot's state is the

@@ -279,11 +279,8 @@ class ModelRunner:
         for d in so.scheduled_new_reqs:
             self.mm.add(d.req_id, d.mm_inputs)
         self._new_slots = np.array([st.add(d) for d in so.scheduled_new_reqs], dtype=np.int64)
-        for d in so.scheduled_new_reqs:
-            if d.state_checkpoint >= 0 and self.linear_attn_states is not None:
-                # Resumes after a prefix-cache hit: the states checkpointed at its end.
-                slot = int(st.state_slot[st.slot(d.req_id)])
-                self.linear_attn_states.restore(slot, d.state_checkpoint, d.num_computed_tokens)
+        if self.linear_attn_states is not None:  # prefix-cache hits resume from checkpoints
+            self.linear_attn_states.restore_hits(so.scheduled_new_reqs, st)
         if self.structured is not None:
             for d, s in zip(so.scheduled_new_reqs, self._new_slots.tolist()):
                 outputs = d.prefill_token_ids[d.num_prompt_tokens :]
