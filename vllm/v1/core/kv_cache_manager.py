@@ -239,8 +239,12 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
-        if self.checkpoints:
-            n = self.checkpoints.limit_hit(request.request_id, request.block_hashes, len(hits))
+        if self.num_state_slots:
+            # A hybrid resumes only where its linear-attention states were checkpointed (a
+            # scheduler without checkpoints, e.g. the warm-up's, never resumes).
+            n = 0
+            if self.checkpoints:
+                n = self.checkpoints.limit_hit(request.request_id, request.block_hashes, len(hits))
             hits = hits[:n]
         return hits, len(hits) * self.block_size
 
