@@ -104,3 +104,14 @@ def test_lookahead_checkpoint_waits_for_its_block_hash():
     assert kvm.checkpoints.num_registered == 1
     kvm.checkpoints.new_step()
     assert kvm.get_computed_blocks(_req("b", list(range(1, 9)) + [77, 5]))[1] == 8
+
+
+def test_hybrid_without_checkpoints_never_resumes():
+    """A hybrid's scheduler without checkpoints (the warm-up's) finds the KV blocks but has no
+    states to resume with: no hit."""
+    kvm = _manager(ckpts=0)
+    a = _req("a", list(range(1, 15)))
+    assert _prefill(kvm, a) == []
+    kvm.free(a)
+    assert kvm.pool.num_cached_blocks == 3
+    assert kvm.get_computed_blocks(_req("b", a.prompt_token_ids)) == ([], 0)
