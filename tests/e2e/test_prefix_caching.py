@@ -5,7 +5,7 @@ caching off for Llama, DeepSeek-V3 (MLA), V3.2 (DSA) and with MTP / EAGLE3 specu
 (identical drafts and acceptance), at P = 1 and P = 2, for shared prefixes of several lengths
 (block-aligned and not), under preemption and eviction, and while another request still runs on
 the shared blocks; hits are where a brute-force prefix match says; prompt_logprobs bypass the
-cache; cache_salt isolates; hybrid Qwen3.5 refuses an explicit request and defaults to off."""
+cache; cache_salt isolates. Hybrid Qwen3.5: tests/e2e/test_hybrid_prefix_caching.py."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from prometheus_client import generate_latest
 
 from vllm import LLM, SamplingParams
 from vllm.engine.arg_utils import EngineArgs
-from vllm.testing import qwen3_5_checkpoints as q35
 from vllm.testing.dsa_checkpoints import make_deepseek_v32
 from vllm.testing.engine_utils import make_prompts
 from vllm.testing.spec_checkpoints import make_eagle3_draft, make_mtp_self_draft
@@ -438,23 +437,6 @@ def test_cache_salt_and_reset(llama_dir):
 
 
 # ---- configuration -----------------------------------------------------------------------------
-
-
-def test_hybrid_model_refuses_or_defaults_off(tmp_path, caplog):
-    path = q35.make_qwen3_5(tmp_path / "q35")
-    with pytest.raises(ValueError, match="enable_prefix_caching=True.*hybrid.*Qwen3_5"):
-        LLM(model=path, enable_prefix_caching=True, **COMMON)
-    with caplog.at_level("INFO", logger="vllm.config"):
-        llm = LLM(model=path, **COMMON)
-    try:
-        assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
-        assert "Prefix caching is disabled for the hybrid model" in caplog.text
-        prompt = make_prompts(512, [13], seed=61)[0]
-        first, again = _alone(llm, prompt), _alone(llm, prompt)
-        assert first.outputs[0].token_ids == again.outputs[0].token_ids
-        assert again.num_cached_tokens == 0
-    finally:
-        llm.shutdown()
 
 
 def test_flag_default_and_metric_names(llama_dir):

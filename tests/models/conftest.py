@@ -37,3 +37,14 @@ def qwen3_5_near_self_draft_dir(tmp_path_factory: pytest.TempPathFactory, qwen3_
     return q35.make_qwen3_5_mtp_self_draft(
         tmp_path_factory.mktemp("qwen3_5_near"), qwen3_5_dir, target_scale=0.3
     )
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny tensors: intra-op threads only contend on a shared machine."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

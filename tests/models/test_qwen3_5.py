@@ -80,6 +80,15 @@ def test_chunked_gated_delta_rule_matches_recurrence():
     _, kept = recurrent_gated_delta_rule(q, k, v, decay, beta, s0, keep_states=True)
     assert kept.shape[1] == 150
     torch.testing.assert_close(kept[:, -1], s_ref)
+    # Prefix-cache checkpoints: chunks cut at the kept steps, the states after them equal the
+    # recurrence's, and the output is unchanged.
+    at = [5, 64, 100, 150]
+    states: list[torch.Tensor] = []
+    o, s = chunked_gated_delta_rule(q, k, v, decay, beta, s0, keep_at=at, kept=states)
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=1e-4)
+    assert len(states) == len(at)
+    for step, st in zip(at, states):
+        torch.testing.assert_close(st, kept[:, step - 1], atol=1e-5, rtol=1e-4)
 
 
 def test_states_carry_across_pieces():
@@ -227,10 +236,11 @@ def test_preemption_matches_hf(qwen3_5_dir):
     state_bytes = runner.state_cache_bytes()
     max_seqs = probe.llm_engine.vllm_config.scheduler_config.max_num_seqs
     probe.shutdown()
-    # Conv + recurrent state of each linear-attention layer, for every slot.
+    # Conv + recurrent state of each linear-attention layer, for every slot and every
+    # prefix-cache checkpoint (2 x max_num_seqs by default).
     conv = (2 * 2 * 16 + 4 * 16) * 3 * 4
     rec = 4 * 16 * 16 * 4
-    assert state_bytes == 2 * (conv + rec) * max_seqs
+    assert state_bytes == 2 * (conv + rec) * (max_seqs + 2 * max_seqs)
     # max_model_len within the pool's 14 x 8 tokens (a longer one is refused at start-up).
     llm = LLM(
         model=qwen3_5_dir,

@@ -577,3 +577,27 @@ def test_encoder_outputs_freed_once_the_image_is_computed(vl_dir):
     finally:
         llm.shutdown()
     assert 1 in sizes and sizes[-6:] == [0] * 6  # freed before the decode steps
+
+
+def test_hybrid_prefix_cache_with_images(vl_dir):
+    """The hybrid VL model (Gated DeltaNet layers): a prompt with an image seen before resumes
+    at its last full block (the linear-attention states there were checkpointed with the
+    image's embeddings in them); the same text with another image shares nothing after the
+    image's first block and still gets HF's output."""
+    text = "some shared text before the image " + PH + " and after it, more text to read"
+    a, b = q35.make_test_image(10, (64, 48)), q35.make_test_image(11, (64, 48))
+    refs = [q35.hf_vl_greedy(vl_dir, text, [im], GREEDY.max_tokens) for im in (a, b)]
+    llm = LLM(model=vl_dir, **COMMON)
+    try:
+        assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is True
+        _, ids, _ = llm.llm_engine.process_prompt_mm(_prompt(text, [a]))
+        got, cached = [], []
+        for im in (a, a, b):
+            out = llm.generate(_prompt(text, [im]), GREEDY, use_tqdm=False)[0]
+            got.append(list(out.outputs[0].token_ids))
+            cached.append(out.num_cached_tokens)
+    finally:
+        llm.shutdown()
+    assert got == [refs[0], refs[0], refs[1]]
+    block = COMMON["block_size"]
+    assert cached[:2] == [0, (len(ids) - 1) // block * block]

@@ -18,9 +18,19 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     """Fraction of device memory the engine may use on CUDA."""
     enable_prefix_caching: bool | None = None
-    """Reuse the KV blocks of shared prompt prefixes across requests. None (the default): on,
-    except for hybrid models (linear-attention states are per request, not per block), where it
-    is off; True on a hybrid model is an error."""
+    """Reuse the KV blocks of shared prompt prefixes across requests. None (the default): on.
+    Hybrid models (linear attention) also keep checkpoints of their linear-attention states on
+    the block grid (see mamba_cache_mode), so a hit resumes at a checkpointed block boundary."""
+    mamba_cache_mode: str = "align"
+    """Hybrid models with prefix caching: at which block boundaries a request's linear-attention
+    states are checkpointed. "align": the last boundary each step reaches (the last full block
+    of a prompt, of each prefill chunk, each boundary a decode crosses) plus the end of the
+    cached run a request started from (where requests sharing a prefix diverge); "all": every
+    boundary a step passes; "none": no checkpoints (prefix caching is then off for hybrids)."""
+    mamba_num_checkpoints: int | None = None
+    """Hybrid models: how many linear-attention state checkpoints each stage keeps (least
+    recently used evicted first; each holds the states of all of the stage's linear-attention
+    layers and is taken from the KV cache budget at start-up). None: 2 x max_num_seqs."""
     num_gpu_blocks: int | None = None
     """Number of KV blocks (derived from the memory budget by the worker)."""
     num_gpu_blocks_override: int | None = None
@@ -43,6 +53,17 @@ class CacheConfig:
             raise ValueError(
                 "num_gpu_blocks_override must be a positive integer, got "
                 f"{self.num_gpu_blocks_override!r}"
+            )
+        if self.mamba_cache_mode not in ("align", "all", "none"):
+            raise ValueError(
+                f"mamba_cache_mode must be 'align', 'all' or 'none', got {self.mamba_cache_mode!r}"
+            )
+        if self.mamba_num_checkpoints is not None and (
+            not isinstance(self.mamba_num_checkpoints, int) or self.mamba_num_checkpoints < 1
+        ):
+            raise ValueError(
+                "mamba_num_checkpoints must be a positive integer, got "
+                f"{self.mamba_num_checkpoints!r}"
             )
         if not (self.enable_prefix_caching is None or isinstance(self.enable_prefix_caching, bool)):
             raise ValueError(

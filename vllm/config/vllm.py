@@ -118,23 +118,31 @@ class VllmConfig:
         cc = self.cache_config
         if cc.enable_prefix_caching is False:
             return
-        arch = self.model_config.architecture
         if not self.model_config.is_hybrid:
             cc.enable_prefix_caching = True
-        elif cc.enable_prefix_caching is None:
+            return
+        arch = self.model_config.architecture
+        if cc.mamba_cache_mode == "none":
+            if cc.enable_prefix_caching:
+                raise ValueError(
+                    f"enable_prefix_caching=True needs linear-attention state checkpoints for "
+                    f"the hybrid model {arch}, but mamba_cache_mode is 'none'"
+                )
             logger.info(
-                "Prefix caching is disabled for the hybrid model %s: its linear-attention "
-                "states are kept per request, not per KV block",
-                arch,
+                "Prefix caching is disabled for the hybrid model %s (mamba_cache_mode none)", arch
             )
             cc.enable_prefix_caching = False
-        else:
-            raise ValueError(
-                f"enable_prefix_caching=True is not supported for the hybrid model {arch} "
-                "(its linear-attention states are kept per request, not per KV block, so a "
-                "cached prefix cannot be resumed); leave it unset or pass "
-                "enable_prefix_caching=False (--no-enable-prefix-caching)"
-            )
+            return
+        cc.enable_prefix_caching = True
+        if cc.mamba_num_checkpoints is None:
+            cc.mamba_num_checkpoints = 2 * self.scheduler_config.max_num_seqs
+
+    def num_state_checkpoints(self) -> int:
+        """Linear-attention state checkpoints per stage (hybrid models with prefix caching)."""
+        cc = self.cache_config
+        if not (self.model_config.is_hybrid and cc.enable_prefix_caching):
+            return 0
+        return cc.mamba_num_checkpoints or 0
 
     @property
     def target_embed_on_last_stage(self) -> bool:

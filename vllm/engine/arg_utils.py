@@ -76,6 +76,8 @@ class EngineArgs:
     gpu_memory_utilization: float = CacheConfig.gpu_memory_utilization
     num_gpu_blocks_override: int | None = CacheConfig.num_gpu_blocks_override
     enable_prefix_caching: bool | None = CacheConfig.enable_prefix_caching
+    mamba_cache_mode: str = CacheConfig.mamba_cache_mode
+    mamba_num_checkpoints: int | None = CacheConfig.mamba_num_checkpoints
     pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     distributed_executor_backend: DistributedExecutorBackend | None = (
@@ -182,6 +184,8 @@ class EngineArgs:
                 gpu_memory_utilization=self.gpu_memory_utilization,
                 num_gpu_blocks_override=self.num_gpu_blocks_override,
                 enable_prefix_caching=self.enable_prefix_caching,
+                mamba_cache_mode=self.mamba_cache_mode,
+                mamba_num_checkpoints=self.mamba_num_checkpoints,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

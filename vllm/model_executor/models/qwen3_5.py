@@ -176,8 +176,9 @@ class Qwen3_5GatedDeltaNet(MambaBase, TPSharded):
         x = hidden_states[: meta.num_tokens]
         n = meta.num_tokens
         conv_state, recurrent_state = self.states
+        conv_ckpt, recurrent_ckpt = self.checkpoints or (None, None)
         mixed = causal_conv1d_varlen(
-            self.in_proj_qkv(x), self.conv1d.weight, None, conv_state, meta, "silu"
+            self.in_proj_qkv(x), self.conv1d.weight, None, conv_state, meta, "silu", conv_ckpt
         )
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2norm(q.reshape(n, self.num_k_heads, self.head_k_dim).float())
@@ -191,7 +192,7 @@ class Qwen3_5GatedDeltaNet(MambaBase, TPSharded):
         v = v.reshape(n, self.num_v_heads, self.head_v_dim).float()
         beta = self.in_proj_b(x).float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
-        o = gated_delta_rule_varlen(q, k, v, g, beta, recurrent_state, meta)
+        o = gated_delta_rule_varlen(q, k, v, g, beta, recurrent_state, meta, recurrent_ckpt)
         z = self.in_proj_z(x).reshape(n, self.num_v_heads, self.head_v_dim)
         o = self.norm(o.to(x.dtype), z).reshape(n, self.value_dim)
         out = self.out_proj(o)

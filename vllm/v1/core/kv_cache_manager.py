@@ -10,7 +10,8 @@ Prefix caching: every full block of a request gets a hash chained from its paren
 hashes mean equal token prefixes (and equal cache salt). A full block whose KV is computed is
 registered under its hash; a new request whose leading block hashes are registered starts with
 those blocks (shared, reference counted) instead of computing them. A freed block keeps its hash
-and stays reusable in an LRU until its memory is needed for another request.
+and stays reusable in an LRU until its memory is needed for another request. Hybrid models
+resume only after a block whose linear-attention states were checkpointed (state_checkpoints).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
+from vllm.v1.core.state_checkpoints import StateCheckpointPool
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request
 
@@ -71,6 +74,8 @@ class BlockPool:
         self.ref_cnt = [0] * num_blocks
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self._hash_to_block: dict[BlockHash, int] = {}
+        # Called with the hash of every block whose cached prefix is forgotten (evicted).
+        self.on_uncache: Callable[[BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -131,6 +136,8 @@ class BlockPool:
         if h is not None:
             del self._hash_to_block[h]
             self.block_hash[block] = None
+            if self.on_uncache is not None:
+                self.on_uncache(h)
 
     def reset_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any block is in use, since those
@@ -155,8 +162,13 @@ class KVCacheManager:
         num_state_slots: int = 0,
         enable_caching: bool = False,
         num_lookahead_tokens: int = 0,
+        num_state_checkpoints: int = 0,
+        mamba_cache_mode: str = "align",
     ) -> None:
-        """num_lookahead_tokens: a draft model writes KV into the same blocks, and its KV at a
+        """num_state_checkpoints: hybrid models' linear-attention state checkpoints (a hit
+        must end at a checkpointed block boundary).
+
+        num_lookahead_tokens: a draft model writes KV into the same blocks, and its KV at a
         position is computed from up to that many tokens after it (1: the next token), so a
         block is only reusable by a request that also agrees on the first tokens of the next
         block; they join the block's hash (and a block is registered once they are known)."""
@@ -173,6 +185,11 @@ class KVCacheManager:
         # Leading blocks of each request already registered in the pool (or found duplicate).
         self._num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+        self.checkpoints = StateCheckpointPool(
+            num_state_checkpoints if enable_caching else 0, block_size, mamba_cache_mode
+        )
+        if self.checkpoints:
+            self.pool.on_uncache = self.checkpoints.drop
 
     @property
     def num_blocks(self) -> int:
@@ -222,7 +239,40 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
+        if self.num_state_slots:
+            # A hybrid resumes only where its linear-attention states were checkpointed (a
+            # scheduler without checkpoints, e.g. the warm-up's, never resumes).
+            n = 0
+            if self.checkpoints:
+                n = self.checkpoints.limit_hit(request.request_id, request.block_hashes, len(hits))
+            hits = hits[:n]
         return hits, len(hits) * self.block_size
+
+    def restore_checkpoint(self, request: Request, num_hit_tokens: int) -> int:
+        """The state checkpoint a request starting after num_hit_tokens cached tokens resumes
+        from (-1: none, it starts from scratch)."""
+        if not self.checkpoints:
+            return -1
+        return self.checkpoints.restore(request.block_hashes, num_hit_tokens // self.block_size)
+
+    def plan_checkpoints(self, request: Request, start: int, end: int) -> list[tuple[int, int]]:
+        """(boundary, checkpoint id) of the states a step computing tokens [start, end) of the
+        request saves; only boundaries its known tokens reach (never after a draft). A boundary
+        <= start is one the last step passed on drafts accepted since: the workers copy it from
+        the states that step kept."""
+        if not self.checkpoints:
+            return []
+        hashes = self._block_hashes(request, min(end, request.num_tokens) // self.block_size)
+        out = []
+        for p in self.checkpoints.boundaries(
+            request.request_id, start, min(end, request.num_tokens)
+        ):
+            ckpt = self.checkpoints.save(
+                request.request_id, p, hashes, lambda h: self.pool.lookup(h) is not None
+            )
+            if ckpt is not None:
+                out.append((p, ckpt))
+        return out
 
     def record_prefix_cache_lookup(self, request: Request, num_hit_tokens: int) -> None:
         if self.enable_caching:
@@ -251,6 +301,8 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.pool.cache(blocks[i], hashes[i])
         self._num_cached_blocks[rid] = num_full
+        if self.checkpoints:
+            self.checkpoints.on_blocks_cached(rid, hashes, num_full)
 
     def reset_prefix_cache(self) -> bool:
         ok = self.pool.reset_cache()
@@ -312,6 +364,7 @@ class KVCacheManager:
         self._num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.pool.give_back(blocks[::-1])
+        self.checkpoints.free_request(request.request_id)
         slot = self.req_to_state_slot.pop(request.request_id, None)
         if slot is not None:
             self._free_state_slots.appendleft(slot)

@@ -116,7 +116,11 @@ class LLMEngine(EngineInputs):
             num_blocks * bs / mc.max_model_len,
         )
         self.scheduler = Scheduler(
-            vllm_config, num_blocks, num_state_slots(vllm_config), step_costs=step_costs
+            vllm_config,
+            num_blocks,
+            num_state_slots(vllm_config),
+            step_costs=step_costs,
+            num_state_checkpoints=vllm_config.num_state_checkpoints(),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         k = vllm_config.num_speculative_tokens

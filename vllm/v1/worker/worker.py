@@ -125,13 +125,15 @@ class Worker:
         else:
             gib = envs.VLLM_CPU_KVCACHE_SPACE
             budget = int(gib * (1 << 30))
-        # Hybrid models: the linear-attention states (one slot per running request) come first.
+        # Hybrid models: the linear-attention states (one slot per running request, and the
+        # prefix cache's checkpoints) come first.
         states = self._runner().state_cache_bytes()
         if states and states >= budget:
             raise ValueError(
                 f"the KV cache budget ({budget} bytes) does not hold the linear-attention "
-                f"states of max_num_seqs requests ({states} bytes); raise kv_cache_memory_bytes "
-                "/ gpu_memory_utilization or lower max_num_seqs"
+                f"states of max_num_seqs requests and their mamba_num_checkpoints prefix-cache "
+                f"checkpoints ({states} bytes); raise kv_cache_memory_bytes / "
+                "gpu_memory_utilization or lower max_num_seqs / mamba_num_checkpoints"
             )
         budget -= states
         if per_block == 0:

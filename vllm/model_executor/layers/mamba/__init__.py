@@ -21,6 +21,9 @@ class MambaBase(nn.Module):
         super().__init__()
         self.layer_name = prefix
         self.states: list[torch.Tensor] | None = None
+        # Prefix caching: the same tensors [num_checkpoints, *shape] holding states saved at
+        # block boundaries (None: no checkpoints).
+        self.checkpoints: list[torch.Tensor] | None = None
 
     def state_shapes(self) -> list[tuple[int, ...]]:
         """Per-request shape of each state tensor."""

@@ -10,13 +10,16 @@ states after its last `num_store` tokens to positions 0..num_store-1 of its slot
 of 1 + d tokens keeps all 1 + d, so whichever prefix the sampler accepts, the next step starts
 from the state right after it without recomputation.
 
+Prefix caching adds checkpoint writes: the state after a given token of a request's query is
+also copied to a checkpoint id of the layer's checkpoint tensors [C, ...].
+
 Short queries (decode, draft verification, tiny prefills) run together, padded, through the
 per-token recurrence; longer ones (prefill chunks) run one by one through the chunked form.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -34,6 +37,9 @@ class GDNShortGroup:
     store_steps: torch.Tensor  # [N] the step (0..L-1) after which it is taken
     store_slots: torch.Tensor  # [N] state slot it is written to
     store_pos: torch.Tensor  # [N] position within that slot
+    ckpt_rows: torch.Tensor | None = None  # [W] group row of each checkpoint write
+    ckpt_steps: torch.Tensor | None = None  # [W] the step after which it is taken
+    ckpt_ids: torch.Tensor | None = None  # [W] checkpoint id it is written to
 
     def padded(self, x: torch.Tensor) -> torch.Tensor:
         """Flat per-token x [T, ...] -> [Rg, L, ...] with zeros in the padding."""
@@ -53,6 +59,8 @@ class GDNAttentionMetadata:
     short: GDNShortGroup | None
     long_rows: list[int]  # rows run one by one; their final state goes to position 0
     state_slots_np: np.ndarray  # [R]
+    # Long rows' checkpoint writes: row -> [(tokens of the row before the state, id)].
+    long_ckpts: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     def initial_states(self, states: torch.Tensor) -> torch.Tensor:
         """[R, ...] initial state of every request in states [S, P, ...] (zeros where it has
@@ -70,10 +78,12 @@ def build_gdn_metadata(
     num_store: np.ndarray,
     short_query_len: int,
     device: torch.device,
+    checkpoint_writes: list[tuple[int, int, int]] | None = None,
 ) -> GDNAttentionMetadata:
     """query_start_loc [R + 1]; per request: its state slot, whether it continues a state, the
     position of that state, and how many trailing per-token states to keep (1: the final one).
-    A request keeping more than one state always runs in the padded group."""
+    A request keeping more than one state always runs in the padded group. checkpoint_writes:
+    (row, tokens of its query before the state, checkpoint id)."""
     qsl = np.asarray(query_start_loc, dtype=np.int64)
     q_lens = qsl[1:] - qsl[:-1]
     T = int(qsl[-1])
@@ -106,6 +116,21 @@ def build_gdn_metadata(
             store_slots=torch.from_numpy(slots[short_rows][store_rows]).to(device),
             store_pos=torch.from_numpy(within).to(device),
         )
+    writes = checkpoint_writes or []
+    long_ckpts: dict[int, list[tuple[int, int]]] = {}
+    for r, off, ck in writes:
+        if not is_short[r]:
+            long_ckpts.setdefault(r, []).append((off, ck))
+    short_writes = [(r, off, ck) for r, off, ck in writes if is_short[r]]
+    if short_writes and short is not None:
+        group_row = {int(r): g for g, r in enumerate(short_rows)}
+
+        def tensor(xs: list[int]) -> torch.Tensor:
+            return torch.tensor(xs, dtype=torch.int64, device=device)
+
+        short.ckpt_rows = tensor([group_row[r] for r, _, _ in short_writes])
+        short.ckpt_steps = tensor([off - 1 for _, off, _ in short_writes])
+        short.ckpt_ids = tensor([ck for _, _, ck in short_writes])
     return GDNAttentionMetadata(
         num_tokens=T,
         query_start_loc_np=qsl,
@@ -117,4 +142,5 @@ def build_gdn_metadata(
         short=short,
         long_rows=long_rows,
         state_slots_np=slots,
+        long_ckpts=long_ckpts,
     )

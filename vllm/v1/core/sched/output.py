@@ -24,6 +24,9 @@ class NewRequestData:
     num_computed_tokens: int
     state_slot: int = -1
     """Hybrid models: the KV cache manager's state slot for the linear-attention states."""
+    state_checkpoint: int = -1
+    """Hybrid models starting after a prefix-cache hit: the checkpoint of the linear-attention
+    states (after num_computed_tokens tokens) it resumes from; -1: none."""
     mm_inputs: MultiModalInputs | None = None
     """Multimodal prompts: the images (the first stage encodes them) and M-RoPE positions."""
 
@@ -50,6 +53,9 @@ class SchedulerOutput:
     num_draft_steps: int | None = None
     """The most drafts any request of this step verifies next step (its proposer may skip the
     draft steps after them); None: num_speculative_tokens."""
+    state_checkpoint_saves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    """Hybrid models with prefix caching: per request, (tokens, checkpoint id) of the
+    linear-attention states this step saves, the state after that many of its tokens."""
 
     def without_pixel_values(self) -> SchedulerOutput:
         """What a pipeline stage after the first receives: the same step, its new requests'

@@ -49,7 +49,10 @@ class Scheduler:
         num_blocks: int,
         num_state_slots: int = 0,
         step_costs: StepCostModel | None = None,
+        num_state_checkpoints: int = 0,
     ):
+        """num_state_slots / num_state_checkpoints: hybrid models' linear-attention state slots
+        (one per running request) and prefix-cache checkpoints (VllmConfig's)."""
         sc = vllm_config.scheduler_config
         self.max_num_seqs = sc.max_num_seqs
         self.max_num_batched_tokens = sc.max_num_batched_tokens
@@ -72,6 +75,10 @@ class Scheduler:
                 vllm_config.speculative_config.num_lookahead_tokens
                 if vllm_config.speculative_config is not None
                 else 0
+            ),
+            num_state_checkpoints=num_state_checkpoints,
+            mamba_cache_mode=(
+                vllm_config.cache_config.mamba_cache_mode if num_state_checkpoints else "none"
             ),
         )
         self.priority_policy = sc.policy == "priority"
@@ -208,6 +215,7 @@ class Scheduler:
         # cuts drafts already proposed).
         est_bs = min(len(self.running) + len(self.waiting), cap, self.max_num_seqs)
         k_cap = self.spec_k.cap(max(est_bs, 1)) if self.spec_k is not None else 0
+        self.kv_cache_manager.checkpoints.new_step()
 
         i = 0
         while i < len(self.running) and budget > 0 and len(num_scheduled) < cap:
@@ -289,6 +297,7 @@ class Scheduler:
                     block_ids=list(self.kv_cache_manager.get_block_ids(req.request_id)),
                     num_computed_tokens=req.num_computed_tokens,
                     state_slot=self.kv_cache_manager.req_to_state_slot.get(req.request_id, -1),
+                    state_checkpoint=kvm.restore_checkpoint(req, num_hit),
                     mm_inputs=req.mm_inputs,
                 )
             )
@@ -296,9 +305,13 @@ class Scheduler:
             budget -= n
 
         num_prompt = 0
+        saves: dict[str, list[tuple[int, int]]] = {}
         for rid, n in num_scheduled.items():
             req = self.requests[rid]
             c = req.num_computed_tokens
+            planned = self.kv_cache_manager.plan_checkpoints(req, c, c + n)
+            if planned:
+                saves[rid] = planned
             # Prompt tokens served from the cache count as processed, as in vLLM.
             start = c - num_hit_tokens.get(rid, 0)
             num_prompt += max(0, min(c + n, req.num_prompt_tokens) - start)
@@ -320,6 +333,7 @@ class Scheduler:
             step_id=self._step_id,
             num_prompt_tokens=num_prompt,
             num_draft_steps=num_draft_steps,
+            state_checkpoint_saves=saves,
         )
 
     def _take_new_blocks(self, req: Request) -> list[int]:

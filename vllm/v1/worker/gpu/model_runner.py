@@ -111,7 +111,12 @@ class ModelRunner:
             name: m for name, m in self._all_modules() if isinstance(m, AttentionLayerBase)
         }
         self.linear_attn_states = LinearAttnStates.from_modules(
-            self._all_modules(), self.max_num_reqs, self.num_spec, self.dtype, self.device
+            self._all_modules(),
+            self.max_num_reqs,
+            self.num_spec,
+            self.dtype,
+            self.device,
+            self.vllm_config.num_state_checkpoints(),
         )
 
     def _all_modules(self) -> Iterator[tuple[str, torch.nn.Module]]:
@@ -274,6 +279,8 @@ class ModelRunner:
         for d in so.scheduled_new_reqs:
             self.mm.add(d.req_id, d.mm_inputs)
         self._new_slots = np.array([st.add(d) for d in so.scheduled_new_reqs], dtype=np.int64)
+        if self.linear_attn_states is not None:  # prefix-cache hits resume from checkpoints
+            self.linear_attn_states.restore_hits(so.scheduled_new_reqs, st)
         if self.structured is not None:
             for d, s in zip(so.scheduled_new_reqs, self._new_slots.tolist()):
                 outputs = d.prefill_token_ids[d.num_prompt_tokens :]
@@ -335,7 +342,7 @@ class ModelRunner:
         ):
             out = graphs.run(batch, batch.attn_metadata)
         else:
-            with set_forward_context(batch.attn_metadata, self._linear_attn_metadata(batch)):
+            with set_forward_context(batch.attn_metadata, self._linear_attn_metadata(batch, so)):
                 out = self.model(
                     batch.input_ids if self.pp.is_first_rank else None,
                     positions,
@@ -366,7 +373,9 @@ class ModelRunner:
                 out[key] = t.clone()
         return out
 
-    def _linear_attn_metadata(self, batch: InputBatch) -> GDNAttentionMetadata | None:
+    def _linear_attn_metadata(
+        self, batch: InputBatch, so: SchedulerOutput
+    ) -> GDNAttentionMetadata | None:
         if self.linear_attn_states is None:
             return None
         return self.linear_attn_states.prepare(
@@ -375,6 +384,7 @@ class ModelRunner:
             batch.num_draft_tokens_np,
             self.states.state_slot[batch.idx_mapping_np],
             short_query_len=self.num_spec + 1,
+            saves=[so.state_checkpoint_saves.get(r, []) for r in batch.req_ids],
         )
 
     def _pp_apply_prev_results(self, so: SchedulerOutput) -> None:

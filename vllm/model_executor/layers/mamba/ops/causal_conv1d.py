@@ -69,9 +69,11 @@ def causal_conv1d_varlen(
     conv_states: torch.Tensor,
     meta: GDNAttentionMetadata,
     activation: str | None = "silu",
+    checkpoints: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal depthwise conv of the flattened x [T, C] per request, continuing and updating
-    conv_states [S, P, C, k - 1]; returns [T, C]."""
+    conv_states [S, P, C, k - 1] (and the checkpoints [C_ids, C, k - 1] the metadata names);
+    returns [T, C]."""
     k = conv_states.shape[-1] + 1
     out = torch.zeros_like(x)
     init = meta.initial_states(conv_states)
@@ -83,6 +85,11 @@ def causal_conv1d_varlen(
         conv_states[g.store_slots, g.store_pos] = conv_state_at(
             padded, g.store_rows, g.store_steps, k
         ).to(conv_states.dtype)
+        if checkpoints is not None and g.ckpt_ids is not None:
+            assert g.ckpt_rows is not None and g.ckpt_steps is not None
+            checkpoints[g.ckpt_ids] = conv_state_at(padded, g.ckpt_rows, g.ckpt_steps, k).to(
+                checkpoints.dtype
+            )
     qsl = meta.query_start_loc_np
     for r in meta.long_rows:
         a, b = int(qsl[r]), int(qsl[r + 1])
@@ -90,4 +97,8 @@ def causal_conv1d_varlen(
         out[a:b] = y[0].t()
         slot = int(meta.state_slots_np[r])
         conv_states[slot, 0] = padded[0, :, -(k - 1) :].to(conv_states.dtype)
+        if checkpoints is not None:
+            for off, ck in meta.long_ckpts.get(r, []):
+                # The state after `off` steps: the k - 1 inputs ending at step off - 1.
+                checkpoints[ck] = padded[0, :, off : off + k - 1].to(checkpoints.dtype)
     return out

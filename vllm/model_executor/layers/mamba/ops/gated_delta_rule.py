@@ -13,6 +13,7 @@ a flattened token batch over per-request state slots.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,8 +67,12 @@ def chunked_gated_delta_rule(
     beta: torch.Tensor,
     state: torch.Tensor,
     chunk_size: int = 64,
+    keep_at: Sequence[int] = (),
+    kept: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as recurrent_gated_delta_rule (final state only), computed chunk by chunk.
+    keep_at: step counts (1..L) after which the state is also appended to `kept` (chunks are
+    cut there; the prefix-cache checkpoints of a long query).
 
     Within a chunk, with G_t the cumulative decay since the chunk start and S0 the entering
     state, the corrections d_t = beta_t (v_t - S_{t-1}^T k_t) solve the unit lower-triangular
@@ -83,8 +88,11 @@ def chunked_gated_delta_rule(
     g, beta = g.transpose(1, 2), beta.transpose(1, 2)
     s = state.float()
     out = v.new_empty(B, H, L, dv)
-    for start in range(0, L, chunk_size):
-        end = min(start + chunk_size, L)
+    keep = sorted(set(keep_at))
+    if keep and (keep[0] < 1 or keep[-1] > L or kept is None):
+        raise ValueError(f"keep_at {keep} must lie in [1, {L}] and needs a kept list")
+    cuts = sorted(set(range(0, L, chunk_size)) | set(keep) | {L})
+    for start, end in zip(cuts[:-1], cuts[1:]):
         n = end - start
         qc, kc, vc = q[:, :, start:end], k[:, :, start:end], v[:, :, start:end]
         bc = beta[:, :, start:end]
@@ -106,6 +114,9 @@ def chunked_gated_delta_rule(
             g_last.exp()[..., None] * s
             + (kc * (g_last - gam).exp()[..., None]).transpose(-1, -2) @ d
         )
+        if end in keep:
+            assert kept is not None
+            kept.append(s)
     return out.transpose(1, 2), s
 
 
@@ -117,10 +128,11 @@ def gated_delta_rule_varlen(
     beta: torch.Tensor,
     recurrent_states: torch.Tensor,
     meta: GDNAttentionMetadata,
+    checkpoints: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated delta rule per request over flattened q, k [T, H, dk], v [T, H, dv], g, beta
-    [T, H], continuing and updating recurrent_states [S, P, H, dk, dv]; returns o [T, H, dv]
-    (float32)."""
+    [T, H], continuing and updating recurrent_states [S, P, H, dk, dv] (and the checkpoints
+    [C, H, dk, dv] the metadata names); returns o [T, H, dv] (float32)."""
     T, H, dv = v.shape
     out = torch.zeros(T, H, dv, dtype=torch.float32, device=v.device)
     init = meta.initial_states(recurrent_states).float()
@@ -140,9 +152,13 @@ def gated_delta_rule_varlen(
         recurrent_states[grp.store_slots, grp.store_pos] = kept[grp.store_rows, grp.store_steps].to(
             recurrent_states.dtype
         )
+        if grp.ckpt_ids is not None and checkpoints is not None:
+            checkpoints[grp.ckpt_ids] = kept[grp.ckpt_rows, grp.ckpt_steps].to(checkpoints.dtype)
     qsl = meta.query_start_loc_np
     for r in meta.long_rows:
         a, b = int(qsl[r]), int(qsl[r + 1])
+        writes = meta.long_ckpts.get(r, []) if checkpoints is not None else []
+        states: list[torch.Tensor] = []
         o, final = chunked_gated_delta_rule(
             q[a:b][None],
             k[a:b][None],
@@ -150,7 +166,14 @@ def gated_delta_rule_varlen(
             g[a:b][None],
             beta[a:b][None],
             init[r : r + 1],
+            keep_at=[off for off, _ in writes],
+            kept=states,
         )
         out[a:b] = o[0]
+        if writes:
+            assert checkpoints is not None
+            at = dict(zip(sorted({off for off, _ in writes}), states))
+            for off, ck in writes:
+                checkpoints[ck] = at[off][0].to(checkpoints.dtype)
         recurrent_states[int(meta.state_slots_np[r]), 0] = final[0].to(recurrent_states.dtype)
     return out
