@@ -33,6 +33,9 @@ BAD_VALUES = {
     "VLLM_CPU_KERNELS": "perhaps",
     "VLLM_CPU_ONEDNN_CACHE_CAPACITY": "many",
     "VLLM_ATTENTION_BACKEND": "FLASH_ATTN",
+    "VLLM_DP_CPU_BIND": "0-|1",
+    "VLLM_RAY_PER_WORKER_CPUS": "0",
+    "VLLM_RAY_PLACEMENT_TIMEOUT_S": "never",
 }
 FREE_TEXT = {
     "VLLM_PP_LAYER_PARTITION",  # checked against P and the layer count (test_pp_indices)
@@ -43,6 +46,7 @@ FREE_TEXT = {
     "VLLM_CACHE_ROOT",
     "XDG_CACHE_HOME",
     "RAY_ADDRESS",
+    "VLLM_HOST_IP",  # an address gloo binds to: checked when the worker binds it
     "OMP_NUM_THREADS",
     "ONEDNN_PRIMITIVE_CACHE_CAPACITY",  # oneDNN's own
     "LRU_CACHE_CAPACITY",  # PyTorch ideep's own

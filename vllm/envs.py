@@ -81,6 +81,29 @@ def _fault_spec(name: str, raw: str) -> tuple[int, str, int]:
     return rank, marker, n
 
 
+def _cpu_bind(name: str, raw: str) -> str | list[list[int]]:
+    value = raw.strip().lower()
+    if value in ("auto", "none"):
+        return value
+    out: list[list[int]] = []
+    try:
+        for part in value.split("|"):
+            cores: list[int] = []
+            for item in part.split(","):
+                lo, dash, hi = item.strip().partition("-")
+                a = int(lo)
+                b = int(hi) if dash else a  # "0-" is malformed, not core 0
+                if a < 0 or b < a:
+                    raise ValueError
+                cores += range(a, b + 1)
+            out.append(sorted(set(cores)))
+    except ValueError:
+        raise ValueError(
+            f"{name} must be 'auto', 'none' or '|'-separated core lists like '0-3|4-7', got {raw!r}"
+        ) from None
+    return out
+
+
 def _flag(name: str, raw: str) -> bool:
     value = raw.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -128,6 +151,42 @@ _VARS = [
         "How the mp executor starts stage processes: spawn (a fresh interpreter each) or "
         "forkserver (forked from one server process that imported torch and the worker once; "
         "much faster when engines are created often).",
+    ),
+    EnvVar(
+        "VLLM_DP_CPU_BIND",
+        "auto",
+        _cpu_bind,
+        "CPU cores of each data-parallel replica (the replica's engine process, its in-process "
+        "worker and the worker processes it starts), so replicas sharing a host do not "
+        "oversubscribe it: 'auto' splits this process's cores evenly among the mp replicas, "
+        "and gives a Ray replica as many cores as the CPUs its placement holds, disjoint from "
+        "the other replicas on the same physical host; 'none' binds nothing; or one core list "
+        "per local replica, '|'-separated ('0|1', '0-3|4-7'). Each bound replica runs "
+        "torch with one thread per core (unless OMP_NUM_THREADS is set).",
+    ),
+    EnvVar(
+        "VLLM_HOST_IP",
+        None,
+        _text,
+        "The address this process's gloo collectives listen on and advertise to their peers. "
+        "Unset: a Ray worker uses its Ray node's IP (never the loopback address a hostname "
+        "may resolve to, which a peer on another node cannot reach); other workers use "
+        "gloo's default (the address the hostname resolves to).",
+    ),
+    EnvVar(
+        "VLLM_RAY_PER_WORKER_CPUS",
+        1.0,
+        _positive_float("CPUs"),
+        "Ray CPUs each worker actor takes (fractions allowed): a pipeline stage's placement "
+        "bundle holds tensor_parallel_size of them, so a stage fits a node with that many.",
+    ),
+    EnvVar(
+        "VLLM_RAY_PLACEMENT_TIMEOUT_S",
+        60.0,
+        _positive_float("seconds"),
+        "How long the engine waits for Ray to place a replica's workers (a placement group "
+        "the cluster could hold but whose resources are taken) before it fails naming what "
+        "is missing. A placement no node could ever hold fails at once.",
     ),
     EnvVar(
         "VLLM_CPU_KVCACHE_SPACE",
@@ -286,8 +345,9 @@ _VARS = [
         "RAY_ADDRESS",
         None,
         _text,
-        "Ray's own: an existing cluster the ray executor joins; unset, the engine starts a "
-        "local Ray with one CPU per pipeline stage.",
+        "Ray's own: an existing cluster the ray executor (and data_parallel_backend='ray') "
+        "joins - host:port of its head, or 'auto' for the one `ray start --head` started on "
+        "this machine; unset, the engine starts a local Ray with one CPU per worker.",
     ),
     EnvVar(
         "OMP_NUM_THREADS",
@@ -320,6 +380,10 @@ if TYPE_CHECKING:  # the names this module provides
     VLLM_PP_LAYER_PARTITION: str | None
     VLLM_WORKER_MULTIPROC_METHOD: str
     VLLM_CPU_KVCACHE_SPACE: float
+    VLLM_DP_CPU_BIND: str | list[list[int]]
+    VLLM_HOST_IP: str | None
+    VLLM_RAY_PER_WORKER_CPUS: float
+    VLLM_RAY_PLACEMENT_TIMEOUT_S: float
     VLLM_CPU_ONEDNN_CACHE_CAPACITY: int
     ONEDNN_PRIMITIVE_CACHE_CAPACITY: str | None
     LRU_CACHE_CAPACITY: str | None
@@ -346,15 +410,22 @@ def __dir__() -> list[str]:
     return sorted(ENV_VARS)
 
 
+# Settings that describe the process's own node: never carried to another node.
+_NODE_LOCAL = frozenset({"VLLM_HOST_IP"})
+
+
 def vllm_env() -> dict[str, str]:
-    """The engine's VLLM_* settings, to apply in every stage process (and Ray node)."""
-    return {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+    """The engine's VLLM_* settings, to apply in every stage process (and Ray node), less the
+    node-local ones (VLLM_HOST_IP: each node's own address)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("VLLM_") and k not in _NODE_LOCAL}
 
 
 def apply_vllm_env(env: dict[str, str]) -> None:
     """Make this process's VLLM_* settings exactly `env`."""
     # A fork server's children inherit the server's environment, not the engine's current one.
-    for k in [k for k in os.environ if k.startswith("VLLM_") and k not in env]:
+    for k in [
+        k for k in os.environ if k.startswith("VLLM_") and k not in env and k not in _NODE_LOCAL
+    ]:
         del os.environ[k]
     os.environ.update(env)
 

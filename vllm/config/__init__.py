@@ -15,7 +15,7 @@ from vllm.config.model import (
     get_text_config,
     load_hf_config,
 )
-from vllm.config.parallel import DistributedExecutorBackend, ParallelConfig
+from vllm.config.parallel import DataParallelBackend, DistributedExecutorBackend, ParallelConfig
 from vllm.config.scheduler import SchedulerConfig, SchedulerPolicy
 from vllm.config.speculative import (
     EAGLE1_DRAFT_ARCHITECTURES,
@@ -40,6 +40,7 @@ __all__ = [
     "SPEC_METHODS",
     "CacheConfig",
     "CompilationConfig",
+    "DataParallelBackend",
     "DeviceConfig",
     "DistributedExecutorBackend",
     "ModelConfig",

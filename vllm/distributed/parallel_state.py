@@ -173,6 +173,47 @@ def comm_timeout() -> timedelta:
     return timedelta(seconds=envs.VLLM_PP_COMM_TIMEOUT_S)
 
 
+# The address gloo groups of this process bind to (see bind_gloo_to); one per process.
+_GLOO_HOST: str | None = None
+_BOUND_GLOO = "vllm_gloo"
+
+
+def _bound_gloo(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
+    """A gloo backend whose device listens on, and advertises, _GLOO_HOST."""
+    from torch.distributed import ProcessGroupGloo
+
+    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timeout
+    options._devices = [ProcessGroupGloo.create_device(hostname=_GLOO_HOST)]
+    return ProcessGroupGloo(store, rank, size, options)
+
+
+def gloo_host() -> str | None:
+    """The address this process's gloo groups were bound to (None: gloo's default)."""
+    return _GLOO_HOST
+
+
+def bind_gloo_to(host: str) -> str:
+    """The torch.distributed backend name of gloo bound to `host` in this process.
+
+    gloo's default device listens on the address the machine's hostname resolves to; where
+    that is a loopback address (a common /etc/hosts entry) peers on other nodes cannot
+    connect. Bound here, each worker listens on its own node's address and advertises it."""
+    import socket
+
+    import torch.distributed as dist
+
+    global _GLOO_HOST
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as e:
+        raise ValueError(f"VLLM_HOST_IP / node address {host!r} does not resolve: {e}") from e
+    _GLOO_HOST = host
+    if not hasattr(dist.Backend, _BOUND_GLOO.upper()):
+        dist.Backend.register_backend(_BOUND_GLOO, _bound_gloo, devices=["cpu"])
+    return _BOUND_GLOO
+
+
 def init_distributed(
     rank: int,
     world_size: int,
@@ -180,16 +221,20 @@ def init_distributed(
     backend: str = "gloo",
     device: torch.device | None = None,
     tensor_parallel_size: int = 1,
+    host_ip: str | None = None,
 ) -> PPGroup:
     """Join the world of TP x PP workers and build this worker's groups. The PP group's
     device group carries the stage-to-stage tensors, a second group the last stage's
     broadcasts (so they never queue behind the p2p traffic), and with nccl a gloo group
     carries the CPU-side metadata; the TP group carries the layers' all-reduces / gathers.
-    Every worker creates every group, in the same order (torch.distributed requires it)."""
+    Every worker creates every group, in the same order (torch.distributed requires it).
+    host_ip: the address this worker's gloo groups listen on (its node's; None: gloo's
+    default, the hostname's address)."""
     import torch.distributed as dist
 
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    gloo = bind_gloo_to(host_ip) if host_ip else "gloo"
     tp = tensor_parallel_size
     if tp < 1 or world_size % tp:
         raise ValueError(f"world_size={world_size} is not a multiple of tensor_parallel_size={tp}")
@@ -200,7 +245,7 @@ def init_distributed(
     if backend == "nccl" and device is not None:
         kwargs["device_id"] = device
     dist.init_process_group(
-        backend,
+        gloo if backend == "gloo" else backend,
         init_method=init_method,
         rank=rank,
         world_size=world_size,
@@ -210,7 +255,7 @@ def init_distributed(
     world = dist.group.WORLD
 
     def new(ranks: list[int], be: str) -> Any:
-        return dist.new_group(ranks, backend=be, timeout=timeout)
+        return dist.new_group(ranks, backend=gloo if be == "gloo" else be, timeout=timeout)
 
     # PP groups: one per tp_rank (with TP = 1 the world itself carries the p2p traffic).
     pp_groups: dict[str, Any] = {}

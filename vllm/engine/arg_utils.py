@@ -20,6 +20,7 @@ from typing import Any, Literal
 from vllm.config import (
     CacheConfig,
     CompilationConfig,
+    DataParallelBackend,
     DeviceConfig,
     DistributedExecutorBackend,
     LoadFormat,
@@ -47,6 +48,11 @@ _DOC_SOURCES = (
 _ALIASES = {
     "pipeline_parallel_size": ["-pp"],
     "tensor_parallel_size": ["-tp"],
+    "data_parallel_size": ["-dp"],
+    "data_parallel_size_local": ["-dpl"],
+    "data_parallel_address": ["-dpa"],
+    "data_parallel_rpc_port": ["-dpp"],
+    "data_parallel_backend": ["-dpb"],
     "quantization": ["-q"],
 }
 
@@ -77,6 +83,11 @@ class EngineArgs:
     distributed_executor_backend: DistributedExecutorBackend | None = (
         ParallelConfig.distributed_executor_backend
     )
+    data_parallel_size: int = ParallelConfig.data_parallel_size
+    data_parallel_size_local: int | None = ParallelConfig.data_parallel_size_local
+    data_parallel_address: str | None = ParallelConfig.data_parallel_address
+    data_parallel_rpc_port: int | None = ParallelConfig.data_parallel_rpc_port
+    data_parallel_backend: DataParallelBackend | None = ParallelConfig.data_parallel_backend
     speculative_config: dict[str, Any] | str | None = None
     """Speculative decoding as a dict (JSON on the command line), e.g.
     {"method": "mtp", "num_speculative_tokens": 2}; keys: method (mtp | eagle | eagle3 |
@@ -186,6 +197,11 @@ class EngineArgs:
                 pipeline_parallel_size=self.pipeline_parallel_size,
                 tensor_parallel_size=self.tensor_parallel_size,
                 distributed_executor_backend=self.distributed_executor_backend,
+                data_parallel_size=self.data_parallel_size,
+                data_parallel_size_local=self.data_parallel_size_local,
+                data_parallel_address=self.data_parallel_address,
+                data_parallel_rpc_port=self.data_parallel_rpc_port,
+                data_parallel_backend=self.data_parallel_backend,
             ),
             speculative_config=speculative_config,
             device_config=DeviceConfig(device=self.device),

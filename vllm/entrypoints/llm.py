@@ -15,7 +15,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.multimodal.chat import resolve_content_format, split_images, template_text
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import BeamSearchParams, SamplingParams
-from vllm.v1.engine.llm_engine import LLMEngine, PromptType
+from vllm.v1.engine.llm_engine import PromptType, create_engine
 from vllm.v1.metrics.reader import Metric
 
 
@@ -25,7 +25,8 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         args = EngineArgs.from_kwargs(model=model or "", **kwargs)
         self.engine_args = args
-        self.llm_engine = LLMEngine.from_engine_args(args)
+        # One in-process engine, or a front end over data-parallel replicas.
+        self.llm_engine = create_engine(args.create_engine_config())
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -135,7 +135,14 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if async_llm.is_running else 503)
+        if not async_llm.is_running:
+            return Response(status_code=503)
+        # Data parallelism: still serving while one replica is alive; the body names the
+        # replicas that died.
+        dead = [r for r in async_llm.replica_status() or () if not r["alive"]]
+        if dead:
+            return JSONResponse({"status": "degraded", "dead_replicas": dead})
+        return Response(status_code=200)
 
     # SageMaker's health check and entry point.
     app.add_api_route("/ping", health, methods=["GET", "POST"])
@@ -163,10 +170,15 @@ def build_app(
         )
 
     @app.get("/load")
-    async def server_load() -> dict[str, int]:
+    async def server_load() -> dict[str, Any]:
         """Requests in flight on the generation endpoints (0 unless the server runs with
-        --enable-server-load-tracking)."""
-        return {"server_load": load.value}
+        --enable-server-load-tracking); with data parallelism also each replica's status
+        and outstanding tokens (`engines`)."""
+        out: dict[str, Any] = {"server_load": load.value}
+        replicas = async_llm.replica_status()
+        if replicas is not None:
+            out["engines"] = replicas
+        return out
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:

@@ -19,7 +19,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.logger import init_logger
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.v1.engine.llm_engine import LLMEngine, PromptType, check_params
+from vllm.v1.engine.llm_engine import EngineInputs, PromptType, check_params, create_engine
 from vllm.v1.metrics.reader import Metric
 
 logger = init_logger(__name__)
@@ -143,8 +143,13 @@ HEALTH_CHECK_INTERVAL_S = 1.0
 class AsyncLLM:
     """Many concurrent `generate` calls sharing one continuously batched LLMEngine."""
 
-    def __init__(self, engine: LLMEngine, on_dead: Callable[[BaseException], None] | None = None):
+    def __init__(
+        self, engine: EngineInputs, on_dead: Callable[[BaseException], None] | None = None
+    ):
         self.engine = engine
+        # A data-parallel front end hands failed requests (their replica died) to this loop,
+        # which fails their streams only; one engine's failures fail the whole loop.
+        engine.raise_failures = False
         self.on_dead = on_dead
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders "is the loop alive" against queueing a command
@@ -162,16 +167,22 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
-        return cls(LLMEngine.from_engine_args(engine_args), **kwargs)
+        return cls(create_engine(engine_args.create_engine_config()), **kwargs)
 
     @classmethod
     def from_vllm_config(cls, vllm_config: VllmConfig, **kwargs: Any) -> AsyncLLM:
-        return cls(LLMEngine(vllm_config), **kwargs)
+        return cls(create_engine(vllm_config), **kwargs)
 
     # ---- state --------------------------------------------------------------------------
     @property
     def is_running(self) -> bool:
         return self._dead is None and self._thread.is_alive()
+
+    def replica_status(self) -> list[dict[str, Any]] | None:
+        """Per data-parallel replica: alive, its error, pid, node, outstanding tokens and
+        requests (None for one engine). Read from any thread."""
+        status = getattr(self.engine, "replica_status", None)
+        return status() if status is not None else None
 
     @property
     def errored(self) -> bool:
@@ -202,7 +213,7 @@ class AsyncLLM:
     @property
     def registry(self):
         """The engine's prometheus_client registry (thread-safe to read)."""
-        return self.engine.prom.registry
+        return self.engine.registry
 
     def get_metrics(self) -> list[Metric]:
         return self.engine.get_metrics()
@@ -278,6 +289,7 @@ class AsyncLLM:
             if self._dead is not None:
                 raise EngineDeadError(f"the engine is not running: {self._dead}") from self._dead
             self._commands.put(cmd)
+        self.engine.wakeup()  # a data-parallel front end waiting for its replicas looks now
 
     # ---- the engine thread --------------------------------------------------------------
     def _loop(self) -> None:
@@ -297,7 +309,7 @@ class AsyncLLM:
                     pass
                 if not busy and not cmds:
                     # Idle: notice a dead worker process now, not at the next request.
-                    engine.executor.check_health()
+                    engine.check_health()
                 for cmd in cmds:
                     if cmd is _STOP:
                         self._stop(EngineDeadError("the engine was shut down"))
@@ -308,6 +320,7 @@ class AsyncLLM:
                     # refreshes the running/waiting gauges even when nothing else runs.
                     self._flush = False
                     self._deliver(engine.step())
+                    self._fail(engine.pop_failures())
         except BaseException as e:
             logger.exception("engine loop failed; failing all requests")
             self._errored = True
@@ -344,6 +357,15 @@ class AsyncLLM:
             if out.finished:
                 del self._streams[out.request_id]
             by_loop.setdefault(stream.loop, []).append((stream, out))
+        self._post(by_loop)
+
+    def _fail(self, failures: list[tuple[str, BaseException]]) -> None:
+        """Fail the streams of requests whose replica died (the engine keeps running)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Any]]] = {}
+        for rid, error in failures:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, error))
         self._post(by_loop)
 
     @staticmethod
@@ -396,7 +418,7 @@ class AsyncLLM:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 logger.error("engine thread did not stop within %.0f s", timeout)
-        if not self._thread.is_alive() and getattr(self.engine, "executor", None) is not None:
+        if not self._thread.is_alive():
             self.engine.shutdown()
 
     def __del__(self) -> None:

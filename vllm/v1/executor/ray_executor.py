@@ -22,6 +22,7 @@ from vllm import envs
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.executor import ray_utils
 from vllm.v1.executor.abstract import DistributedExecutorBase
 from vllm.v1.executor.multiproc_executor import WorkerFailure, get_open_port
 from vllm.v1.outputs import ModelRunnerOutput
@@ -32,28 +33,34 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 _POLL_S = 1.0
-_READY_TIMEOUT_S = 300.0
 
 
 class RayStage:
-    """Actor body: one pipeline stage."""
+    """Actor body: one worker (a pipeline stage's TP rank)."""
 
     def __init__(self, env: dict[str, str]) -> None:
         envs.apply_vllm_env(env)  # the engine's VLLM_* settings apply on every node
         self.worker: Worker | None = None
 
     def address(self) -> tuple[str, int]:
-        import ray
-
-        return ray.util.get_node_ip_address(), get_open_port()
+        return ray_utils.node_ip(), get_open_port()
 
     def pid(self) -> int:
         return os.getpid()
 
+    def placement(self) -> dict[str, Any]:
+        """Where this worker runs, and (once initialised) the address its gloo groups
+        listen on."""
+        from vllm.distributed import parallel_state
+
+        return {**ray_utils.placement_info(), "gloo_host": parallel_state.gloo_host()}
+
     def init_worker(self, vllm_config: VllmConfig, rank: int, init_method: str) -> None:
         from vllm.v1.worker.worker import Worker
 
-        self.worker = Worker(vllm_config, rank, init_method)
+        # Its collectives listen on this node's address: a peer on another node reaches it
+        # there (the hostname may resolve to a loopback address).
+        self.worker = Worker(vllm_config, rank, init_method, host_ip=ray_utils.node_ip())
         self.worker.init_device()
         self.worker.load_model()
 
@@ -88,7 +95,7 @@ def _stop_actors(state: dict[str, Any]) -> None:
         except Exception:  # noqa: BLE001 - already dead
             pass
     state["actors"].clear()
-    if state.get("pg") is not None:
+    if state.get("pg") is not None and state.get("own_pg"):
         from ray.util.placement_group import remove_placement_group
 
         try:
@@ -105,7 +112,6 @@ class RayExecutor(DistributedExecutorBase):
     def __init__(self, vllm_config: VllmConfig) -> None:
         super().__init__(vllm_config)
         import ray
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         pc = vllm_config.parallel_config
@@ -118,37 +124,31 @@ class RayExecutor(DistributedExecutorBase):
         self._unchecked: list = []  # finished-or-not refs of non-last stages, checked for errors
         self._rank_of: dict[Any, int] = {}  # pending ref -> stage rank
         self._ray = ray
-        self._state: dict[str, Any] = {"actors": [], "pg": None, "started_ray": False}
+        self._state: dict[str, Any] = {
+            "actors": [],
+            "pg": None,
+            "own_pg": False,
+            "started_ray": False,
+        }
         self._finalizer = weakref.finalize(self, _stop_actors, self._state)
         use_gpu = vllm_config.device_config.device.startswith("cuda")
-        if not ray.is_initialized():
-            address = envs.RAY_ADDRESS
-            if address:
-                ray.init(address=address)
-            else:
-                ray.init(num_cpus=P, include_dashboard=False, log_to_driver=True)
-                self._state["started_ray"] = True
+        cpus = ray_utils.per_worker_cpus()
+        self._state["started_ray"] = ray_utils.ensure_ray(P * cpus)
         try:
-            bundle = {"CPU": 1.0, **({"GPU": 1.0} if use_gpu else {})}
-            pg = placement_group([dict(bundle) for _ in range(P)], strategy="PACK")
-            self._state["pg"] = pg
-            try:
-                ray.get(pg.ready(), timeout=_READY_TIMEOUT_S)
-            except ray.exceptions.GetTimeoutError as e:
-                raise RuntimeError(
-                    f"Ray could not place {P} workers with {bundle} each "
-                    f"(cluster resources: {ray.cluster_resources()})"
-                ) from e
+            bundles = ray_utils.stage_bundles(pc, use_gpu)
+            pg = self._placement_group(bundles)
             env = envs.vllm_env()
             actor_cls = ray.remote(RayStage)
+            tp = pc.tensor_parallel_size
             for rank in range(P):
+                # The TP ranks of a stage share its bundle, so they share a node.
                 actor = actor_cls.options(
                     name=None,
-                    num_cpus=1,
+                    num_cpus=cpus,
                     num_gpus=1 if use_gpu else 0,
                     max_restarts=0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=pg, placement_group_bundle_index=rank
+                        placement_group=pg, placement_group_bundle_index=rank // tp
                     ),
                 ).remote(env)
                 self._state["actors"].append(actor)
@@ -161,16 +161,44 @@ class RayExecutor(DistributedExecutorBase):
                     for r, a in enumerate(self.actors)
                 ]
             )
+            self.placement = self._get_all([a.placement.remote() for a in self.actors])
         except BaseException:
             self.shutdown()
             raise
         logger.info(
-            "started %d worker actors on Ray (TP %d x PP %d; pids %s)",
+            "started %d worker actors on Ray (TP %d x PP %d; pids %s), rank -> node: %s",
             P,
             pc.tensor_parallel_size,
             pc.pipeline_parallel_size,
             self.worker_pids,
+            ", ".join(
+                f"{r}: {p['node_ip']} (pid {p['pid']})" for r, p in enumerate(self.placement)
+            ),
         )
+
+    def _placement_group(self, bundles: list[ray_utils.Bundle]) -> Any:
+        """The placement group of this engine's workers: the one this process runs in (a
+        data-parallel replica's, made for it by the front end) when its bundles are the
+        stages', else a new PACK group, refused at once when the cluster cannot hold it."""
+        import ray
+
+        current = ray.util.get_current_placement_group()
+        if current is not None and len(current.bundle_specs) == len(bundles):
+            if all(
+                all(spec.get(k, 0.0) + 1e-9 >= v for k, v in b.items())
+                for spec, b in zip(current.bundle_specs, bundles)
+            ):
+                self._state["pg"], self._state["own_pg"] = current, False
+                return current
+        pc = self.parallel_config
+        what = (
+            f"the {self.world_size} workers "
+            f"(TP {pc.tensor_parallel_size} x PP {pc.pipeline_parallel_size})"
+        )
+        ray_utils.check_placement_feasible([(what, bundles)])
+        pg = ray_utils.create_placement_group(bundles, what)
+        self._state["pg"], self._state["own_pg"] = pg, True
+        return pg
 
     @property
     def max_concurrent_batches(self) -> int:

@@ -48,8 +48,9 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 
 
 class PrometheusStatLogger:
-    """One registry per engine, so several engines in a process do not collide. Names, types,
-    labels (model_name, engine) and bucket edges are vLLM's."""
+    """One registry per engine (front end), so several engines in a process do not collide.
+    Names, types, labels (model_name, engine) and bucket edges are vLLM's; a data-parallel
+    front end records each replica's statistics under its own `engine` label."""
 
     def __init__(
         self,
@@ -57,10 +58,15 @@ class PrometheusStatLogger:
         num_spec_tokens: int,
         max_model_len: int = 2048,
         cache_config_info: dict[str, str] | None = None,
+        engine_indexes: list[int] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name", "engine"]
-        self.labels = {"model_name": model_name, "engine": "0"}
+        self.engine_indexes = list(engine_indexes) if engine_indexes is not None else [0]
+        self._labels = {
+            e: {"model_name": model_name, "engine": str(e)} for e in self.engine_indexes
+        }
+        self.labels = self._labels[self.engine_indexes[0]]
         self._children: dict[tuple, Any] = {}
         r = self.registry
 
@@ -72,7 +78,8 @@ class PrometheusStatLogger:
 
         def histogram(name: str, doc: str, buckets: list) -> PHistogram:
             h = PHistogram(name, doc, labels, buckets=buckets, registry=r)
-            h.labels(**self.labels)  # exported (empty) before the first observation
+            for lab in self._labels.values():
+                h.labels(**lab)  # exported (empty) before the first observation
             return h
 
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
@@ -93,7 +100,8 @@ class PrometheusStatLogger:
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
         for c in (self.prefix_cache_queries, self.prefix_cache_hits):
-            c.labels(**self.labels)  # exported (as 0) even when caching is off
+            for lab in self._labels.values():
+                c.labels(**lab)  # exported (as 0) even when caching is off
         self.running = gauge(
             "vllm:num_requests_running", "Number of requests in model execution batches."
         )
@@ -153,13 +161,14 @@ class PrometheusStatLogger:
         )
         if cache_config_info is not None:
             # An info metric as vLLM exports it: a gauge at 1 whose labels carry the config.
-            info = {**cache_config_info, "engine": "0"}
-            PGauge(
+            info_gauge = PGauge(
                 "vllm:cache_config_info",
                 "Information of the LLMEngine CacheConfig",
-                list(info),
+                [*cache_config_info, "engine"],
                 registry=r,
-            ).labels(**info).set(1)
+            )
+            for e in self.engine_indexes:
+                info_gauge.labels(**cache_config_info, engine=str(e)).set(1)
         # Spec-decode counters are always registered; they move once speculation runs.
         self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
         self.spec_draft_tokens = counter(
@@ -173,20 +182,21 @@ class PrometheusStatLogger:
             "Accepted tokens per draft position.",
             ["position"],
         )
-        if num_spec_tokens:  # exported (as 0) from the start when speculation is on
-            for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
-                c.labels(**self.labels)
-        for i in range(num_spec_tokens):
-            self.spec_per_pos.labels(**self.labels, position=str(i))
-        self._last_preemptions = 0
+        for lab in self._labels.values():
+            if num_spec_tokens:  # exported (as 0) from the start when speculation is on
+                for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
+                    c.labels(**lab)
+            for i in range(num_spec_tokens):
+                self.spec_per_pos.labels(**lab, position=str(i))
+        self._last_preemptions = dict.fromkeys(self.engine_indexes, 0)
 
-    def _child(self, metric: Any, **extra: str) -> Any:
-        """metric.labels(...) with this engine's labels, looked up once: the per-token
+    def _child(self, metric: Any, engine: int, **extra: str) -> Any:
+        """metric.labels(...) with the engine's labels, looked up once: the per-token
         histograms are observed for every request every step."""
-        key = (id(metric), tuple(extra.items()))
+        key = (id(metric), engine, tuple(extra.items()))
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = metric.labels(**self.labels, **extra)
+            child = self._children[key] = metric.labels(**self._labels[engine], **extra)
         return child
 
     def record(
@@ -195,58 +205,93 @@ class PrometheusStatLogger:
         num_prompt: int,
         num_gen: int,
         iteration: IterationStats | None = None,
+        engine: int | None = None,
     ) -> None:
-        self._child(self.prompt_tokens).inc(num_prompt)
-        self._child(self.generation_tokens).inc(num_gen)
+        e = self.engine_indexes[0] if engine is None else engine
+        self._child(self.prompt_tokens, e).inc(num_prompt)
+        self._child(self.generation_tokens, e).inc(num_gen)
         if num_prompt or num_gen:
-            self._child(self.iteration_tokens).observe(num_prompt + num_gen)
+            self._child(self.iteration_tokens, e).observe(num_prompt + num_gen)
         if stats is not None:
-            self._record_scheduler(stats)
+            self._record_scheduler(stats, e)
         if iteration is not None:
-            self.record_iteration(iteration)
+            self.record_iteration(iteration, e)
 
-    def _record_scheduler(self, stats: SchedulerStats) -> None:
-        self._child(self.running).set(stats.num_running_reqs)
-        self._child(self.waiting).set(stats.num_waiting_reqs)
-        self._child(self.kv_usage).set(stats.kv_cache_usage)
-        if stats.num_preemptions > self._last_preemptions:
-            self._child(self.num_preemptions).inc(stats.num_preemptions - self._last_preemptions)
-            self._last_preemptions = stats.num_preemptions
+    def _record_scheduler(self, stats: SchedulerStats, e: int) -> None:
+        self._child(self.running, e).set(stats.num_running_reqs)
+        self._child(self.waiting, e).set(stats.num_waiting_reqs)
+        self._child(self.kv_usage, e).set(stats.kv_cache_usage)
+        if stats.num_preemptions > self._last_preemptions[e]:
+            self._child(self.num_preemptions, e).inc(
+                stats.num_preemptions - self._last_preemptions[e]
+            )
+            self._last_preemptions[e] = stats.num_preemptions
         pc = stats.prefix_cache_stats
         if pc is not None:
-            self._child(self.prefix_cache_queries).inc(pc.queries)
-            self._child(self.prefix_cache_hits).inc(pc.hits)
+            self._child(self.prefix_cache_queries, e).inc(pc.queries)
+            self._child(self.prefix_cache_hits, e).inc(pc.hits)
         sd = stats.spec_decoding_stats
         if sd is not None and sd.num_drafts:
-            self._child(self.spec_drafts).inc(sd.num_drafts)
-            self._child(self.spec_draft_tokens).inc(sd.num_draft_tokens)
-            self._child(self.spec_accepted).inc(sd.num_accepted_tokens)
+            self._child(self.spec_drafts, e).inc(sd.num_drafts)
+            self._child(self.spec_draft_tokens, e).inc(sd.num_draft_tokens)
+            self._child(self.spec_accepted, e).inc(sd.num_accepted_tokens)
             for i, v in enumerate(sd.num_accepted_tokens_per_pos):
                 if v:
-                    self._child(self.spec_per_pos, position=str(i)).inc(v)
+                    self._child(self.spec_per_pos, e, position=str(i)).inc(v)
+
+    def set_idle(self, engine: int) -> None:
+        """A replica that is gone runs and waits for nothing."""
+        self._child(self.running, engine).set(0)
+        self._child(self.waiting, engine).set(0)
+
+    def record_iteration(self, it: IterationStats, engine: int | None = None) -> None:
+        """The per-request histograms: latencies, finished sequences, request parameters."""
+        e = self.engine_indexes[0] if engine is None else engine
+        for v in it.time_to_first_tokens_iter:
+            self._child(self.ttft, e).observe(v)
+        for v in it.inter_token_latencies_iter:
+            self._child(self.itl, e).observe(v)
+        for n in it.n_params_iter:
+            self._child(self.request_params_n, e).observe(n)
+        for n in it.max_num_generation_tokens_iter:
+            self._child(self.request_max_num_generation_tokens, e).observe(n)
+        for f in it.finished_requests:
+            self._child(self.request_success, e, finished_reason=f.finish_reason).inc()
+            lat = self.latency
+            self._child(lat["e2e"], e).observe(f.e2e_latency)
+            self._child(lat["queue"], e).observe(f.queued_time)
+            self._child(lat["prefill"], e).observe(f.prefill_time)
+            self._child(lat["inference"], e).observe(f.inference_time)
+            self._child(lat["decode"], e).observe(f.decode_time)
+            self._child(self.request_prompt_tokens, e).observe(f.num_prompt_tokens)
+            self._child(self.request_generation_tokens, e).observe(f.num_generation_tokens)
+            if f.max_tokens_param:
+                self._child(self.request_params_max_tokens, e).observe(f.max_tokens_param)
+
+
+class StatsRelay:
+    """Stands in for a data-parallel replica's PrometheusStatLogger: keeps the calls, which the
+    replica ships to the front end with its step's outputs, to be recorded there under the
+    replica's `engine` label."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+
+    def record(
+        self,
+        stats: SchedulerStats | None,
+        num_prompt: int,
+        num_gen: int,
+        iteration: IterationStats | None = None,
+    ) -> None:
+        self.calls.append(("record", (stats, num_prompt, num_gen, iteration)))
 
     def record_iteration(self, it: IterationStats) -> None:
-        """The per-request histograms: latencies, finished sequences, request parameters."""
-        for v in it.time_to_first_tokens_iter:
-            self._child(self.ttft).observe(v)
-        for v in it.inter_token_latencies_iter:
-            self._child(self.itl).observe(v)
-        for n in it.n_params_iter:
-            self._child(self.request_params_n).observe(n)
-        for n in it.max_num_generation_tokens_iter:
-            self._child(self.request_max_num_generation_tokens).observe(n)
-        for f in it.finished_requests:
-            self._child(self.request_success, finished_reason=f.finish_reason).inc()
-            lat = self.latency
-            self._child(lat["e2e"]).observe(f.e2e_latency)
-            self._child(lat["queue"]).observe(f.queued_time)
-            self._child(lat["prefill"]).observe(f.prefill_time)
-            self._child(lat["inference"]).observe(f.inference_time)
-            self._child(lat["decode"]).observe(f.decode_time)
-            self._child(self.request_prompt_tokens).observe(f.num_prompt_tokens)
-            self._child(self.request_generation_tokens).observe(f.num_generation_tokens)
-            if f.max_tokens_param:
-                self._child(self.request_params_max_tokens).observe(f.max_tokens_param)
+        self.calls.append(("record_iteration", (it,)))
+
+    def drain(self) -> list[tuple[str, tuple]]:
+        calls, self.calls = self.calls, []
+        return calls
 
 
 class PrefixCacheHitRate:
@@ -282,8 +327,9 @@ class PrefixCacheHitRate:
 class LoggingStatLogger:
     """Every `interval` seconds: throughput, queue sizes, and spec-decode acceptance."""
 
-    def __init__(self, num_spec_tokens: int, interval: float = 5.0) -> None:
+    def __init__(self, num_spec_tokens: int, interval: float = 5.0, prefix: str = "") -> None:
         self.interval = interval
+        self.prefix = prefix  # "Engine 001: " for a data-parallel replica, as vLLM logs
         self.num_spec_tokens = num_spec_tokens
         self.prefix_cache = PrefixCacheHitRate()
         self.prefix_caching_seen = False
@@ -311,7 +357,7 @@ class LoggingStatLogger:
         now = time.monotonic()
         if now - self.last >= self.interval:
             dt = now - self.last
-            msg = (
+            msg = self.prefix + (
                 f"Avg prompt throughput: {self.prompt / dt:.1f} tokens/s, "
                 f"Avg generation throughput: {self.gen / dt:.1f} tokens/s, "
                 f"Running: {stats.num_running_reqs} reqs, Waiting: {stats.num_waiting_reqs} reqs, "
@@ -323,7 +369,8 @@ class LoggingStatLogger:
             if self.drafts:
                 rates = ", ".join(f"{v / self.drafts:.3f}" for v in self.per_pos)
                 logger.info(
-                    "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, "
+                    self.prefix
+                    + "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, "
                     "Drafted: %d tokens, Per-position acceptance rate: %s, "
                     "Avg Draft acceptance rate: %.1f%%",
                     1 + self.accepted / self.drafts,

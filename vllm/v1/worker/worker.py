@@ -31,12 +31,21 @@ from vllm.v1.worker.gpu.model_runner import ModelRunner
 logger = init_logger(__name__)
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity), else the host's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 class Worker:
     def __init__(
         self,
         vllm_config: VllmConfig,
         rank: int = 0,
         distributed_init_method: str | None = None,
+        host_ip: str | None = None,
     ) -> None:
         if vllm_config.device_config.device == "cpu":
             configure_cpu_process_memory()
@@ -48,6 +57,9 @@ class Worker:
         self.tp_size = pc.tensor_parallel_size
         self.num_workers = pc.world_size
         self.distributed_init_method = distributed_init_method
+        # The address its gloo collectives bind to (VLLM_HOST_IP wins; a Ray worker passes
+        # its node's IP).
+        self.host_ip = envs.VLLM_HOST_IP or host_ip
         self.device = torch.device(vllm_config.device_config.device)
         self.model_runner: ModelRunner | None = None
         # Stage-to-stage sends not reaped yet; at most one per batch in flight (world_size).
@@ -77,8 +89,9 @@ class Worker:
                     "distributed_init_method"
                 )
             if self.device.type == "cpu" and envs.OMP_NUM_THREADS is None:
-                # Workers share the host's cores; oversubscribing them slows every one.
-                torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.num_workers))
+                # Workers share the host's cores (those this process may run on: a
+                # data-parallel replica's); oversubscribing them slows every one.
+                torch.set_num_threads(max(1, usable_cores() // self.num_workers))
             init_distributed(
                 self.rank,
                 self.num_workers,
@@ -86,6 +99,7 @@ class Worker:
                 backend="nccl" if self.device.type == "cuda" else "gloo",
                 device=self.device if self.device.type == "cuda" else None,
                 tensor_parallel_size=self.tp_size,
+                host_ip=self.host_ip,
             )
         torch.manual_seed(self.vllm_config.model_config.seed)
         self.model_runner = ModelRunner(self.vllm_config, self.device)
