@@ -14,7 +14,7 @@ from torch import nn
 
 from vllm._custom_ops import cpu_op_ok, linear_small_m
 from vllm.forward_context import current_row_kinds
-from vllm.model_executor.layers.quantization import get_current_quant_config
+from vllm.model_executor.build_context import current_build_context
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -287,8 +287,8 @@ class ReplicatedLinear(LinearLayerBase):
         self.in_features = int(input_size)
         self.out_features = int(output_size)
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        config = get_current_quant_config()
-        method = config.get_linear_method() if config is not None else UnquantizedLinearMethod()
+        methods = current_build_context().quant_methods
+        method = methods.linear() if methods is not None else UnquantizedLinearMethod()
         _create_linear_weights(self, method, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -340,7 +340,7 @@ class MergedReplicatedLinear(LinearLayerBase):
         self.offsets = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
         self.params_dtype = params_dtype or torch.get_default_dtype()
         self.shards: nn.ModuleList | None = None
-        if get_current_quant_config() is None:
+        if current_build_context().quant_methods is None:
             _create_linear_weights(self, UnquantizedLinearMethod(), bias)
         else:
             self.shards = nn.ModuleList(
@@ -395,9 +395,7 @@ class MergedReplicatedLinear(LinearLayerBase):
 
 
 def _tp() -> tuple[int, int]:
-    from vllm.distributed.parallel_state import get_tp_group
-
-    tp = get_tp_group()
+    tp = current_build_context().tp
     return tp.rank, tp.world_size
 
 
@@ -473,7 +471,8 @@ class ColumnParallelLinear(ReplicatedLinear, TPSharded):
         gather_output: bool = False,
         packed_sizes: list[int] | None = None,
     ) -> None:
-        self.tp_rank, self.tp_size = _tp()
+        self.tp = current_build_context().tp
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.world_size
         self.packed_sizes = packed_sizes
         for n in packed_sizes or [output_size]:
             divide(int(n), self.tp_size, "output_size")
@@ -500,9 +499,7 @@ class ColumnParallelLinear(ReplicatedLinear, TPSharded):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
         if self.gather_output and self.tp_size > 1:
-            from vllm.distributed.parallel_state import tensor_model_parallel_all_gather
-
-            y = tensor_model_parallel_all_gather(y, dim=-1)
+            y = self.tp.all_gather(y, dim=-1)
         return y
 
 
@@ -520,7 +517,8 @@ class RowParallelLinear(ReplicatedLinear, TPSharded):
         params_dtype: torch.dtype | None = None,
         reduce_results: bool = True,
     ) -> None:
-        self.tp_rank, self.tp_size = _tp()
+        self.tp = current_build_context().tp
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.world_size
         self.input_size_per_partition = divide(int(input_size), self.tp_size, "input_size")
         super().__init__(self.input_size_per_partition, output_size, bias, params_dtype)
         self.reduce_results = reduce_results
@@ -539,9 +537,7 @@ class RowParallelLinear(ReplicatedLinear, TPSharded):
             return super().forward(x)
         y = self.quant_method.apply(self, x, None)
         if self.reduce_results:
-            from vllm.distributed.parallel_state import tensor_model_parallel_all_reduce
-
-            y = tensor_model_parallel_all_reduce(y)
+            y = self.tp.all_reduce(y)
         if self.bias is not None:
             y = y + self.bias
         return y

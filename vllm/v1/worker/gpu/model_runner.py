@@ -16,7 +16,7 @@ from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.forward_context import decode_rows, set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import AttentionLayerBase
-from vllm.model_executor.model_loader import get_model
+from vllm.model_executor.model_loader.loader import get_model
 from vllm.model_executor.models.interfaces import check_supports_pp
 from vllm.model_executor.models.registry import resolve_model_cls
 from vllm.sequence import IntermediateTensors
