@@ -22,7 +22,7 @@ from vllm.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine.output_processor import ChildState, OutputProcessor, RequestState
 from vllm.v1.engine.warmup import measure_step_costs, warm_up
-from vllm.v1.executor.abstract import Executor
+from vllm.v1.executor.selector import get_executor_class
 from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from vllm.v1.metrics.reader import Metric, get_metrics_snapshot
 from vllm.v1.metrics.stats import IterationStats
@@ -133,7 +133,7 @@ class LLMEngine:
                 logger.warning("%s; prompts with images will be refused", e)
                 self._mm_unavailable = str(e)
         t_phase = self._phase("tokenizer", t_phase)
-        self.executor = Executor.get_class(vllm_config)(vllm_config)
+        self.executor = get_executor_class(vllm_config)(vllm_config)
         t_phase = self._phase("load", t_phase)  # workers started, weights loaded
         try:
             num_blocks = self.executor.determine_num_blocks()
