@@ -8,13 +8,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vllm.beam_search import BeamSearch, BeamSearchSequence
-from vllm.entrypoints.openai.serving_engine import final_outputs
+from vllm.entrypoints.openai.streams import final_outputs
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
-    from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from vllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.protocol import CompletionRequest
     from vllm.entrypoints.openai.serving_engine import OpenAIServing
 
 
