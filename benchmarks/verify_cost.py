@@ -82,8 +82,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def make_step(runner, context: int, m: int) -> Callable[[], torch.Tensor]:
+    from vllm.attention.backends.torch_paged import build_attn_metadata
     from vllm.forward_context import decode_rows, set_forward_context
-    from vllm.v1.attention.backends.torch_paged import build_attn_metadata
 
     model, bs = runner.model, runner.block_size
     seq = context + m

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vllm.attention.backends.mla.torch_mla import MLADims
 from vllm.model_executor.build_context import current_build_context
 from vllm.model_executor.layers.attention import MLAAttention
 from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts
@@ -22,7 +23,6 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params, yarn_get_mscale
 from vllm.model_executor.models.base import CausalLMBase, DecoderLayerBase, DecoderModelBase
 from vllm.model_executor.models.llama import LlamaMLP
-from vllm.v1.attention.backends.mla.torch_mla import MLADims
 
 
 def get_spec_layer_idx_from_weight_name(config: Any, weight_name: str) -> int | None:

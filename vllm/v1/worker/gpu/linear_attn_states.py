@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from vllm.attention.backends.gdn_attn import GDNAttentionMetadata, build_gdn_metadata
 from vllm.model_executor.layers.mamba import MambaBase
-from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata, build_gdn_metadata
 
 
 class LinearAttnStates:
