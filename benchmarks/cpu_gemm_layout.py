@@ -68,7 +68,7 @@ def main() -> None:
         sys.exit("this torch build has no MKL (the packed method needs it)")
     torch.manual_seed(0)
     # fp32 only: the engine's fp32 linears are these BLAS calls (bf16 has its own small-M
-    # kernel, layers/linear.py).
+    # kernel, layers/gemm.py).
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), float32")
     print(f"{'shape':>8} {'out x in':>11} {'M':>3} {'NT us':>8} {'NN':>14} {'packed':>14}")
     per_m: dict[int, dict[str, float]] = {m: {} for m in args.rows}

@@ -168,7 +168,7 @@ def main() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from vllm import LLM, SamplingParams
-    from vllm.model_executor.layers import linear as linear_mod
+    from vllm.model_executor.layers import gemm as linear_mod
 
     path = resolve_model(args.model)
     cfg = AutoConfig.from_pretrained(path)

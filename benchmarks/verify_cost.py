@@ -52,7 +52,7 @@ def read_bandwidth(nbytes: int = 1 << 28, copies: int = 3, repeats: int = 7) -> 
 @contextmanager
 def blas_rows() -> Iterator[None]:
     """Every row through BLAS (what the linear layers did before the small-M kernel)."""
-    from vllm.model_executor.layers import linear as linear_mod
+    from vllm.model_executor.layers import gemm as linear_mod
 
     real = linear_mod.current_row_kinds
     linear_mod.current_row_kinds = lambda: None  # type: ignore[assignment]
@@ -82,8 +82,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def make_step(runner, context: int, m: int) -> Callable[[], torch.Tensor]:
+    from vllm.attention.backends.torch_paged import build_attn_metadata
     from vllm.forward_context import decode_rows, set_forward_context
-    from vllm.v1.attention.backends.torch_paged import build_attn_metadata
 
     model, bs = runner.model, runner.block_size
     seq = context + m

@@ -50,7 +50,7 @@ CUDA_TESTS = (
     "tests/e2e/test_spec_decode_pp.py::test_spec_decode_pp_equals_p1",
     "tests/models/test_deepseek_v32.py::test_greedy_matches_hf_generate",
     "tests/models/test_deepseek_v32.py::test_mtp_greedy_lossless_and_indexer_calls",
-    "tests/v1/attention/test_sparse_mla_backends.py::test_triton_matches_torch_reference",
+    "tests/attention/test_sparse_mla_backends.py::test_triton_matches_torch_reference",
 )
 
 

@@ -1,21 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""The per-forward attention metadata, set by the runner around each model call, and which rows
-of the forward are decode / verify / draft rows (the linear layers route them by kind)."""
+"""The per-forward context: one immutable object with everything a forward's layers read (the
+attention metadata, the linear-attention metadata, and the kinds of its rows, which route each
+linear layer's rows to the small-M kernel or BLAS). The runner builds it from the step's
+metadata and sets it around the model call; the layers read it, none writes it."""
 
 from __future__ import annotations
 
 import contextlib
-import threading
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextvars import ContextVar
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
-
-_local = threading.local()
 
 
 @dataclass
@@ -66,81 +67,92 @@ class RowKinds:
 
 
 ALL_SHORT = RowKinds(num_rows=0, all_short=True, all_long=False)
+"""Every row is a decode / verify / draft row: the LM head and the draft heads over the rows
+being sampled."""
 
 
-@dataclass
+def row_kinds_of(attn_metadata: Any) -> RowKinds | None:
+    """The decode / prefill rows of a forward laid out as attn_metadata's requests
+    (query_start_loc_np, short_query_len); None when the metadata has no such layout."""
+    qsl = getattr(attn_metadata, "query_start_loc_np", None)
+    short = getattr(attn_metadata, "short_query_len", None)
+    if qsl is None or short is None:
+        return None
+    device = getattr(attn_metadata, "device", torch.device("cpu"))
+    return RowKinds.from_query_lens(qsl, int(short), device)
+
+
+@dataclass(frozen=True)
 class ForwardContext:
-    attn_metadata: Any
+    """What one forward's layers read; built once per forward, never changed."""
+
+    attn_metadata: Any = None
     """Metadata every attention layer of this forward reads (slot mapping, sequence layout)."""
     linear_attn_metadata: Any = None
     """Hybrid models: what their linear-attention (state) layers read (state slot per request,
     whether it has a prior state, query_start_loc); None for models without such layers."""
-    _row_kinds: RowKinds | None = field(default=None, repr=False)
-    _row_kinds_known: bool = field(default=False, repr=False)
+    rows_layout: Any = None
+    """Metadata whose request layout the linear rows follow, when not attn_metadata's (the
+    EAGLE3 combination of the target's rows, outside the draft's forward)."""
+    fixed_row_kinds: RowKinds | None = None
+    """Row kinds that hold whatever the layout (ALL_SHORT: the rows being sampled)."""
 
-    @property
+    @functools.cached_property
     def row_kinds(self) -> RowKinds | None:
-        """The forward's decode / prefill rows, from the attention metadata's request layout
-        (query_start_loc_np, short_query_len); None when the metadata has no such layout."""
-        if not self._row_kinds_known:
-            self._row_kinds_known = True
-            meta = self.attn_metadata
-            qsl = getattr(meta, "query_start_loc_np", None)
-            short = getattr(meta, "short_query_len", None)
-            if qsl is not None and short is not None:
-                device = getattr(meta, "device", torch.device("cpu"))
-                self._row_kinds = RowKinds.from_query_lens(qsl, int(short), device)
-        return self._row_kinds
+        """Which rows the linear layers send to the small-M kernel and which to BLAS (None:
+        all to BLAS); derived once, on first use, from the request layout."""
+        if self.fixed_row_kinds is not None:
+            return self.fixed_row_kinds
+        kinds = row_kinds_of(self.rows_layout) if self.rows_layout is not None else None
+        return kinds if kinds is not None else row_kinds_of(self.attn_metadata)
+
+
+_CURRENT: ContextVar[ForwardContext | None] = ContextVar("vllm_forward_context", default=None)
 
 
 @contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Run the forward inside with ctx (restored on exit, so contexts nest)."""
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
+
+
 def set_forward_context(
     attn_metadata: Any, linear_attn_metadata: Any = None
-) -> Iterator[ForwardContext]:
-    """Make attn_metadata visible to the attention layers for the duration of one forward."""
-    prev = getattr(_local, "ctx", None)
-    _local.ctx = ForwardContext(attn_metadata, linear_attn_metadata)
-    try:
-        yield _local.ctx
-    finally:
-        _local.ctx = prev
+) -> contextlib.AbstractContextManager[ForwardContext]:
+    """forward_context(ForwardContext(attn_metadata, linear_attn_metadata))."""
+    return forward_context(ForwardContext(attn_metadata, linear_attn_metadata))
 
 
 def get_forward_context() -> ForwardContext:
-    ctx = getattr(_local, "ctx", None)
+    ctx = _CURRENT.get()
     if ctx is None:
-        raise RuntimeError("attention layer called outside set_forward_context()")
+        raise RuntimeError("attention layer called outside a forward context")
     return ctx
 
 
-@contextmanager
-def linear_rows(kinds: RowKinds | None) -> Iterator[None]:
-    """The linear layers' rows inside are of these kinds, whatever forward context is set."""
-    prev = getattr(_local, "rows", None)
-    _local.rows = kinds
-    try:
-        yield
-    finally:
-        _local.rows = prev
+def _current_or_empty() -> ForwardContext:
+    ctx = _CURRENT.get()
+    return ctx if ctx is not None else ForwardContext()
 
 
-def decode_rows() -> contextlib.AbstractContextManager[None]:
-    """Every row of the products inside is a decode / verify / draft row: the LM head and the
-    draft heads over the rows being sampled."""
-    return linear_rows(ALL_SHORT)
+def decode_rows() -> contextlib.AbstractContextManager[ForwardContext]:
+    """The products inside are over the rows being sampled (the LM head, the draft heads):
+    every row a decode row, whatever forward they came from."""
+    return forward_context(replace(_current_or_empty(), fixed_row_kinds=ALL_SHORT))
 
 
-def rows_of(attn_metadata: Any) -> contextlib.AbstractContextManager[None]:
-    """The rows inside are laid out as attn_metadata's requests (e.g. the EAGLE3 combination
-    of the target's hidden states, outside the draft's forward)."""
-    return linear_rows(ForwardContext(attn_metadata).row_kinds)
+def rows_of(attn_metadata: Any) -> contextlib.AbstractContextManager[ForwardContext]:
+    """The products inside are over rows laid out as attn_metadata's requests (e.g. the EAGLE3
+    combination of the target's hidden states, outside the draft's forward)."""
+    ctx = replace(_current_or_empty(), rows_layout=attn_metadata, fixed_row_kinds=None)
+    return forward_context(ctx)
 
 
 def current_row_kinds() -> RowKinds | None:
-    """The kinds of the rows linear layers multiply now: decode_rows() inside, else the
-    forward context's, else None (no forward: everything goes to BLAS)."""
-    rows = getattr(_local, "rows", None)
-    if rows is not None:
-        return rows
-    ctx = getattr(_local, "ctx", None)
+    """The kinds of the rows the linear layers multiply now (None outside a forward: BLAS)."""
+    ctx = _CURRENT.get()
     return None if ctx is None else ctx.row_kinds

@@ -67,7 +67,7 @@ def test_triton_backend_greedy_equals_hf(request, triton_forced, family, impl) -
 
 
 def test_registry_choice_per_device(monkeypatch) -> None:
-    from vllm.v1.attention.backends import registry
+    from vllm.attention.backends import registry
 
     monkeypatch.delenv("VLLM_ATTENTION_BACKEND", raising=False)
     assert registry.attention_backend_name("cpu", 64, torch.float32) == "TORCH_SDPA"
@@ -87,7 +87,7 @@ def test_registry_choice_per_device(monkeypatch) -> None:
 
 
 def test_registry_refuses_what_cannot_run(monkeypatch) -> None:
-    from vllm.v1.attention.backends import registry
+    from vllm.attention.backends import registry
 
     monkeypatch.setenv("VLLM_ATTENTION_BACKEND", "NOPE")
     with pytest.raises(ValueError, match="VLLM_ATTENTION_BACKEND"):
@@ -132,13 +132,13 @@ def test_cpu_default_path_is_unchanged(monkeypatch, llama_dir) -> None:
 def test_tree_mask_backends_agree(monkeypatch, kind) -> None:
     """A step whose verify rows form draft trees (metadata.tree_mask): the Triton impl and the
     torch reference impl (SDPA over the gathered context with the mask) give the same rows."""
-    from vllm.v1.attention.backends.mla.torch_mla import MLADims, TorchMLAImpl
-    from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
-    from vllm.v1.attention.backends.torch_paged import (
+    from vllm.attention.backends.mla.torch_mla import MLADims, TorchMLAImpl
+    from vllm.attention.backends.mla.triton_mla import TritonMLAImpl
+    from vllm.attention.backends.torch_paged import (
         TorchPagedAttentionImpl,
         build_attn_metadata,
     )
-    from vllm.v1.attention.backends.triton_attn import TritonPagedAttentionImpl
+    from vllm.attention.backends.triton_attn import TritonPagedAttentionImpl
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     g = torch.Generator().manual_seed(0)
@@ -192,8 +192,8 @@ def test_tree_mask_backends_agree(monkeypatch, kind) -> None:
 def test_flashinfer_page_lists() -> None:
     """The CSR page lists the FlashInfer plan gets: each request's first ceil(seq_len /
     block_size) blocks, the last one's fill."""
-    from vllm.v1.attention.backends.flashinfer import page_lists
-    from vllm.v1.attention.backends.torch_paged import build_attn_metadata
+    from vllm.attention.backends.flashinfer import page_lists
+    from vllm.attention.backends.torch_paged import build_attn_metadata
 
     table = np.array([[7, 3, 9, 0], [2, 5, 0, 0], [4, 1, 6, 8]])
     meta = build_attn_metadata(np.array([0, 1, 4, 6]), np.array([9, 4, 13]), table, 4, "cpu")
@@ -208,9 +208,9 @@ def test_flashinfer_page_lists() -> None:
     reason="FlashInfer runs on CUDA, when installed",
 )
 def test_flashinfer_impl_matches_reference() -> None:
-    from vllm.v1.attention.backends.flashinfer import FlashInferAttentionImpl
-    from vllm.v1.attention.backends.torch_paged import build_attn_metadata
-    from vllm.v1.attention.ops.triton_paged_attention import paged_attention_reference
+    from vllm.attention.backends.flashinfer import FlashInferAttentionImpl
+    from vllm.attention.backends.torch_paged import build_attn_metadata
+    from vllm.attention.ops.triton_paged_attention import paged_attention_reference
 
     g = torch.Generator().manual_seed(0)
     q_lens, seq_lens, bs, H, hkv, D = [1, 4, 9], [30, 17, 9], 16, 8, 2, 128

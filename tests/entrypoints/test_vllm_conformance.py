@@ -23,7 +23,8 @@ from transformers import AutoTokenizer
 
 from vllm.config import DEFAULT_MODEL_DIR
 from vllm.entrypoints.chat_utils import load_chat_template
-from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from vllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.protocol import CompletionRequest
 from vllm.testing.remote_server import RemoteServer
 
 NAME = "tiny"

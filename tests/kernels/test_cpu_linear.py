@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from vllm import _custom_ops as ops
 from vllm.forward_context import decode_rows, set_forward_context
-from vllm.model_executor.layers import linear as linear_mod
+from vllm.model_executor.layers import gemm as linear_mod
 
 
 @pytest.fixture(scope="module", autouse=True)

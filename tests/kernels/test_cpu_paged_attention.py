@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vllm import _custom_ops as ops
-from vllm.v1.attention.backends.torch_paged import (
+from vllm.attention.backends.torch_paged import (
     build_attn_metadata,
     padded_attention,
     paged_attention,

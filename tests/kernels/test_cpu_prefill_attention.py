@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from vllm import _custom_ops as ops
-from vllm.v1.attention.backends import torch_paged
-from vllm.v1.attention.backends.torch_paged import build_attn_metadata, padded_attention
+from vllm.attention.backends import torch_paged
+from vllm.attention.backends.torch_paged import build_attn_metadata, padded_attention
 
 
 @pytest.fixture(scope="module", autouse=True)

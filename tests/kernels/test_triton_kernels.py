@@ -78,7 +78,7 @@ PAGED_CASES = [
 @pytest.mark.parametrize("case", range(len(PAGED_CASES)))
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)], ids=["mha", "gqa3", "mqa8"])
 def test_paged_attention(case, heads, dtype) -> None:
-    from vllm.v1.attention.ops.triton_paged_attention import (
+    from vllm.attention.ops.triton_paged_attention import (
         paged_attention_reference,
         triton_paged_attention,
     )
@@ -102,7 +102,7 @@ def test_paged_attention(case, heads, dtype) -> None:
 def test_paged_attention_tree_mask(dtype) -> None:
     """Verify rows of draft trees (random trees, 1 + 6 rows; one request with fewer rows than
     the mask's width): each row sees the cached context and its ancestors only."""
-    from vllm.v1.attention.ops.triton_paged_attention import (
+    from vllm.attention.ops.triton_paged_attention import (
         paged_attention_reference,
         triton_paged_attention,
     )
@@ -132,7 +132,7 @@ def test_paged_attention_tree_mask(dtype) -> None:
 
 @pytest.mark.parametrize("window", [1, 5, 40])
 def test_paged_attention_sliding_window(window) -> None:
-    from vllm.v1.attention.ops.triton_paged_attention import (
+    from vllm.attention.ops.triton_paged_attention import (
         paged_attention_reference,
         triton_paged_attention,
     )
@@ -153,7 +153,7 @@ def test_paged_attention_sliding_window(window) -> None:
 def test_paged_attention_padding_rows_and_empty_requests() -> None:
     """A captured step's layout: rows past the real tokens and request entries past the real
     requests (query_start_loc repeating the total, seq_lens 0) are left untouched."""
-    from vllm.v1.attention.ops.triton_paged_attention import (
+    from vllm.attention.ops.triton_paged_attention import (
         paged_attention_reference,
         triton_paged_attention,
     )
@@ -177,7 +177,7 @@ def test_paged_attention_padding_rows_and_empty_requests() -> None:
 
 
 def test_paged_attention_rejects_bad_input() -> None:
-    from vllm.v1.attention.ops.triton_paged_attention import triton_paged_attention
+    from vllm.attention.ops.triton_paged_attention import triton_paged_attention
 
     qsl, sl, table, nblk, _ = _paged_batch([2], [5], 4, seed=0)
     q, kc = torch.zeros(2, 4, 16), torch.zeros(nblk * 4, 3, 16)
@@ -200,7 +200,7 @@ def test_paged_attention_rejects_bad_input() -> None:
 def test_mla_attention(dtype, tree) -> None:
     """Dense MLA decode / verify / prefill rows over the paged latent cache (rank and rope
     not powers of two; more heads than one 16-head block)."""
-    from vllm.v1.attention.ops.triton_mla_attention import (
+    from vllm.attention.ops.triton_mla_attention import (
         mla_attention_reference,
         triton_mla_attention,
     )
@@ -228,9 +228,9 @@ def test_mla_attention(dtype, tree) -> None:
 def test_sparse_mla(dtype) -> None:
     """The existing sparse top-k kernel (DeepSeek-V3.2) against the torch sparse reference:
     selections longer than one 32-row tile, unused (-1) slots, bf16."""
-    from vllm.v1.attention.backends.mla.torch_mla import MLADims
-    from vllm.v1.attention.backends.mla.torch_mla_sparse import TorchMLASparseImpl
-    from vllm.v1.attention.backends.mla.triton_mla_sparse import TritonMLASparseImpl
+    from vllm.attention.backends.mla.torch_mla import MLADims
+    from vllm.attention.backends.mla.torch_mla_sparse import TorchMLASparseImpl
+    from vllm.attention.backends.mla.triton_mla_sparse import TritonMLASparseImpl
 
     g = torch.Generator().manual_seed(5)
     H, rank, rope, T, topk, slots = 5, 24, 8, 6, 40, 90
@@ -252,7 +252,7 @@ def test_sparse_mla(dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_cache(dtype) -> None:
-    from vllm.v1.attention.ops.triton_kv_cache import (
+    from vllm.attention.ops.triton_kv_cache import (
         triton_write_kv_cache,
         triton_write_mla_cache,
         write_slots_reference,

@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from vllm.attention.backends.torch_paged import build_attn_metadata
 from vllm.config import ModelConfig, VllmConfig
 from vllm.distributed.parallel_state import PPGroup, get_pp_group, set_pp_group
 from vllm.forward_context import set_forward_context
@@ -22,7 +23,6 @@ from vllm.model_executor.models.deepseek_v2 import get_spec_layer_idx_from_weigh
 from vllm.model_executor.models.utils import WeightLoadError
 from vllm.sequence import IntermediateTensors
 from vllm.testing.checkpoints import make_deepseek_v2, make_deepseek_v3
-from vllm.v1.attention.backends.torch_paged import build_attn_metadata
 
 transformers = pytest.importorskip("transformers")
 

@@ -267,7 +267,7 @@ def test_impls_read_the_target_buffer_through_their_indexers(
     impls reach the target's buffer only by resolving it through them. An impl that took a
     snapshot of its buffer at construction (before loading) has none to read: the draft's first
     sparse attention fails."""
-    from vllm.v1.attention.backends.mla.sparse_common import SharedTopkIndicesBuffer
+    from vllm.attention.backends.mla.sparse_common import SharedTopkIndicesBuffer
 
     init = SharedTopkIndicesBuffer.init_topk_indices_buffer
 

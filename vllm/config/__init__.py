@@ -17,15 +17,15 @@ from vllm.config.model import (
 )
 from vllm.config.parallel import DataParallelBackend, DistributedExecutorBackend, ParallelConfig
 from vllm.config.scheduler import SchedulerConfig, SchedulerPolicy
-from vllm.config.speculative import (
+from vllm.config.spec_methods import (
     EAGLE1_DRAFT_ARCHITECTURES,
     EAGLE1_TARGET_ARCHITECTURES,
     MTP_DRAFT_ARCHITECTURES,
     SPEC_METHODS,
     SpecMethod,
-    SpeculativeConfig,
     num_mtp_layers,
 )
+from vllm.config.speculative import SpeculativeConfig
 from vllm.config.structured_outputs import StructuredOutputsConfig
 from vllm.config.utils import get_attr_docs
 from vllm.config.vllm import VllmConfig

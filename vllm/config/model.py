@@ -8,12 +8,10 @@ import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
+from vllm.config.quantization import QuantizationConfig, resolve_quantization
 from vllm.logger import init_logger
-
-if TYPE_CHECKING:
-    from vllm.model_executor.layers.quantization import QuantizationConfig
 
 logger = init_logger(__name__)
 
@@ -228,8 +226,6 @@ class ModelConfig:
                 raise ValueError(f"limit_mm_per_prompt.{k} must be an integer >= 0, got {v!r}")
 
     def _resolve_quantization(self) -> tuple[str | None, QuantizationConfig | None]:
-        from vllm.model_executor.layers.quantization import resolve_quantization
-
         return resolve_quantization(self.quantization, self.hf_config, self.model)
 
     def get_quant_config(self) -> QuantizationConfig | None:

@@ -12,95 +12,20 @@ from typing import Any
 
 from vllm.config.draft import get_eagle3_use_aux_hidden_state_from_config, verify_dflash_draft
 from vllm.config.model import ModelConfig
+from vllm.config.spec_methods import (
+    _METHOD_ALIASES,
+    EAGLE1_DRAFT_ARCHITECTURES,
+    EAGLE1_TARGET_ARCHITECTURES,
+    MTP_DRAFT_ARCHITECTURES,
+    SPEC_METHODS,
+    SpecMethod,
+    num_mtp_layers,
+)
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
 
-@dataclass(frozen=True)
-class SpecMethod:
-    """What one speculative method needs and what runs it (the one list of methods)."""
-
-    family: str
-    """mtp | eagle | eagle3 | dflash | ngram | suffix: the draft layout the config checks."""
-    speculator: str
-    """`module:Class` of the speculator that runs it (imported by init_speculator, so the
-    config imports no model or worker module)."""
-    needs_draft_model: bool
-    """speculative_config.model is required (else the draft is in the target checkpoint)."""
-    draft_shares_target_embed: bool
-    """A draft of this method may ship no input embedding and share the target's, which the
-    target then keeps on the last pipeline stage, where the draft runs."""
-    aux_hidden_states: str
-    """never | config | always: whether the draft reads the target's aux hidden states
-    ("config": unless the draft config's eagle_config sets use_aux_hidden_state false)."""
-    has_draft_model: bool = True
-    """The method runs a draft network (False: drafts come from the request's own tokens)."""
-
-
-_SPEC = "vllm.v1.worker.gpu.spec_decode"
-_MTP = SpecMethod("mtp", f"{_SPEC}.mtp.speculator:MTPSpeculator", False, False, "never")
-_EAGLE = f"{_SPEC}.eagle.speculator:EagleSpeculator"
-_DFLASH = f"{_SPEC}.dflash.speculator:DFlashSpeculator"
-SPEC_METHODS: dict[str, SpecMethod] = {
-    "mtp": _MTP,
-    "eagle": SpecMethod("eagle", _EAGLE, True, True, "never"),
-    "eagle3": SpecMethod("eagle3", _EAGLE, True, True, "config"),
-    # Block-parallel drafts: one forward proposes the whole block from the anchor token.
-    "dflash": SpecMethod("dflash", _DFLASH, True, True, "always"),
-    "dspark": SpecMethod("dflash", _DFLASH, True, True, "always"),
-    # Prompt lookup: the continuation of the longest earlier match of the request's last n-gram.
-    "ngram": SpecMethod(
-        "ngram", f"{_SPEC}.ngram.speculator:NgramSpeculator", False, False, "never", False
-    ),
-    # Suffix decoding: the longest earlier match in the request's tokens or in earlier
-    # requests' outputs, drafted by frequency.
-    "suffix": SpecMethod(
-        "suffix", f"{_SPEC}.suffix.speculator:SuffixSpeculator", False, False, "never", False
-    ),
-    # No drafter: structured-output requests draft the tokens their grammar forces.
-    "jump_forward": SpecMethod(
-        "jump_forward",
-        f"{_SPEC}.ngram.speculator:JumpForwardSpeculator",
-        False,
-        False,
-        "never",
-        False,
-    ),
-}
-# Target architecture -> the architecture of its in-checkpoint MTP draft.
-MTP_DRAFT_ARCHITECTURES = {
-    "DeepseekV2ForCausalLM": "DeepSeekMTPModel",
-    "DeepseekV3ForCausalLM": "DeepSeekMTPModel",
-    # model_type deepseek_v32 / glm_moe_dsa: MTP layers with their own DSA indexer.
-    "DeepseekV32ForCausalLM": "DeepseekV32MTP",
-    "GlmMoeDsaForCausalLM": "DeepseekV32MTP",
-    "Qwen3_5ForCausalLM": "Qwen3_5MTP",
-    "Qwen3_5ForConditionalGeneration": "Qwen3_5MTP",
-    "Qwen3_5MoeForCausalLM": "Qwen3_5MoeMTP",
-    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeMTP",
-}
-
-
-def num_mtp_layers(hf_text_config: Any) -> int:
-    """MTP layers a checkpoint ships (DeepSeek num_nextn_predict_layers, Qwen3.5
-    mtp_num_hidden_layers)."""
-    for key in ("num_nextn_predict_layers", "mtp_num_hidden_layers"):
-        v = getattr(hf_text_config, key, None)
-        if v:
-            return int(v)
-    return 0
-
-
-_METHOD_ALIASES = {
-    "deepseek_mtp": "mtp",
-    "qwen3_5_mtp": "mtp",
-    "qwen3_next_mtp": "mtp",
-    "mimo_mtp": "mtp",
-    "ernie_mtp": "mtp",
-    "glm4_moe_mtp": "mtp",
-    "[ngram]": "ngram",
-}
 _SPEC_KEYS = {
     "method",
     "num_speculative_tokens",
@@ -532,13 +457,6 @@ def _check_speculators_head(draft: ModelConfig, target: ModelConfig) -> None:
 
 # EAGLE-1 (method "eagle"): draft folder architecture -> the draft class, and the targets whose
 # last hidden state (after the final norm) the public EAGLE-1 heads are trained on.
-EAGLE1_DRAFT_ARCHITECTURES = {
-    "LlamaForCausalLM": "EagleLlamaForCausalLM",
-    "EagleLlamaForCausalLM": "EagleLlamaForCausalLM",
-}
-EAGLE1_TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
-
-
 def _verify_eagle1_draft(draft: ModelConfig, target: ModelConfig) -> None:
     """Refuse what the EAGLE-1 layout cannot run; point the draft config at its class."""
     arch = EAGLE1_DRAFT_ARCHITECTURES.get(draft.architecture)

@@ -12,10 +12,9 @@ one per stage): a stage's TP rank t sends to and receives from TP rank t of its 
 
 from __future__ import annotations
 
-import contextlib
 import pickle
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -125,18 +124,6 @@ def get_tp_group() -> TPGroup:
 def set_tp_group(group: TPGroup) -> None:
     global _TP
     _TP = group
-
-
-@contextlib.contextmanager
-def use_tp_group(group: TPGroup) -> Iterator[None]:
-    """Build layers under another TP group (a draft at draft_tensor_parallel_size=1 is built
-    under the trivial one: whole on every rank). Layers keep the group they were built with."""
-    global _TP
-    old, _TP = _TP, group
-    try:
-        yield
-    finally:
-        _TP = old
 
 
 def get_tensor_model_parallel_rank() -> int:

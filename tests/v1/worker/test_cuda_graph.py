@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from vllm import LLM, SamplingParams
+from vllm.attention.backends.torch_paged import build_attn_metadata
 from vllm.testing.engine_utils import hf_greedy, make_prompts
-from vllm.v1.attention.backends.torch_paged import build_attn_metadata
 from vllm.v1.worker.gpu import cuda_graph
 from vllm.v1.worker.gpu.cuda_graph import CudaGraphRunner, GraphRecorder
 

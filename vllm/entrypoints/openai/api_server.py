@@ -21,21 +21,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vllm import envs
 from vllm.entrypoints.chat_utils import load_chat_template
-from vllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-)
-from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from vllm.entrypoints.openai.serving_engine import (
+from vllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.errors import (
     APIError,
-    ServingOptions,
     client_message,
     error_response,
     validation_message,
 )
+from vllm.entrypoints.openai.protocol import CompletionRequest, ModelCard, ModelList
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_engine import ServingOptions
 from vllm.entrypoints.openai.serving_tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,

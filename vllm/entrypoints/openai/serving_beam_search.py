@@ -5,17 +5,32 @@ live beam one engine request per step), answered as n = beam_width choices, best
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm.beam_search import BeamSearch, BeamSearchSequence
-from vllm.entrypoints.openai.serving_engine import final_outputs
+from vllm.entrypoints.openai.streams import final_outputs
 from vllm.exceptions import VLLMValidationError
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import BeamSearchParams, SamplingParams
+from vllm.v1.engine.async_llm import AsyncLLM, RequestStream
 
 if TYPE_CHECKING:
-    from vllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-    from vllm.entrypoints.openai.serving_engine import OpenAIServing
+    from vllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.protocol import CompletionRequest
+
+
+class BeamServing(Protocol):
+    """What the beam search needs of the server that drives it (the serving base, which
+    imports this module)."""
+
+    llm: AsyncLLM
+
+    @property
+    def tokenizer(self) -> Any: ...
+
+    async def _add_all(
+        self, prompts: list[Any], params: SamplingParams, base_id: str, priority: int = 0
+    ) -> list[RequestStream]: ...
 
 
 def beam_params(
@@ -51,7 +66,7 @@ def beam_params(
 
 
 async def beam_search_outputs(
-    serving: OpenAIServing,
+    serving: BeamServing,
     req: CompletionRequest | ChatCompletionRequest,
     prompts: list[dict[str, Any]],
     params: SamplingParams,
@@ -81,7 +96,7 @@ async def beam_search_outputs(
 
 
 def _as_output(
-    serving: OpenAIServing,
+    serving: BeamServing,
     req: CompletionRequest | ChatCompletionRequest,
     rid: str,
     prompt: dict[str, Any],

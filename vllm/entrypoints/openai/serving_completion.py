@@ -21,12 +21,11 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
-    final_usage,
     finite,
     prompt_logprobs_json,
-    stream_events,
     token_text,
 )
+from vllm.entrypoints.openai.streams import final_usage, stream_events
 from vllm.outputs import CompletionOutput, Logprob, RequestOutput
 from vllm.v1.engine.async_llm import RequestStream
 

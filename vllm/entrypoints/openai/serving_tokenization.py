@@ -10,15 +10,12 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from vllm.entrypoints.openai.chat_protocol import ChatCompletionRequest, ChatMessage
+from vllm.entrypoints.openai.errors import APIError
 from vllm.entrypoints.openai.field_rules import refuse_unsupported
-from vllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    NonNegInt64,
-    OpenAIBaseModel,
-)
+from vllm.entrypoints.openai.protocol import NonNegInt64, OpenAIBaseModel
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
-from vllm.entrypoints.openai.serving_engine import APIError, OpenAIServing
+from vllm.entrypoints.openai.serving_engine import OpenAIServing
 from vllm.exceptions import VLLMValidationError
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.model_executor.layers.quantization import get_current_quant_config
+from vllm.model_executor.build_context import current_build_context
 from vllm.model_executor.model_loader.weight_utils import WeightLoadError, reject_quantized_tensor
 
 
@@ -127,9 +127,8 @@ class FusedMoE(nn.Module):
         every expert's columns (w13 rows, w2 columns) and forward returns its partial sum,
         which the caller reduces over the ranks."""
         super().__init__()
-        from vllm.distributed.parallel_state import get_tp_group
-
-        tp = get_tp_group()
+        ctx = current_build_context()
+        tp = ctx.tp
         self.tp_rank, self.tp_size = tp.rank, tp.world_size
         if intermediate_size % self.tp_size:
             raise ValueError(
@@ -139,10 +138,8 @@ class FusedMoE(nn.Module):
         intermediate_size //= self.tp_size
         self.num_experts = num_experts
         self.intermediate_size = intermediate_size
-        config = get_current_quant_config()
-        self.quant_method = (
-            config.get_moe_method() if config is not None else UnquantizedFusedMoEMethod()
-        )
+        methods = ctx.quant_methods
+        self.quant_method = methods.moe() if methods is not None else UnquantizedFusedMoEMethod()
         self.quant_method.create_weights(
             self, num_experts, hidden_size, intermediate_size, torch.get_default_dtype()
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm.distributed.parallel_state import get_tp_group
+from vllm.model_executor.build_context import current_build_context
 from vllm.model_executor.layers.linear import RoutedLinear, TPSharded, divide
 
 
@@ -19,7 +19,7 @@ class VocabParallelEmbedding(nn.Embedding, TPSharded):
     """nn.Embedding over this rank's slice of the vocabulary (the whole one at TP = 1)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        tp = get_tp_group()
+        self.tp = tp = current_build_context().tp
         self.tp_rank, self.tp_size = tp.rank, tp.world_size
         self.org_vocab_size = int(num_embeddings)
         per_rank = divide(self.org_vocab_size, self.tp_size, "vocab_size")
@@ -37,7 +37,7 @@ class VocabParallelEmbedding(nn.Embedding, TPSharded):
         local = torch.where(outside, 0, input_ids - self.vocab_start_index)
         out = super().forward(local)
         out.masked_fill_(outside.unsqueeze(-1), 0)
-        return get_tp_group().all_reduce(out)
+        return self.tp.all_reduce(out)
 
 
 class LMHead(RoutedLinear):
@@ -50,11 +50,12 @@ class ParallelLMHead(LMHead, TPSharded):
     the result is the full [tokens, vocab] on each rank."""
 
     def __init__(self, hidden_size: int, vocab_size: int, bias: bool = False) -> None:
-        tp = get_tp_group()
+        tp = current_build_context().tp
         self.tp_rank, self.tp_size = tp.rank, tp.world_size
         self.org_vocab_size = int(vocab_size)
         per_rank = divide(self.org_vocab_size, self.tp_size, "vocab_size")
         super().__init__(hidden_size, per_rank, bias=bias)
+        self.tp = tp
         self.vocab_start_index = self.tp_rank * per_rank
 
     def tp_shard_checkpoint_tensor(self, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -64,7 +65,7 @@ class ParallelLMHead(LMHead, TPSharded):
         logits = super().forward(x)
         if self.tp_size == 1:
             return logits
-        return get_tp_group().all_gather(logits, dim=-1)
+        return self.tp.all_gather(logits, dim=-1)
 
 
 def _vocab_rows(layer: VocabParallelEmbedding | ParallelLMHead, tensor: torch.Tensor):

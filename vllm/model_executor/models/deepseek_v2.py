@@ -9,7 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm.distributed.parallel_state import get_tp_group
+from vllm.attention.backends.mla.torch_mla import MLADims
+from vllm.model_executor.build_context import current_build_context
 from vllm.model_executor.layers.attention import MLAAttention
 from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -22,7 +23,6 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params, yarn_get_mscale
 from vllm.model_executor.models.base import CausalLMBase, DecoderLayerBase, DecoderModelBase
 from vllm.model_executor.models.llama import LlamaMLP
-from vllm.v1.attention.backends.mla.torch_mla import MLADims
 
 
 def get_spec_layer_idx_from_weight_name(config: Any, weight_name: str) -> int | None:
@@ -113,7 +113,8 @@ class DeepseekV2MoE(nn.Module):
                 )
         self.renormalize = bool(getattr(config, "norm_topk_prob", False))
         self.routed_scaling_factor = float(getattr(config, "routed_scaling_factor", 1.0) or 1.0)
-        self.tp = get_tp_group()  # the group it was built for (a TP-1 draft: the trivial one)
+        # The group it was built for (a TP-1 draft: the trivial one).
+        self.tp = current_build_context().tp
         self.gate = DeepseekV2MoEGate(config.hidden_size, num_experts, topk_method == "noaux_tc")
         # With TP every rank holds its slice of each expert's intermediate columns (and of the
         # shared experts'); the partial outputs are summed over the ranks once, in forward.
@@ -167,7 +168,9 @@ class DeepseekV2MLAAttention(nn.Module):
         super().__init__()
         h = config.hidden_size
         total_heads = int(config.num_attention_heads)
-        self.num_heads = divide(total_heads, get_tp_group().world_size, "num_attention_heads")
+        self.num_heads = divide(
+            total_heads, current_build_context().tp.world_size, "num_attention_heads"
+        )
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         self.kv_lora_rank = int(config.kv_lora_rank)
         self.qk_nope_head_dim = int(config.qk_nope_head_dim)

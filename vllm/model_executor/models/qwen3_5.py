@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.distributed.parallel_state import get_tp_group
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
+from vllm.model_executor.build_context import current_build_context
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -91,7 +91,8 @@ class _ShardedConv1d(nn.Conv1d, TPSharded):
     def __init__(self, packed_sizes: list[int], *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.packed_sizes = packed_sizes
-        self.tp_rank, self.tp_size = get_tp_group().rank, get_tp_group().world_size
+        tp = current_build_context().tp
+        self.tp_rank, self.tp_size = tp.rank, tp.world_size
 
     def tp_shard_checkpoint_tensor(self, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
         return shard_packed_rows(tensor, self.packed_sizes, self.tp_rank, self.tp_size)
@@ -107,7 +108,7 @@ class Qwen3_5GatedDeltaNet(MambaBase, TPSharded):
     def __init__(self, config: Any, prefix: str) -> None:
         super().__init__(prefix)
         h = config.hidden_size
-        tp = get_tp_group()
+        tp = current_build_context().tp
         self.tp_rank, self.tp_size = tp.rank, tp.world_size
         total_k = int(config.linear_num_key_heads)
         total_v = int(config.linear_num_value_heads)
@@ -265,7 +266,8 @@ class Qwen3_5MoeSparseMoeBlock(nn.Module):
         h = config.hidden_size
         self.top_k = int(config.num_experts_per_tok)
         num_experts = int(config.num_experts)
-        self.tp = get_tp_group()  # the group it was built for (a TP-1 draft: the trivial one)
+        # The group it was built for (a TP-1 draft: the trivial one).
+        self.tp = current_build_context().tp
         self.gate = nn.Linear(h, num_experts, bias=False)
         # With TP: each expert's and the shared expert's columns split; one all-reduce.
         self.experts = FusedMoE(num_experts, h, int(config.moe_intermediate_size))

@@ -27,7 +27,7 @@ from vllm.v1.engine.engine_inputs import (  # noqa: F401 - re-exported
 )
 from vllm.v1.engine.output_processor import ChildState, OutputProcessor, RequestState
 from vllm.v1.engine.warmup import measure_step_costs, warm_up
-from vllm.v1.executor.abstract import Executor
+from vllm.v1.executor.selector import get_executor_class
 from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger, StatsRelay
 from vllm.v1.metrics.reader import Metric, get_metrics_snapshot
 from vllm.v1.metrics.stats import IterationStats
@@ -78,7 +78,7 @@ class LLMEngine(EngineInputs):
         mc = self.model_config
         assert mc.max_model_len is not None
         t_phase = self._t_phase
-        self.executor = Executor.get_class(vllm_config)(vllm_config)
+        self.executor = get_executor_class(vllm_config)(vllm_config)
         t_phase = self._phase("load", t_phase)  # workers started, weights loaded
         try:
             num_blocks = self.executor.determine_num_blocks()

@@ -20,23 +20,6 @@ class Executor(ABC):
         if vllm_config.parallel_config.tensor_parallel_size > 1:
             verify_supports_tp(vllm_config)
 
-    @staticmethod
-    def get_class(vllm_config: VllmConfig) -> type[Executor]:
-        backend = vllm_config.parallel_config.distributed_executor_backend
-        if backend == "uni":
-            from vllm.v1.executor.uniproc_executor import UniProcExecutor
-
-            return UniProcExecutor
-        if backend == "mp":
-            from vllm.v1.executor.multiproc_executor import MultiprocExecutor
-
-            return MultiprocExecutor
-        if backend == "ray":
-            from vllm.v1.executor.ray_executor import RayExecutor
-
-            return RayExecutor
-        raise ValueError(f"unknown distributed_executor_backend {backend!r}")
-
     @abstractmethod
     def determine_num_blocks(self) -> int: ...
 

@@ -7,16 +7,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.linear import LinearLayerBase, dequantize_linear_
-from vllm.v1.attention.backends.mla.torch_mla import MLADims, TorchMLAImpl
-from vllm.v1.attention.backends.registry import (
+from vllm.attention.backends.mla.torch_mla import MLADims, TorchMLAImpl
+from vllm.attention.backends.registry import (
     attention_backend_name,
     get_attention_impl_cls,
     get_mla_impl_cls,
     mla_backend_name,
 )
-from vllm.v1.attention.backends.torch_paged import TorchPagedAttentionImpl
+from vllm.attention.backends.torch_paged import TorchPagedAttentionImpl
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.linear import LinearLayerBase, dequantize_linear_
 
 
 class AttentionLayerBase(nn.Module):

@@ -2,7 +2,7 @@
 # Copyright 2026 The vllm-pp-spec contributors
 """Sparse MLA attention layer (DeepSeek-V3.2 DSA): MLA whose impl is a registered sparse backend
 reading the model-wide top-k indices buffer. The impls and their shared buffer view are in
-v1/attention/backends/mla/sparse_common.py."""
+vllm/attention/backends/mla/sparse_common.py."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from vllm.model_executor.layers.attention import MLAAttention
-from vllm.model_executor.layers.linear import LinearLayerBase
-from vllm.v1.attention.backends.mla.sparse_common import (
+from vllm.attention.backends.mla.sparse_common import (
     TOPK_PAD,
     SharedTopkIndicesBuffer,
     SparseMLACommonImpl,
 )
-from vllm.v1.attention.backends.mla.torch_mla import MLADims
-from vllm.v1.attention.backends.registry import get_sparse_mla_impl_cls, select_sparse_mla_impl
+from vllm.attention.backends.mla.torch_mla import MLADims
+from vllm.attention.backends.registry import get_sparse_mla_impl_cls, select_sparse_mla_impl
+from vllm.model_executor.layers.attention import MLAAttention
+from vllm.model_executor.layers.linear import LinearLayerBase
 
 __all__ = [
     "TOPK_PAD",

@@ -1,115 +1,42 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""Weight quantization: the config parsed from a checkpoint's `quantization_config`, the
-per-layer methods it hands out, and the construction context models are built under."""
+"""Weight quantization's layer methods: the methods a parsed config (vllm.config.quantization)
+hands the layers built under it, and the conversion after loading. The config classes themselves
+are re-exported here for callers that look for them in vLLM's place."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
-
 from torch import nn
 
-_local = threading.local()
+from vllm.config.quantization import (
+    QUANTIZATION_METHODS,
+    Fp8Config,
+    QuantizationConfig,
+    checkpoint_quantization_config,
+    resolve_quantization,
+)
+from vllm.model_executor.build_context import QuantMethods
+from vllm.model_executor.layers.quantization.fp8 import Fp8Methods
+
+__all__ = [
+    "QUANTIZATION_METHODS",
+    "Fp8Config",
+    "QuantizationConfig",
+    "QuantMethods",
+    "checkpoint_quantization_config",
+    "get_quant_methods",
+    "process_weights_after_loading",
+    "resolve_quantization",
+]
 
 
-class QuantizationConfig:
-    """One quantization method's settings; hands a method object to each layer it quantizes."""
-
-    name: str = ""
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
-        raise NotImplementedError
-
-    def get_linear_method(self):
-        """The method a quantizable linear layer stores its weights and computes with."""
-        raise NotImplementedError
-
-    def get_moe_method(self):
-        """The method stacked MoE experts store their weights and compute with."""
-        raise NotImplementedError
-
-
-def _registry() -> dict[str, type[QuantizationConfig]]:
-    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
-
-    return {"fp8": Fp8Config}
-
-
-QUANTIZATION_METHODS = ("fp8",)
-
-
-def checkpoint_quantization_config(hf_config: Any) -> dict[str, Any] | None:
-    """The `quantization_config` dict of config.json (top level, or the text config of a
-    multimodal checkpoint), or None for an unquantized checkpoint."""
-    for cfg in (hf_config, getattr(hf_config, "get_text_config", lambda: None)()):
-        qc = getattr(cfg, "quantization_config", None) if cfg is not None else None
-        if qc is None:
-            continue
-        if hasattr(qc, "to_dict"):
-            qc = qc.to_dict()
-        if not isinstance(qc, dict):
-            raise ValueError(
-                f"config.json quantization_config must be an object, got {type(qc).__name__}"
-            )
-        return qc
-    return None
-
-
-def resolve_quantization(
-    requested: str | None, hf_config: Any, model: str
-) -> tuple[str | None, QuantizationConfig | None]:
-    """(method name, parsed config) for a checkpoint; requested is the user's `quantization`
-    (None: take the checkpoint's). Raises ValueError naming the field for anything we cannot
-    run: an unknown method, a mismatch with the checkpoint, or bad quantization_config fields."""
-    if requested is not None and (
-        not isinstance(requested, str) or requested not in QUANTIZATION_METHODS
-    ):
-        raise ValueError(
-            f"quantization {requested!r} is not supported; supported: {list(QUANTIZATION_METHODS)}"
-        )
-    qc = checkpoint_quantization_config(hf_config)
-    if qc is None:
-        if requested is not None:
-            raise ValueError(
-                f"quantization={requested!r} needs a checkpoint quantized ahead of time, but "
-                f"config.json of {model!r} has no quantization_config (quantizing unquantized "
-                "weights at load is not supported)"
-            )
-        return None, None
-    method = qc.get("quant_method")
-    if not isinstance(method, str) or method.lower() not in QUANTIZATION_METHODS:
-        raise ValueError(
-            f"config.json of {model!r}: quantization_config.quant_method {method!r} is not "
-            f"supported; supported: {list(QUANTIZATION_METHODS)}"
-        )
-    method = method.lower()
-    if requested is not None and requested != method:
-        raise ValueError(
-            f"quantization={requested!r} does not match the checkpoint's quantization_config."
-            f"quant_method {method!r} ({model!r})"
-        )
-    return method, _registry()[method].from_config(qc)
-
-
-@contextmanager
-def set_quant_config(config: QuantizationConfig | None) -> Iterator[None]:
-    """Build models under config: quantizable layers created inside take their method from it
-    (the way torch's default dtype and device contexts shape the parameters they create)."""
-    prev = getattr(_local, "config", None)
-    _local.config = config
-    try:
-        yield
-    finally:
-        _local.config = prev
-
-
-def get_current_quant_config() -> QuantizationConfig | None:
-    """The config of the model being built (None outside set_quant_config: unquantized)."""
-    return getattr(_local, "config", None)
+def get_quant_methods(config: QuantizationConfig | None) -> QuantMethods | None:
+    """The layer methods of config (None: unquantized)."""
+    if config is None:
+        return None
+    if isinstance(config, Fp8Config):
+        return Fp8Methods(config)
+    raise ValueError(f"no layer methods for quantization {config.name!r}")
 
 
 def process_weights_after_loading(model: nn.Module) -> None:

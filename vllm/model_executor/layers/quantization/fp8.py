@@ -14,15 +14,14 @@ VLLM_FP8_DEQUANT=load|forward overrides the choice.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vllm import envs
+from vllm.config.quantization import Fp8Config
 from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe import FusedMoE, UnquantizedFusedMoEMethod, fused_moe
 from vllm.model_executor.layers.linear import (
@@ -30,7 +29,7 @@ from vllm.model_executor.layers.linear import (
     LinearMethodBase,
     UnquantizedLinearMethod,
 )
-from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.quantization.fp8_kernels import block_grid, dequantize_fp8_block
 from vllm.model_executor.model_loader.weight_utils import FP8_DTYPES, WeightLoadError
 
 logger = init_logger(__name__)
@@ -42,109 +41,6 @@ _SCALE_DTYPES = frozenset(
     [torch.float32, torch.bfloat16, torch.float16]
     + ([torch.float8_e8m0fnu] if hasattr(torch, "float8_e8m0fnu") else [])
 )
-
-
-def block_grid(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
-    """Scale grid of a [rows, cols] matrix in [bn, bk] blocks (partial edge blocks count)."""
-    return math.ceil(rows / block[0]), math.ceil(cols / block[1])
-
-
-def dequantize_fp8_block(
-    weight: torch.Tensor,
-    scale_inv: torch.Tensor,
-    block: tuple[int, int],
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """weight [..., N, K] (FP8) * scale_inv [..., ceil(N/bn), ceil(K/bk)] per block -> dtype.
-
-    The product is formed in float32 and rounded once, so it is exact for float32 and the
-    correctly rounded value for bf16 / fp16.
-    """
-    bn, bk = block
-    n, k = weight.shape[-2:]
-    gn, gk = block_grid(n, k, block)
-    if tuple(scale_inv.shape[-2:]) != (gn, gk):
-        raise ValueError(
-            f"scale grid {tuple(scale_inv.shape)} does not match a {tuple(weight.shape)} weight "
-            f"in {list(block)} blocks (expected [..., {gn}, {gk}])"
-        )
-    w = weight.to(torch.float32, memory_format=torch.contiguous_format)
-    if gn * bn != n or gk * bk != k:
-        w = F.pad(w, (0, gk * bk - k, 0, gn * bn - n))
-    lead = w.shape[:-2]
-    w = w.view(*lead, gn, bn, gk, bk)
-    w.mul_(scale_inv.to(torch.float32).view(*lead, gn, 1, gk, 1))
-    return w.view(*lead, gn * bn, gk * bk)[..., :n, :k].to(dtype).contiguous()
-
-
-def _parse_block(value: Any) -> tuple[int, int]:
-    ok = (
-        isinstance(value, (list, tuple))
-        and len(value) == 2
-        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
-    )
-    if not ok:
-        raise ValueError(
-            "quantization_config.weight_block_size must be two positive integers [bn, bk] "
-            f"(per-block FP8 scales), got {value!r}"
-        )
-    return int(value[0]), int(value[1])
-
-
-class Fp8Config(QuantizationConfig):
-    """Block FP8 (`quant_method: fp8`) as parsed from config.json."""
-
-    name = "fp8"
-
-    def __init__(
-        self,
-        weight_block_size: tuple[int, int],
-        activation_scheme: str = "dynamic",
-        modules_to_not_convert: list[str] | None = None,
-    ) -> None:
-        self.weight_block_size = weight_block_size
-        self.activation_scheme = activation_scheme
-        # Informational: layers load as the checkpoint stores them (a linear whose weight comes
-        # unquantized stays unquantized), so the list only has to be well-formed.
-        self.modules_to_not_convert = list(modules_to_not_convert or [])
-
-    @classmethod
-    def from_config(cls, config: dict[str, Any]) -> Fp8Config:
-        method = str(config.get("quant_method", "")).lower()
-        if method != "fp8":
-            raise ValueError(f"quantization_config.quant_method must be 'fp8', got {method!r}")
-        fmt = config.get("fmt", "e4m3")  # HF's FineGrainedFP8Config does not write it
-        if fmt != "e4m3":
-            raise ValueError(
-                f"quantization_config.fmt {fmt!r} is not supported; supported: ['e4m3'] "
-                "(float8_e4m3fn weights)"
-            )
-        scheme = config.get("activation_scheme", "dynamic")
-        if scheme != "dynamic":
-            raise ValueError(
-                f"quantization_config.activation_scheme {scheme!r} is not supported; "
-                "supported: ['dynamic'] (static activation scales are not implemented)"
-            )
-        scale_fmt = config.get("scale_fmt")
-        if scale_fmt not in (None, "float", "ue8m0"):
-            raise ValueError(
-                f"quantization_config.scale_fmt {scale_fmt!r} is not supported; "
-                "supported: ['float', 'ue8m0']"
-            )
-        skip = config.get("modules_to_not_convert", config.get("ignored_layers"))
-        if skip is not None and not (
-            isinstance(skip, list) and all(isinstance(s, str) for s in skip)
-        ):
-            raise ValueError(
-                f"quantization_config.modules_to_not_convert must be a list of names, got {skip!r}"
-            )
-        return cls(_parse_block(config.get("weight_block_size")), scheme, skip)
-
-    def get_linear_method(self) -> Fp8LinearMethod:
-        return Fp8LinearMethod(self)
-
-    def get_moe_method(self) -> Fp8MoEMethod:
-        return Fp8MoEMethod(self)
 
 
 def _dense_mode(device: torch.device) -> str:
@@ -186,6 +82,19 @@ def load_fp8_tensor(dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
         dst.copy_(tensor)
     else:
         _load_scale(dst, name, tensor)
+
+
+class Fp8Methods:
+    """Block FP8's layer methods (the QuantMethods a model is built under)."""
+
+    def __init__(self, config: Fp8Config) -> None:
+        self.config = config
+
+    def linear(self) -> Fp8LinearMethod:
+        return Fp8LinearMethod(self.config)
+
+    def moe(self) -> Fp8MoEMethod:
+        return Fp8MoEMethod(self.config)
 
 
 class Fp8LinearMethod(LinearMethodBase):

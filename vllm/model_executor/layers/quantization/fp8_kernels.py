@@ -11,6 +11,7 @@ run on a GPU in this project's CI (no GPU there).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,39 @@ _FP8_MAX = float(torch.finfo(_FP8).max)
 # is off by O(1).
 _SELF_TEST_RTOL = 0.1
 _checked: dict[tuple, bool] = {}
+
+
+def block_grid(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
+    """Scale grid of a [rows, cols] matrix in [bn, bk] blocks (partial edge blocks count)."""
+    return math.ceil(rows / block[0]), math.ceil(cols / block[1])
+
+
+def dequantize_fp8_block(
+    weight: torch.Tensor,
+    scale_inv: torch.Tensor,
+    block: tuple[int, int],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """weight [..., N, K] (FP8) * scale_inv [..., ceil(N/bn), ceil(K/bk)] per block -> dtype.
+
+    The product is formed in float32 and rounded once, so it is exact for float32 and the
+    correctly rounded value for bf16 / fp16.
+    """
+    bn, bk = block
+    n, k = weight.shape[-2:]
+    gn, gk = block_grid(n, k, block)
+    if tuple(scale_inv.shape[-2:]) != (gn, gk):
+        raise ValueError(
+            f"scale grid {tuple(scale_inv.shape)} does not match a {tuple(weight.shape)} weight "
+            f"in {list(block)} blocks (expected [..., {gn}, {gk}])"
+        )
+    w = weight.to(torch.float32, memory_format=torch.contiguous_format)
+    if gn * bn != n or gk * bk != k:
+        w = F.pad(w, (0, gk * bk - k, 0, gn * bn - n))
+    lead = w.shape[:-2]
+    w = w.view(*lead, gn, bn, gk, bk)
+    w.mul_(scale_inv.to(torch.float32).view(*lead, gn, 1, gk, 1))
+    return w.view(*lead, gn * bn, gk * bk)[..., :n, :k].to(dtype).contiguous()
 
 
 def _scaled_mm_available(device: torch.device) -> bool:
@@ -77,7 +111,6 @@ def _gemm(
 def _passes_self_test(
     weight: torch.Tensor, scale_inv: torch.Tensor, scale_b: torch.Tensor, dtype: torch.dtype
 ) -> bool:
-    from vllm.model_executor.layers.quantization.fp8 import dequantize_fp8_block
 
     n, k = weight.shape
     key = (weight.device, n, k, dtype)

@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from vllm.attention.backends.torch_paged import AttentionMetadata, build_attn_metadata
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
-from vllm.v1.attention.backends.torch_paged import AttentionMetadata, build_attn_metadata
 
 logger = init_logger(__name__)
 

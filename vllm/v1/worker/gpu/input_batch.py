@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vllm.v1.attention.backends.torch_paged import AttentionMetadata, build_attn_metadata
+from vllm.attention.backends.torch_paged import AttentionMetadata, build_attn_metadata
 from vllm.v1.worker.gpu.states import RequestStates
 
 

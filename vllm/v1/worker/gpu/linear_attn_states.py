@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from vllm.attention.backends.gdn_attn import GDNAttentionMetadata, build_gdn_metadata
 from vllm.model_executor.layers.mamba import MambaBase
-from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata, build_gdn_metadata
 from vllm.v1.core.sched.output import NewRequestData
 from vllm.v1.worker.gpu.states import RequestStates
 

@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 
+from vllm.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.forward_context import decode_rows, set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import AttentionLayerBase
-from vllm.model_executor.model_loader import get_model
+from vllm.model_executor.model_loader.loader import get_model
 from vllm.model_executor.models.interfaces import check_supports_pp
 from vllm.model_executor.models.registry import resolve_model_cls
 from vllm.sequence import IntermediateTensors
-from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.core.kv_cache_manager import cdiv
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+    from vllm.attention.backends.gdn_attn import GDNAttentionMetadata
 
 # Queries up to this long use the multiply-add form instead of conv1d.
 _SHORT = 16

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+    from vllm.attention.backends.gdn_attn import GDNAttentionMetadata
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

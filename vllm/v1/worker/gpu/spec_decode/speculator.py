@@ -19,10 +19,9 @@ from vllm.distributed.parallel_state import (
     TPGroup,
     get_pp_group,
     get_tp_group,
-    use_tp_group,
 )
 from vllm.model_executor.layers.attention import AttentionLayerBase
-from vllm.model_executor.model_loader import get_model
+from vllm.model_executor.model_loader.loader import get_model
 from vllm.model_executor.models.draft import DraftModel
 from vllm.model_executor.models.interfaces import TargetShares, check_supports_pp
 from vllm.model_executor.models.registry import resolve_model_cls
@@ -248,8 +247,9 @@ def load_draft_model(vllm_config: VllmConfig, device: torch.device) -> DraftMode
         check_supports_pp(resolve_model_cls(spec.draft_model_config.architecture))
     if spec.draft_tensor_parallel_size == 1 and get_tp_group().world_size > 1:
         # Whole on every TP rank (each computes the same; agree() keeps their tokens one).
-        with use_tp_group(TPGroup()):
-            draft = get_model(vllm_config, model_config=spec.draft_model_config, device=device)
+        draft = get_model(
+            vllm_config, model_config=spec.draft_model_config, device=device, tp_group=TPGroup()
+        )
     else:
         draft = get_model(vllm_config, model_config=spec.draft_model_config, device=device)
     if multi_stage:

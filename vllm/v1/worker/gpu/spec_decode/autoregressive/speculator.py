@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from vllm.attention.backends.torch_paged import AttentionMetadata, build_attn_metadata
 from vllm.config import VllmConfig
 from vllm.forward_context import decode_rows, rows_of, set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.models.draft import DraftModel
 from vllm.model_executor.models.interfaces import CombinesHiddenStates, TargetShares
-from vllm.v1.attention.backends.torch_paged import AttentionMetadata, build_attn_metadata
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator, ProposeInputs
 from vllm.v1.worker.gpu.states import PAD_TOKEN_ID

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from vllm.attention.backends.torch_paged import AttentionMetadata, build_attn_metadata
 from vllm.config import VllmConfig, num_mtp_layers
 from vllm.model_executor.models.draft import DraftModel
 from vllm.model_executor.models.interfaces import SupportsTopkSharing, TargetShares
-from vllm.v1.attention.backends.torch_paged import AttentionMetadata, build_attn_metadata
 from vllm.v1.worker.gpu.spec_decode.autoregressive.speculator import (
     AutoRegressiveSpeculator,
     DraftBatch,

@@ -12,7 +12,7 @@ import sys
 def test_backends_import_nothing_from_model_executor() -> None:
     code = (
         "import importlib, pkgutil, sys\n"
-        "import vllm.v1.attention.backends as b\n"
+        "import vllm.attention.backends as b\n"
         "names = [m.name for m in pkgutil.walk_packages(b.__path__, b.__name__ + '.')]\n"
         "for n in names: importlib.import_module(n)\n"
         "print(len(names))\n"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm.v1.attention.backends.torch_paged import (
+from vllm.attention.backends.torch_paged import (
     AttentionMetadata,
     extra_mask,
     padded_attention,

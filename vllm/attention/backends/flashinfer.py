@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm.v1.attention.backends.torch_paged import AttentionMetadata, TorchPagedAttentionImpl
-from vllm.v1.attention.ops.triton_kv_cache import triton_write_kv_cache
-from vllm.v1.attention.ops.triton_paged_attention import triton_paged_attention
+from vllm.attention.backends.torch_paged import AttentionMetadata, TorchPagedAttentionImpl
+from vllm.attention.ops.triton_kv_cache import triton_write_kv_cache
+from vllm.attention.ops.triton_paged_attention import triton_paged_attention
 
 _WORKSPACE_BYTES = 128 << 20
 _WORKSPACES: dict[torch.device, torch.Tensor] = {}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm.v1.attention.backends.mla.sparse_common import SparseMLACommonImpl
+from vllm.attention.backends.mla.sparse_common import SparseMLACommonImpl
 
 # Bound on the gathered [tokens, topk, rank + rope] block, in elements.
 _GATHER_BUDGET = 1 << 25

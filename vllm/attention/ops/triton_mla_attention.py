@@ -17,15 +17,15 @@ One program per (query row, block of heads) streams the row's visible latent row
 tiles with an online softmax; the rank and rope channels are loaded as two power-of-two tiles
 (rank 512 + rope 64 would otherwise pad to 1024). Programs past query_start_loc[-1] (padding
 rows of a captured step) return at once. The sparse top-k variant (DeepSeek-V3.2) is
-v1/attention/backends/mla/triton_mla_sparse.py.
+vllm/attention/backends/mla/triton_mla_sparse.py.
 """
 
 from __future__ import annotations
 
 import torch
 
+from vllm.attention.ops.triton_paged_attention import check_tree_mask
 from vllm.triton_utils import LazyKernel, dot_upcast, next_pow2, tl
-from vllm.v1.attention.ops.triton_paged_attention import check_tree_mask
 
 
 def _mla_paged_kernel(
@@ -220,7 +220,7 @@ def mla_attention_reference(
     tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The same attention per request, densely: MQA over the gathered latent rows."""
-    from vllm.v1.attention.ops.triton_paged_attention import paged_attention_reference
+    from vllm.attention.ops.triton_paged_attention import paged_attention_reference
 
     return paged_attention_reference(
         q,

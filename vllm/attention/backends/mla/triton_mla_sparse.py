@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from vllm.attention.backends.mla.sparse_common import SparseMLACommonImpl
+from vllm.attention.backends.mla.triton_mla import TritonMLAImpl
 from vllm.triton_utils import HAS_TRITON, LazyKernel, dot_upcast, next_pow2, tl
-from vllm.v1.attention.backends.mla.sparse_common import SparseMLACommonImpl
-from vllm.v1.attention.backends.mla.triton_mla import TritonMLAImpl
 
 __all__ = ["HAS_TRITON", "TritonMLASparseImpl"]
 

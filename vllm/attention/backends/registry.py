@@ -26,20 +26,20 @@ from vllm.logger import init_logger
 from vllm.triton_utils import HAS_TRITON, triton_runs_on
 
 if TYPE_CHECKING:
-    from vllm.v1.attention.backends.mla.sparse_common import SparseMLACommonImpl
-    from vllm.v1.attention.backends.mla.torch_mla import TorchMLAImpl
-    from vllm.v1.attention.backends.torch_paged import TorchPagedAttentionImpl
+    from vllm.attention.backends.mla.sparse_common import SparseMLACommonImpl
+    from vllm.attention.backends.mla.torch_mla import TorchMLAImpl
+    from vllm.attention.backends.torch_paged import TorchPagedAttentionImpl
 
 logger = init_logger(__name__)
 
 ATTENTION_BACKENDS: dict[str, tuple[str, str]] = {
-    "TORCH_SDPA": ("vllm.v1.attention.backends.torch_paged", "TorchPagedAttentionImpl"),
-    "TRITON_ATTN": ("vllm.v1.attention.backends.triton_attn", "TritonPagedAttentionImpl"),
-    "FLASHINFER": ("vllm.v1.attention.backends.flashinfer", "FlashInferAttentionImpl"),
+    "TORCH_SDPA": ("vllm.attention.backends.torch_paged", "TorchPagedAttentionImpl"),
+    "TRITON_ATTN": ("vllm.attention.backends.triton_attn", "TritonPagedAttentionImpl"),
+    "FLASHINFER": ("vllm.attention.backends.flashinfer", "FlashInferAttentionImpl"),
 }
 MLA_BACKENDS: dict[str, tuple[str, str]] = {
-    "TORCH_SDPA": ("vllm.v1.attention.backends.mla.torch_mla", "TorchMLAImpl"),
-    "TRITON_MLA": ("vllm.v1.attention.backends.mla.triton_mla", "TritonMLAImpl"),
+    "TORCH_SDPA": ("vllm.attention.backends.mla.torch_mla", "TorchMLAImpl"),
+    "TRITON_MLA": ("vllm.attention.backends.mla.triton_mla", "TritonMLAImpl"),
 }
 # What each VLLM_ATTENTION_BACKEND value means for an MLA layer.
 _MLA_NAME = {
@@ -142,9 +142,9 @@ def get_mla_impl_cls(name: str) -> type[TorchMLAImpl]:
 
 
 _SPARSE_MLA_IMPLS: dict[str, tuple[str, str]] = {
-    "TORCH_MLA_SPARSE": ("vllm.v1.attention.backends.mla.torch_mla_sparse", "TorchMLASparseImpl"),
+    "TORCH_MLA_SPARSE": ("vllm.attention.backends.mla.torch_mla_sparse", "TorchMLASparseImpl"),
     "TRITON_MLA_SPARSE": (
-        "vllm.v1.attention.backends.mla.triton_mla_sparse",
+        "vllm.attention.backends.mla.triton_mla_sparse",
         "TritonMLASparseImpl",
     ),
 }

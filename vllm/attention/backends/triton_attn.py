@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
 """TRITON_ATTN: standard multi-head / grouped-query attention over the paged [2, slots, Hkv, D]
-cache with the Triton kernels (v1/attention/ops): the KV-cache write by slot mapping, then one
+cache with the Triton kernels (vllm/attention/ops): the KV-cache write by slot mapping, then one
 paged-attention launch for every row of the step (prefill, decode, verify; tree masks and
 sliding windows included), reading keys and values straight from the cache. The CUDA path's
 default; on CPU it runs in Triton's interpreter (TRITON_INTERPRET=1), for tests.
@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from vllm.v1.attention.backends.torch_paged import AttentionMetadata, TorchPagedAttentionImpl
-from vllm.v1.attention.ops.triton_kv_cache import triton_write_kv_cache
-from vllm.v1.attention.ops.triton_paged_attention import triton_paged_attention
+from vllm.attention.backends.torch_paged import AttentionMetadata, TorchPagedAttentionImpl
+from vllm.attention.ops.triton_kv_cache import triton_write_kv_cache
+from vllm.attention.ops.triton_paged_attention import triton_paged_attention
 
 
 class TritonPagedAttentionImpl(TorchPagedAttentionImpl):

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm.v1.attention.backends.mla.torch_mla import MLADims, TorchMLAImpl
-from vllm.v1.attention.backends.torch_paged import AttentionMetadata
+from vllm.attention.backends.mla.torch_mla import MLADims, TorchMLAImpl
+from vllm.attention.backends.torch_paged import AttentionMetadata
 
 # Entry value of an unused top-k slot (fewer selectable positions than index_topk).
 TOPK_PAD = -1

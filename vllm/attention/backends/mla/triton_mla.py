@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
 """TRITON_MLA: dense MLA whose latent-cache write and attention core are the Triton kernels
-(v1/attention/ops): absorbed queries attend over the paged latent cache in place, no gather.
+(vllm/attention/ops): absorbed queries attend over the paged latent cache in place, no gather.
 The projections around the core are TorchMLAImpl's. A layer given an extra mask (mask_fn) runs
 the torch reference core, as does a device Triton cannot run on here (CPU without
 TRITON_INTERPRET=1)."""
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
+from vllm.attention.backends.mla.torch_mla import TorchMLAImpl
+from vllm.attention.backends.torch_paged import AttentionMetadata
+from vllm.attention.ops.triton_kv_cache import triton_write_mla_cache
+from vllm.attention.ops.triton_mla_attention import triton_mla_attention
 from vllm.triton_utils import triton_runs_on
-from vllm.v1.attention.backends.mla.torch_mla import TorchMLAImpl
-from vllm.v1.attention.backends.torch_paged import AttentionMetadata
-from vllm.v1.attention.ops.triton_kv_cache import triton_write_mla_cache
-from vllm.v1.attention.ops.triton_mla_attention import triton_mla_attention
 
 
 class TritonMLAImpl(TorchMLAImpl):

@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-from vllm.v1.attention.backends.mla.sparse_common import (
+from vllm.attention.backends.mla.sparse_common import (
     TOPK_PAD,
     SharedTopkIndicesBuffer,
     SparseMLACommonImpl,
 )
-from vllm.v1.attention.backends.mla.torch_mla import MLADims, TorchMLAImpl
-from vllm.v1.attention.backends.registry import get_sparse_mla_impl_cls, sparse_mla_impl_names
-from vllm.v1.attention.backends.torch_paged import build_attn_metadata, padded_attention
+from vllm.attention.backends.mla.torch_mla import MLADims, TorchMLAImpl
+from vllm.attention.backends.registry import get_sparse_mla_impl_cls, sparse_mla_impl_names
+from vllm.attention.backends.torch_paged import build_attn_metadata, padded_attention
 
 H, NOPE, ROPE, V, RANK = 4, 16, 8, 16, 32
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
@@ -200,8 +200,8 @@ def test_triton_matches_torch_reference() -> None:
         _triton_vs_torch("cuda")
         return
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    code = "from tests.v1.attention.test_sparse_mla_backends import _triton_vs_torch as f; f('cpu')"
-    root = Path(__file__).resolve().parents[3]
+    code = "from tests.attention.test_sparse_mla_backends import _triton_vs_torch as f; f('cpu')"
+    root = Path(__file__).resolve().parents[2]
     res = subprocess.run(
         [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True
     )
