@@ -15,7 +15,8 @@ from vllm.exceptions import VLLMValidationError
 from vllm.multimodal.chat import resolve_content_format, split_images, template_text
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import BeamSearchParams, SamplingParams
-from vllm.v1.engine.llm_engine import PromptType, create_engine
+from vllm.v1.engine.engine_factory import create_engine
+from vllm.v1.engine.engine_inputs import PromptType
 from vllm.v1.metrics.reader import Metric
 
 

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from vllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from vllm.logger import init_logger
-from vllm.v1.engine.async_llm import EngineDeadError
+from vllm.v1.engine.exceptions import EngineDeadError
 
 logger = init_logger(__name__)
 

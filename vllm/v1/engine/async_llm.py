@@ -19,16 +19,14 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.logger import init_logger
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.v1.engine.llm_engine import EngineInputs, PromptType, check_params, create_engine
+from vllm.v1.engine.engine_factory import create_engine
+from vllm.v1.engine.engine_inputs import EngineInputs, PromptType, check_params
+from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.reader import Metric
 
 logger = init_logger(__name__)
 
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (it crashed or was shut down); no request can be served."""
 
 
 class RequestStream:

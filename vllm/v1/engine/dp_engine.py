@@ -33,10 +33,10 @@ from vllm.logger import init_logger
 from vllm.multimodal.inputs import MultiModalInputs
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
-from vllm.v1.engine.async_llm import EngineDeadError
 from vllm.v1.engine.dp_launch import Replica, ReplicaLauncher, _stop_replicas
 from vllm.v1.engine.dp_router import LoadBalancer, _Tracked
 from vllm.v1.engine.engine_inputs import EngineInputs, check_params
+from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from vllm.v1.metrics.reader import Metric, get_metrics_snapshot, sum_over_engines
 

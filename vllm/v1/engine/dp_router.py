@@ -9,7 +9,7 @@ import collections
 import dataclasses
 from typing import Any
 
-from vllm.v1.engine.async_llm import EngineDeadError
+from vllm.v1.engine.exceptions import EngineDeadError
 
 _PREFIX_ENTRIES = 1 << 16  # prefix-block hashes the router remembers (LRU)
 

@@ -62,16 +62,6 @@ def num_state_slots(vllm_config: VllmConfig) -> int:
     return vllm_config.scheduler_config.max_num_seqs if vllm_config.model_config.is_hybrid else 0
 
 
-def create_engine(vllm_config: VllmConfig) -> EngineInputs:
-    """The engine a configuration asks for: one in-process LLMEngine, or a data-parallel
-    front end over replica engines (same interface)."""
-    if vllm_config.parallel_config.uses_dp_front_end:
-        from vllm.v1.engine.dp_engine import DPEngine
-
-        return DPEngine(vllm_config)
-    return LLMEngine(vllm_config)
-
-
 class LLMEngine(EngineInputs):
     def __init__(self, vllm_config: VllmConfig) -> None:
         self._init_inputs(vllm_config)

@@ -244,3 +244,75 @@ class CudaGraphRunner:
         self.query_start_loc[: cap + 1].copy_(dev[k + cap :])
         self.num_replays += 1
         return self.graphs[n].replay()
+
+
+def graphs_unsupported(
+    vllm_config: Any, model: Any, attn_layers: dict[str, Any], parallel: bool, hybrid: bool
+) -> str | None:
+    """Why a stage's forward is not captured (None: it is)."""
+    if vllm_config.enforce_eager or not vllm_config.compilation_config.cudagraph_capture_sizes:
+        return "no capture sizes (or enforce_eager)"
+    if parallel:
+        return "pipeline / tensor parallelism"
+    if hybrid:
+        return "a hybrid model (linear-attention states)"
+    if model.supports_multimodal:
+        return "a multimodal model"
+    target = [layer for name, layer in attn_layers.items() if not name.startswith("drafter.")]
+    slow = sorted(
+        {
+            type(layer.impl).__name__
+            for layer in target
+            if not getattr(layer.impl, "supports_cuda_graphs", False)
+        }
+    )
+    if slow:
+        return f"attention impls that build their layout on the host: {slow}"
+    return None
+
+
+def capture_step_graphs(
+    vllm_config: Any,
+    model: Any,
+    attn_layers: dict[str, Any],
+    *,
+    parallel: bool,
+    hybrid: bool,
+    max_num_reqs: int,
+    max_blocks_per_req: int,
+    rows_per_req: int,
+    block_size: int,
+    device: torch.device,
+) -> CudaGraphRunner | None:
+    """Capture the target's decode / verify forwards at the padded step sizes at start-up; None
+    where the device has no graphs, the stage cannot be captured (the reason logged) or the
+    capture failed (steps then run eagerly)."""
+    kind = graph_kind(device)
+    if kind is None:
+        return None
+    why = graphs_unsupported(vllm_config, model, attn_layers, parallel, hybrid)
+    if why is not None:
+        logger.info("CUDA graphs off: %s", why)
+        return None
+    sizes = vllm_config.compilation_config.cudagraph_capture_sizes or []
+    graphs = CudaGraphRunner(
+        sizes,
+        max_num_reqs,
+        max_blocks_per_req,
+        rows_per_req,
+        block_size,
+        device,
+        GraphRecorder(kind),
+    )
+    try:
+        with torch.inference_mode():
+            graphs.capture(lambda ids, pos: model(ids, pos, None, None))
+    except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
+        logger.warning(
+            "CUDA graph capture failed (%s: %s); decode steps run eagerly",
+            type(e).__name__,
+            " ".join(str(e).split())[:300],
+        )
+        return None
+    logger.info("CUDA graphs (%s) captured for step sizes %s", kind, graphs.sizes)
+    return graphs

@@ -24,6 +24,7 @@ from vllm.sequence import IntermediateTensors
 from vllm.v1.core.kv_cache_manager import cdiv
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
+from vllm.v1.worker.cpu_memory import reserve_step_activations
 from vllm.v1.worker.gpu import cuda_graph
 from vllm.v1.worker.gpu.input_batch import InputBatch, prepare_inputs
 from vllm.v1.worker.gpu.linear_attn_states import LinearAttnStates
@@ -164,104 +165,24 @@ class ModelRunner:
             self.states.nbytes() / 2**20,
         )
         if self.device.type == "cpu":
-            self._reserve_step_memory()
-        self._capture_cuda_graphs()
+            reserve_step_activations(
+                self.vllm_config, [m for _, m in self._all_modules()], self.pp.rank
+            )
+        assert self.model is not None
+        self.cuda_graphs = cuda_graph.capture_step_graphs(
+            self.vllm_config,
+            self.model,
+            self.attn_layers,
+            parallel=self.pp.world_size > 1 or self.tp.world_size > 1,
+            hybrid=self.linear_attn_states is not None,
+            max_num_reqs=self.max_num_reqs,
+            max_blocks_per_req=self.max_blocks_per_req,
+            rows_per_req=self.num_spec + 1,
+            block_size=self.block_size,
+            device=self.device,
+        )
         if self.speculator is not None:
             self.speculator.capture()
-
-    def _graphs_unsupported(self) -> str | None:
-        """Why this stage's forward is not captured (None: it is)."""
-        cfg = self.vllm_config
-        if cfg.enforce_eager or not cfg.compilation_config.cudagraph_capture_sizes:
-            return "no capture sizes (or enforce_eager)"
-        if self.pp.world_size > 1 or self.tp.world_size > 1:
-            return "pipeline / tensor parallelism"
-        if self.linear_attn_states is not None:
-            return "a hybrid model (linear-attention states)"
-        assert self.model is not None
-        if self.model.supports_multimodal:
-            return "a multimodal model"
-        target = [
-            layer for name, layer in self.attn_layers.items() if not name.startswith("drafter.")
-        ]
-        slow = sorted(
-            {
-                type(layer.impl).__name__
-                for layer in target
-                if not getattr(layer.impl, "supports_cuda_graphs", False)
-            }
-        )
-        if slow:
-            return f"attention impls that build their layout on the host: {slow}"
-        return None
-
-    def _capture_cuda_graphs(self) -> None:
-        kind = cuda_graph.graph_kind(self.device)
-        if kind is None:
-            return
-        why = self._graphs_unsupported()
-        if why is not None:
-            logger.info("CUDA graphs off: %s", why)
-            return
-        sizes = self.vllm_config.compilation_config.cudagraph_capture_sizes or []
-        graphs = cuda_graph.CudaGraphRunner(
-            sizes,
-            self.max_num_reqs,
-            self.max_blocks_per_req,
-            self.num_spec + 1,
-            self.block_size,
-            self.device,
-            cuda_graph.GraphRecorder(kind),
-        )
-        model = self.model
-        assert model is not None
-        try:
-            with torch.inference_mode():
-                graphs.capture(lambda ids, pos: model(ids, pos, None, None))
-        except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
-            logger.warning(
-                "CUDA graph capture failed (%s: %s); decode steps run eagerly",
-                type(e).__name__,
-                " ".join(str(e).split())[:300],
-            )
-            return
-        self.cuda_graphs = graphs
-        logger.info("CUDA graphs (%s) captured for step sizes %s", kind, graphs.sizes)
-
-    def _reserve_step_memory(self) -> None:
-        """Grow the heap by what a full step's activations take (see cpu_memory), and load
-        the CPU kernels' library here rather than in the first request."""
-        from vllm._custom_ops import cpu_kernels_available
-        from vllm.model_executor.layers.linear import LinearLayerBase
-        from vllm.v1.worker.cpu_memory import HEAP_ALLOCATION_MAX, reserve_heap
-
-        cpu_kernels_available()
-        widest = max(
-            (m.out_features for _, m in self._all_modules() if isinstance(m, LinearLayerBase)),
-            default=0,
-        )
-        hidden = int(getattr(self.vllm_config.model_config.hf_config, "hidden_size", 0) or 0)
-        tokens = self.vllm_config.scheduler_config.max_num_batched_tokens
-
-        def heap_bytes(width: int, count: int) -> int:
-            # fp32 rows (bf16 products are computed on fp32 copies where the CPU has no bf16
-            # GEMM); a tensor over the mmap threshold is mapped, not taken from the heap.
-            size = tokens * width * 4
-            return count * size if size <= HEAP_ALLOCATION_MAX else 0
-
-        # Live at a layer's peak: the widest projection's output, its activation and a copy,
-        # and a handful of hidden-sized rows (residual, norm, attention output, the layer's
-        # output, their copies); twice that, because tensors that outlive a step (a stage's
-        # pending sends) split the free heap: with 1x, a 2-stage test model still grew stage 0
-        # by 44-57 MiB over its first requests, with 2x by under 1 MiB.
-        need = heap_bytes(widest, 3) + heap_bytes(hidden, 8)
-        reserved = reserve_heap(2 * need)
-        logger.info(
-            "stage %d: step activations %.1f MiB reserved (%d tokens)",
-            self.pp.rank,
-            reserved / 2**20,
-            tokens,
-        )
 
     # ---- per step -----------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
