@@ -14,6 +14,8 @@ from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMTypeError, VLLMValidationError
 from vllm.logger import init_logger
+from vllm.lora.peft import LoRAChecker
+from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalInputs
 from vllm.multimodal.processing import ImageProcessor
 from vllm.outputs import RequestOutput
@@ -133,6 +135,7 @@ class LLMEngine:
                 logger.warning("%s; prompts with images will be refused", e)
                 self._mm_unavailable = str(e)
         t_phase = self._phase("tokenizer", t_phase)
+        self.lora_checker = LoRAChecker(vllm_config.lora_config, mc.hf_config)
         self.executor = Executor.get_class(vllm_config)(vllm_config)
         t_phase = self._phase("load", t_phase)  # workers started, weights loaded
         try:
@@ -311,13 +314,21 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         params = check_params(params)
         self.check_request(params, priority)
+        self.check_lora(lora_request)
         text, ids, cache_salt, mm = self.preprocess(prompt)
         self.add_processed_request(
-            request_id, text, ids, params, arrival_time, cache_salt, priority, mm
+            request_id, text, ids, params, arrival_time, cache_salt, priority, mm, lora_request
         )
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """Refuse, naming the problem, an adapter the engine cannot run (reads its folder
+        once per adapter id; thread-safe like preprocess)."""
+        if lora_request is not None:
+            self.lora_checker.check(lora_request)
 
     def check_request(self, params: SamplingParams, priority: int = 0) -> None:
         """What the engine's configuration refuses in a request (vLLM's checks and wording):
@@ -411,6 +422,7 @@ class LLMEngine:
         cache_salt: str | None = None,
         priority: int = 0,
         mm_inputs: MultiModalInputs | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Add a request whose prompt already went through preprocess (the server does that
         on a tokenizer thread, so a long prompt never holds up the engine thread)."""
@@ -446,7 +458,17 @@ class LLMEngine:
             cid = request_id if params.n == 1 else f"{i}_{request_id}"
             children[cid] = ChildState(i, child_params)
             requests.append(
-                Request(cid, ids, child_params, arrival_time, seed, cache_salt, priority, mm_inputs)
+                Request(
+                    cid,
+                    ids,
+                    child_params,
+                    arrival_time,
+                    seed,
+                    cache_salt,
+                    priority,
+                    mm_inputs,
+                    self.lora_checker.checked(lora_request),
+                )
             )
         self.output_processor.add(
             RequestState(request_id, text, ids, params, children, arrival_time)

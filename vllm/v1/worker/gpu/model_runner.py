@@ -15,6 +15,7 @@ from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.forward_context import decode_rows, set_forward_context
 from vllm.logger import init_logger
+from vllm.lora.worker_manager import LoRAWorkerManager
 from vllm.model_executor.layers.attention import AttentionLayerBase
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.interfaces import check_supports_pp
@@ -86,6 +87,8 @@ class ModelRunner:
         self._new_slots = np.zeros(0, dtype=np.int64)
         # Captured forwards of decode / verify steps (CUDA graphs), set up after the KV cache.
         self.cuda_graphs: cuda_graph.CudaGraphRunner | None = None
+        # enable_lora: the adapters of this stage's layers, each row's slot set per step.
+        self.lora: LoRAWorkerManager | None = None
 
     # ---- setup --------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -107,6 +110,8 @@ class ModelRunner:
                 rows = self.vllm_config.scheduler_config.max_num_batched_tokens
                 made = self.model.make_empty_intermediate_tensors(rows, self.dtype, self.device)
                 self.recv_buffers = dict(made.tensors)
+        if self.vllm_config.lora_config is not None:
+            self.lora = LoRAWorkerManager(self.model, self.vllm_config.lora_config, self.dtype)
         self.attn_layers = {
             name: m for name, m in self._all_modules() if isinstance(m, AttentionLayerBase)
         }
@@ -171,6 +176,8 @@ class ModelRunner:
             return "no capture sizes (or enforce_eager)"
         if self.pp.world_size > 1 or self.tp.world_size > 1:
             return "pipeline / tensor parallelism"
+        if self.lora is not None:
+            return "LoRA adapters (enable_lora)"
         if self.linear_attn_states is not None:
             return "a hybrid model (linear-attention states)"
         assert self.model is not None
@@ -326,6 +333,8 @@ class ModelRunner:
             if self.pp.is_first_rank:
                 inputs_embeds = self.model.embed_input_ids(batch.input_ids)
                 self.mm.merge_embeds(self.model, batch, inputs_embeds)
+        if self.lora is not None:
+            self.lora.begin_step(so, batch.num_tokens_after_padding)
         graphs = self.cuda_graphs
         if (
             graphs is not None
