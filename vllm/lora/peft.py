@@ -38,8 +38,35 @@ _LAYER = re.compile(r"\.layers\.(\d+)\.")
 @dataclass
 class PEFTConfig:
     r: int
-    scaling: float
-    """lora_alpha / r (lora_alpha / sqrt(r) with use_rslora)."""
+    alpha: float
+    rslora: bool = False
+    rank_pattern: dict[str, int] | None = None
+    alpha_pattern: dict[str, float] | None = None
+    max_rank: int = 16
+
+    def check_rank(self, path: str, module: str, r: int) -> None:
+        if r > self.max_rank:
+            where = f" ({module})" if module else ""
+            raise ValueError(
+                f"LoRA adapter {path!r} has rank {r}{where}, above max_lora_rank={self.max_rank}"
+            )
+
+    @staticmethod
+    def _pick(pattern: dict | None, module: str, default):
+        for key, value in (pattern or {}).items():  # PEFT's rule: a suffix match of the key
+            if re.match(rf"(.*\.)?{key}$", module):
+                return value
+        return default
+
+    def rank(self, module: str, path: str = "") -> int:
+        r = int(self._pick(self.rank_pattern, module, self.r))
+        self.check_rank(path, module, r)
+        return r
+
+    def scaling(self, module: str) -> float:
+        """lora_alpha / r (lora_alpha / sqrt(r) with use_rslora), per module."""
+        r, alpha = self.rank(module), float(self._pick(self.alpha_pattern, module, self.alpha))
+        return alpha / math.sqrt(r) if self.rslora else alpha / r
 
 
 @dataclass
@@ -68,8 +95,7 @@ def read_peft_config(path: str, max_lora_rank: int) -> PEFTConfig:
     refused = {
         "modules_to_save": "replaces whole modules (e.g. a trained lm_head)",
         "use_dora": "DoRA",
-        "rank_pattern": "per-module ranks",
-        "alpha_pattern": "per-module alphas",
+        "target_parameters": "LoRA on parameters, e.g. fused MoE experts",
         "lora_bias": "trained LoRA biases",
         "fan_in_fan_out": "Conv1D layers",
     }
@@ -78,14 +104,19 @@ def read_peft_config(path: str, max_lora_rank: int) -> PEFTConfig:
             raise ValueError(f"LoRA adapter {path!r}: {key}={cfg[key]!r} ({what}) is not supported")
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"LoRA adapter {path!r}: bias={cfg['bias']!r} is not supported")
-    r = cfg.get("r")
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise ValueError(f"LoRA adapter {path!r}: r must be a positive integer, got {r!r}")
-    if r > max_lora_rank:
-        raise ValueError(f"LoRA adapter {path!r} has rank {r}, above max_lora_rank={max_lora_rank}")
-    alpha = cfg.get("lora_alpha", 8)
-    scaling = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
-    return PEFTConfig(r=r, scaling=float(scaling))
+    for r in [cfg.get("r"), *(cfg.get("rank_pattern") or {}).values()]:
+        if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+            raise ValueError(f"LoRA adapter {path!r}: r must be a positive integer, got {r!r}")
+    config = PEFTConfig(
+        r=cfg["r"],
+        alpha=float(cfg.get("lora_alpha", 8)),
+        rslora=bool(cfg.get("use_rslora")),
+        rank_pattern=cfg.get("rank_pattern") or None,
+        alpha_pattern=cfg.get("alpha_pattern") or None,
+        max_rank=max_lora_rank,
+    )
+    config.check_rank(path, "", config.r)
+    return config
 
 
 def _module_shapes(path: str) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -102,7 +133,7 @@ def _module_shapes(path: str) -> dict[str, dict[str, tuple[int, ...]]]:
     return out
 
 
-def _parse_keys(path: str, keys: dict[str, Any], r: int) -> dict[str, dict[str, Any]]:
+def _parse_keys(path: str, keys: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """module path -> {"A": value, "B": value}, refusing unsupported or incomplete ones."""
     modules: dict[str, dict[str, Any]] = {}
     for key, value in keys.items():
@@ -150,10 +181,10 @@ def _check_pair(path: str, module: str, a: tuple, b: tuple, r: int, dims: Any) -
 def check_adapter(path: str, hf_config: Any, max_lora_rank: int) -> PEFTConfig:
     """Refuse, naming the problem, an adapter this model cannot run; reads shapes only."""
     cfg = read_peft_config(path, max_lora_rank)
-    modules = _parse_keys(path, _module_shapes(path), cfg.r)
+    modules = _parse_keys(path, _module_shapes(path))
     for module, ab in modules.items():
         dims = expected_dims(hf_config, module, path)
-        _check_pair(path, module, ab["A"]["shape"], ab["B"]["shape"], cfg.r, dims)
+        _check_pair(path, module, ab["A"]["shape"], ab["B"]["shape"], cfg.rank(module, path), dims)
     return cfg
 
 
@@ -163,11 +194,11 @@ def load_adapter(path: str, max_lora_rank: int) -> PEFTAdapter:
 
     cfg = read_peft_config(path, max_lora_rank)
     tensors = load_file(str(Path(path) / "adapter_model.safetensors"))
-    modules = _parse_keys(path, tensors, cfg.r)
+    modules = _parse_keys(path, tensors)
     weights = {}
     for module, ab in modules.items():
         a, b = ab["A"].float(), ab["B"].float()
-        _check_pair(path, module, tuple(a.shape), tuple(b.shape), cfg.r, None)
+        _check_pair(path, module, tuple(a.shape), tuple(b.shape), cfg.rank(module, path), None)
         weights[module] = (a, b)
     return PEFTAdapter(cfg, weights)
 
@@ -209,7 +240,9 @@ def expected_dims(hf_config: Any, module: str, path: str = "") -> tuple[int, int
     else:
         hd = int(getattr(c, "head_dim", None) or h // heads)
         kv = int(c.num_key_value_heads) * hd
-        q = heads * hd * (2 if getattr(c, "attn_output_gate", False) else 1)
+        # Qwen3.5 packs each head's output gate next to its query rows.
+        gated = getattr(c, "attn_output_gate", str(c.model_type).startswith("qwen3_5"))
+        q = heads * hd * (2 if gated else 1)
         attn = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (heads * hd, h)}
     if leaf in attn:
         dims = attn[leaf]

@@ -105,7 +105,7 @@ class LoRAWorkerManager:
             name, shard = target
             layer = self.layers.get(name) or self._probe(name)
             a, b = layer.part_of(shard, a, b)
-            b = b * adapter.config.scaling
+            b = b * adapter.config.scaling(module_path)
             parts.setdefault(name, {})[shard] = (a.to(self.dtype), b.to(self.dtype))
         self.host[aid] = parts
         assert self.config.max_cpu_loras is not None

@@ -5,11 +5,33 @@ the output), and the HF transformers + PEFT greedy reference."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+
+@contextlib.contextmanager
+def _dense_mlp_targets() -> Iterator[None]:
+    """PEFT on transformers v5 rewrites gate / up / down targets of MoE families (DeepSeek-V3)
+    into its fused-expert parameters, dropping the dense layers' MLP; the engine refuses
+    experts, so adapters here target the dense MLP as PEFT did before v5 (creation and
+    reference alike)."""
+    from peft.utils import transformers_weight_conversion as conv
+
+    table = conv._MODEL_TO_CONVERSION_PATTERN
+    saved = dict(table)
+    for k in ("deepseek_v3", "deepseek_v2"):
+        table.pop(k, None)
+    try:
+        yield
+    finally:
+        table.clear()
+        table.update(saved)
+
 
 ATTN_MLP = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -40,7 +62,8 @@ def make_peft_adapter(
         lora_dropout=0.0,
         **extra,
     )
-    peft_model = get_peft_model(model, config)
+    with _dense_mlp_targets():
+        peft_model = get_peft_model(model, config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
@@ -57,7 +80,8 @@ def _peft_model(base_dir: str, adapter_dir: str):
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-    return PeftModel.from_pretrained(base, adapter_dir).eval()
+    with _dense_mlp_targets():
+        return PeftModel.from_pretrained(base, adapter_dir).eval()
 
 
 def peft_greedy(base_dir: str, adapter_dir: str, prompt_ids: list[int], max_tokens: int):
