@@ -67,7 +67,7 @@ async def beam_search_outputs(
     while not search.done:
         pending = search.pending()
         streams = await serving._add_all(
-            [{"prompt_token_ids": t} for t in pending], step, f"{rid}-beam{n_step}", req.priority
+            [{"prompt_token_ids": t} for t in pending], step, f"{rid}-beam{n_step}", req
         )
         finals = await final_outputs(streams)
         search.advance(
