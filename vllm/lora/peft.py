@@ -11,9 +11,10 @@ import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # Projections an adapter may target: attention (q/k/v/o; MLA's q_a / q_b / kv_a) and the
 # dense MLP; the engine packs q/k/v into qkv_proj and gate/up into gate_up_proj.

@@ -62,7 +62,7 @@ class Scheduler:
         spec = vllm_config.speculative_config
         self.spec_k = SpecKPolicy(spec, step_costs) if spec is not None else None
         self.enable_prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
-        lc = vllm_config.lora_config
+        lc = getattr(vllm_config, "lora_config", None)  # (test doubles may lack it)
         self.max_loras = lc.max_loras if lc is not None else 0
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
