@@ -65,9 +65,12 @@ def main() -> None:
         start = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=rows)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        return tokens / (time.perf_counter() - start)
+        rate = tokens / (time.perf_counter() - start)
+        print(f"    run: {rate:.1f} tok/s", flush=True)
+        return rate
 
-    for rows in modes.values():
+    for m, rows in modes.items():
+        print(f"warm-up {m}", flush=True)
         run(rows)  # warm-up: adapters loaded, first-step costs paid
     results: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(args.repeats):
