@@ -82,6 +82,10 @@ class BeamSearch:
     def pending(self) -> list[list[int]]:
         return [b.tokens for beams in self.beams for b in beams]
 
+    def pending_prompts(self) -> list[int]:
+        """The prompt index of each of pending()'s sequences."""
+        return [i for i, beams in enumerate(self.beams) for _ in beams]
+
     def advance(self, candidates: list[dict[int, Logprob]]) -> None:
         """candidates[j]: the next-token logprobs of pending()[j]."""
         width = self.params.beam_width

@@ -312,6 +312,13 @@ _VARS = [
         "Where `vllm bench` keeps converted models (unset: vllm-bench under the temp dir).",
     ),
     EnvVar(
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+        False,
+        _flag,
+        "1 lets the server load and unload LoRA adapters at run time (/v1/load_lora_adapter, "
+        "/v1/unload_lora_adapter; needs --enable-lora).",
+    ),
+    EnvVar(
         "VLLM_API_KEY",
         None,
         _text,
@@ -391,6 +398,7 @@ if TYPE_CHECKING:  # the names this module provides
     VLLM_SPARSE_MLA_BACKEND: str | None
     VLLM_ATTENTION_BACKEND: str | None
     VLLM_CHAT_TEMPLATE_TIMEOUT_S: float
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING: bool
     VLLM_API_KEY: str | None
     VLLM_TEST_FAULT_RAISE: tuple[int, str, int] | None
     VLLM_LOGGING_LEVEL: str

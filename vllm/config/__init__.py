@@ -6,6 +6,7 @@ construction; every name is importable from `vllm.config`."""
 from vllm.config.cache import CacheConfig
 from vllm.config.compilation import CompilationConfig
 from vllm.config.device import DeviceConfig
+from vllm.config.lora import LoRAConfig
 from vllm.config.model import (
     DEFAULT_MODEL_DIR,
     LoadFormat,
@@ -43,6 +44,7 @@ __all__ = [
     "DataParallelBackend",
     "DeviceConfig",
     "DistributedExecutorBackend",
+    "LoRAConfig",
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",

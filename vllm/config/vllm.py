@@ -10,6 +10,7 @@ from typing import Any
 from vllm.config.cache import CacheConfig
 from vllm.config.compilation import CompilationConfig
 from vllm.config.device import DeviceConfig
+from vllm.config.lora import LoRAConfig
 from vllm.config.model import ModelConfig, _config_dtype
 from vllm.config.parallel import ParallelConfig
 from vllm.config.scheduler import SchedulerConfig
@@ -35,6 +36,8 @@ class VllmConfig:
     structured_outputs_config: StructuredOutputsConfig = field(
         default_factory=StructuredOutputsConfig
     )
+    lora_config: LoRAConfig | None = None
+    """LoRA adapters (enable_lora); None: off."""
     enforce_eager: bool = False
     """Run every step at its own size: no padding to compilation_config's sizes."""
     disable_log_stats: bool = True

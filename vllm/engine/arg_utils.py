@@ -25,6 +25,7 @@ from vllm.config import (
     DistributedExecutorBackend,
     LoadFormat,
     LogprobsMode,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -42,6 +43,7 @@ _DOC_SOURCES = (
     SchedulerConfig,
     ParallelConfig,
     DeviceConfig,
+    LoRAConfig,
     VllmConfig,
 )
 # Short spellings vLLM also accepts.
@@ -128,6 +130,12 @@ class EngineArgs:
     """Order of waiting requests: 'fcfs' (arrival) or 'priority' (each request's priority,
     lower first, then arrival; preemption takes the lowest-priority running request)."""
 
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT folders) chosen per request (LoRARequest / the model field)."""
+    max_loras: int = LoRAConfig.max_loras
+    max_lora_rank: int = LoRAConfig.max_lora_rank
+    max_cpu_loras: int | None = LoRAConfig.max_cpu_loras
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
@@ -207,6 +215,11 @@ class EngineArgs:
             device_config=DeviceConfig(device=self.device),
             compilation_config=CompilationConfig.from_dict(comp),
             structured_outputs_config=self._structured_outputs_config(),
+            lora_config=(
+                LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+                if self.enable_lora
+                else None
+            ),
             enforce_eager=self.enforce_eager,
             disable_log_stats=self.disable_log_stats,
         )

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from vllm.beam_search import BeamSearch, BeamSearchOutput
 from vllm.engine.arg_utils import EngineArgs
 from vllm.exceptions import VLLMValidationError
+from vllm.lora.request import LoRARequest, per_prompt_lora
 from vllm.multimodal.chat import resolve_content_format, split_images, template_text
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import BeamSearchParams, SamplingParams
@@ -38,9 +39,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: list[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in prompt order. `priority` (one per prompt, lower first) needs the engine's
-        scheduling_policy='priority'."""
+        scheduling_policy='priority'. `lora_request`: one adapter for every prompt, or one
+        (or None: the base model) per prompt (needs enable_lora)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         elif isinstance(prompts, list) and prompts and isinstance(prompts[0], int):
@@ -63,7 +66,8 @@ class LLM:
                 raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling_params")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
-        return self._run(prompts, params, use_tqdm, priority)
+        loras = per_prompt_lora(lora_request, len(prompts))
+        return self._run(prompts, params, use_tqdm, priority, loras)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the defaults the model's generation_config.json sets."""
@@ -76,13 +80,20 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool,
         priority: list[int] | None = None,
+        loras: list[LoRARequest | None] | None = None,
     ):
         engine = self.llm_engine
         ids = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
                 rid = engine.next_request_id()
-                engine.add_request(rid, p, sp, priority=priority[i] if priority else 0)
+                engine.add_request(
+                    rid,
+                    p,
+                    sp,
+                    priority=priority[i] if priority else 0,
+                    lora_request=loras[i] if loras else None,
+                )
                 ids.append(rid)
         except BaseException:
             engine.abort_request(ids)
@@ -109,6 +120,7 @@ class LLM:
         params: BeamSearchParams,
         use_tqdm: bool = False,
         concurrency_limit: int | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[BeamSearchOutput]:
         """The beam_width best continuations of each prompt (vLLM's beam search: each step
         extends every live beam by its top 2 * beam_width tokens and keeps the beam_width best
@@ -139,6 +151,7 @@ class LLM:
                 f"{params.max_tokens} exceed max_model_len={limit}",
                 parameter="max_tokens",
             )
+        loras = per_prompt_lora(lora_request, len(ids))
         chunk = concurrency_limit or len(ids)
         results = []
         for start in range(0, len(ids), chunk):
@@ -148,7 +161,10 @@ class LLM:
             step = search.step_params()
             while not search.done:
                 outs = self.generate(
-                    [{"prompt_token_ids": t} for t in search.pending()], step, use_tqdm=False
+                    [{"prompt_token_ids": t} for t in search.pending()],
+                    step,
+                    use_tqdm=False,
+                    lora_request=loras and [loras[start + i] for i in search.pending_prompts()],
                 )
                 search.advance(
                     [o.outputs[0].logprobs[0] if o.outputs[0].logprobs else {} for o in outs]
@@ -168,6 +184,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Render each conversation with the chat template (chat_template, else the
         tokenizer's) and generate. Image parts become the model's image tokens: in the message
@@ -204,7 +221,7 @@ class LLM:
             if images:
                 prompt["multi_modal_data"] = {"image": images}
             prompts.append(prompt)
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix (e.g. after the weights changed). Returns False, changing

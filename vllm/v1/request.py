@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import time
 
+from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalInputs
 from vllm.sampling_params import SamplingParams
 
@@ -45,8 +46,10 @@ class Request:
         cache_salt: str | None = None,
         priority: int = 0,
         mm_inputs: MultiModalInputs | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora_request = lora_request  # the adapter it runs with (None: the base model)
         # Images (placeholder runs, pixels, content hashes) and M-RoPE positions, if any.
         self.mm_inputs = mm_inputs
         self.prompt_token_ids = list(prompt_token_ids)

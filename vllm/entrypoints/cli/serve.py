@@ -61,6 +61,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
         help="Name(s) clients use in `model`; the first is reported (default: the model path)",
     )
     parser.add_argument(
+        "--lora-modules",
+        type=str,
+        nargs="+",
+        default=None,
+        help="LoRA adapters to serve (with --enable-lora), each `name=path` or JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}; a request picks one by `model`',
+    )
+    parser.add_argument(
         "--api-key",
         type=str,
         default=None,

@@ -32,6 +32,11 @@ from vllm.entrypoints.openai.protocol import CompletionRequest, ModelCard, Model
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import ServingOptions
+from vllm.entrypoints.openai.serving_models import (
+    OpenAIServingModels,
+    add_lora_routes,
+    parse_lora_modules,
+)
 from vllm.entrypoints.openai.serving_tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -81,8 +86,10 @@ def build_app(
     options: ServingOptions | None = None,
     enable_server_load_tracking: bool = False,
     enable_tokenizer_info_endpoint: bool = False,
+    lora_modules: list[str] | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving one engine under the given model name(s)."""
+    """The FastAPI app serving one engine under the given model name(s), and the LoRA
+    adapters of lora_modules (--lora-modules entries: name=path, or JSON)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if not names:
         raise ValueError("served_model_name must name at least one model")
@@ -90,6 +97,10 @@ def build_app(
     serving_completion = OpenAIServingCompletion(async_llm, names, options)
     serving_chat = OpenAIServingChat(async_llm, names, options)
     serving_tokenization = OpenAIServingTokenization(serving_chat)
+    models = OpenAIServingModels(async_llm, names)
+    for name, path, base in parse_lora_modules(lora_modules):
+        models.add_static(name, path, base)
+    serving_completion.models = serving_chat.models = serving_tokenization.models = models
     app = FastAPI(title="vllm", version=__version__)
     app.state.serving_completion = serving_completion
     app.state.serving_chat = serving_chat
@@ -202,19 +213,19 @@ def build_app(
 
     v1 = APIRouter(prefix="/v1")
 
-    def model_card(name: str) -> ModelCard:
-        mc = async_llm.model_config
-        return ModelCard(id=name, root=mc.model, max_model_len=mc.max_model_len)
-
     @v1.get("/models")
-    async def models() -> ModelList:
-        return ModelList(data=[model_card(n) for n in names])
+    async def list_models() -> ModelList:
+        return ModelList(data=models.cards())
 
     @v1.get("/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> ModelCard:
-        if model_id not in names:
+        card = models.card(model_id)
+        if card is None:
             raise APIError(f"The model `{model_id}` does not exist.", 404, "model")
-        return model_card(model_id)
+        return card
+
+    if envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:
+        add_lora_routes(v1, models)
 
     @v1.post("/completions")
     async def completions(request: CompletionRequest, raw_request: Request) -> Response:
@@ -346,6 +357,7 @@ def run_server(args: argparse.Namespace) -> int:
             options=options,
             enable_server_load_tracking=getattr(args, "enable_server_load_tracking", False),
             enable_tokenizer_info_endpoint=getattr(args, "enable_tokenizer_info_endpoint", False),
+            lora_modules=getattr(args, "lora_modules", None),
         )
         serving_chat = app.state.serving_chat
         config = uvicorn.Config(

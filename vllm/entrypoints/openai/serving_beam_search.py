@@ -29,7 +29,7 @@ class BeamServing(Protocol):
     def tokenizer(self) -> Any: ...
 
     async def _add_all(
-        self, prompts: list[Any], params: SamplingParams, base_id: str, priority: int = 0
+        self, prompts: list[Any], params: SamplingParams, base_id: str, req: Any
     ) -> list[RequestStream]: ...
 
 
@@ -82,7 +82,7 @@ async def beam_search_outputs(
     while not search.done:
         pending = search.pending()
         streams = await serving._add_all(
-            [{"prompt_token_ids": t} for t in pending], step, f"{rid}-beam{n_step}", req.priority
+            [{"prompt_token_ids": t} for t in pending], step, f"{rid}-beam{n_step}", req
         )
         finals = await final_outputs(streams)
         search.advance(

@@ -18,12 +18,14 @@ from pydantic import BaseModel
 from vllm.entrypoints.openai.chat_protocol import ChatCompletionRequest
 from vllm.entrypoints.openai.errors import APIError, client_message
 from vllm.entrypoints.openai.protocol import CompletionRequest, PromptLogprob, UsageInfo, random_id
+from vllm.entrypoints.openai.serving_models import OpenAIServingModels
 from vllm.entrypoints.openai.streams import (
     _close_all,
     _sse_response,
     _unless_disconnected,
     final_outputs,
 )
+from vllm.entrypoints.openai.truncation import truncate_prompt
 from vllm.exceptions import VLLMValidationError
 from vllm.logger import init_logger
 from vllm.outputs import Logprob, RequestOutput
@@ -92,25 +94,6 @@ class ServingOptions:
     """How auto tool calls are written (--tool-call-parser: hermes)."""
 
 
-def truncate_prompt(
-    ids: list[int], n: int | None, side: str | None, max_model_len: int
-) -> list[int]:
-    """truncate_prompt_tokens as vLLM: keep the last n tokens (the first with side='right');
-    -1 means max_model_len."""
-    if n is None:
-        return ids
-    if n == -1:
-        n = max_model_len
-    if n > max_model_len:
-        raise VLLMValidationError(
-            f"truncate_prompt_tokens value ({n}) is greater than max_model_len ({max_model_len})",
-            parameter="truncate_prompt_tokens",
-        )
-    if len(ids) <= n:
-        return ids
-    return ids[:n] if side == "right" else ids[len(ids) - n :]
-
-
 class OpenAIServing:
     """Turns OpenAI requests into engine requests and engine outputs into responses; one
     subclass per endpoint builds the prompts and formats the answer."""
@@ -127,6 +110,7 @@ class OpenAIServing:
         self.names = served_model_names
         self.model_name = served_model_names[0]
         self.options = options or ServingOptions()
+        self.models = OpenAIServingModels(async_llm, served_model_names)  # + adapters
 
     def tokens_as_ids(self, req: CompletionRequest | ChatCompletionRequest) -> bool:
         flag = req.return_tokens_as_token_ids
@@ -174,7 +158,7 @@ class OpenAIServing:
         return cls(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.names:
+        if not self.models.is_known(model):
             raise APIError(f"The model `{model}` does not exist.", 404, "model")
 
     def _check_alive(self) -> None:
@@ -185,15 +169,17 @@ class OpenAIServing:
             )
 
     async def _add_all(
-        self, prompts: list[Any], params: SamplingParams, base_id: str, priority: int = 0
+        self, prompts: list[Any], params: SamplingParams, base_id: str, req: Any
     ) -> list[RequestStream]:
-        """Add every prompt as its own engine request; on an error, abort the ones added."""
+        """Add every prompt as its own engine request (req's priority, and the adapter its
+        model names); on an error, abort the ones added."""
         self._check_alive()
+        lora = self.models.lora_for(req.model)
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.llm.add_request(rid, prompt, params, priority))
+                streams.append(await self.llm.add_request(rid, prompt, params, req.priority, lora))
         except BaseException:
             _close_all(streams)
             raise
@@ -225,7 +211,7 @@ class OpenAIServing:
             self._check_alive()
             finals = beam_search_outputs(self, req, prompts, params, rid)
             return await _unless_disconnected(raw, self._answer(req, finals, rid, created))
-        streams = await self._add_all(prompts, params, rid, req.priority)
+        streams = await self._add_all(prompts, params, rid, req)
         if req.stream:
             return _sse_response(self._stream(req, streams, rid, created), streams)
         return await _unless_disconnected(

@@ -33,9 +33,12 @@ def cdiv(a: int, b: int) -> int:
 BlockHash = bytes
 
 
-def root_block_hash(cache_salt: str | None) -> BlockHash:
-    """Parent hash of a request's first block: requests with different salts share nothing."""
+def root_block_hash(cache_salt: str | None, adapter: str | None = None) -> BlockHash:
+    """Parent hash of a request's first block: requests with different salts, or different
+    LoRA adapters (adapter: LoRARequest.cache_key), share nothing."""
     tag = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8")
+    if adapter is not None:
+        tag += b"\x02" + adapter.encode("utf-8")
     return hashlib.sha256(b"vllm-prefix-cache" + tag).digest()
 
 
@@ -210,7 +213,12 @@ class KVCacheManager:
         hashes = request.block_hashes
         tokens = request.all_token_ids
         B = self.block_size
-        parent = hashes[-1] if hashes else root_block_hash(request.cache_salt)
+        lora = request.lora_request
+        parent = (
+            hashes[-1]
+            if hashes
+            else root_block_hash(request.cache_salt, None if lora is None else lora.cache_key)
+        )
         while len(hashes) < num_blocks:
             start = len(hashes) * B
             end = start + B + self._extra

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.logger import init_logger
+from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.engine_factory import create_engine
@@ -223,18 +224,23 @@ class AsyncLLM:
         prompt: PromptType,
         sampling_params: SamplingParams | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Add a request; errors in the prompt or params are raised here, to this caller only."""
         params = check_params(sampling_params)
         self.engine.check_request(params, priority)
         self._check_running()
+        if lora_request is not None:  # reads the adapter's folder the first time
+            await self.in_tokenizer_thread(self.engine.check_lora, lora_request)
         # Tokenising and checking the prompt run on the tokenizer thread: neither the event
         # loop (other clients, /health) nor the engine thread (every running stream) waits.
         text, ids, salt, mm = await self.in_tokenizer_thread(self.engine.preprocess, prompt)
         stream = RequestStream(self, request_id, params.output_kind)
         stream.prompt, stream.prompt_token_ids = text, list(ids)
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._send(("add", request_id, text, ids, salt, params, priority, stream, fut, mm))
+        self._send(
+            ("add", request_id, text, ids, salt, params, priority, stream, fut, mm, lora_request)
+        )
         try:
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -326,12 +332,19 @@ class AsyncLLM:
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, rid, text, ids, salt, params, priority, stream, fut, mm = cmd
+            _, rid, text, ids, salt, params, priority, stream, fut, mm, lora = cmd
             if not fut.set_running_or_notify_cancel():
                 return
             try:
                 self.engine.add_processed_request(
-                    rid, text, ids, params, cache_salt=salt, priority=priority, mm_inputs=mm
+                    rid,
+                    text,
+                    ids,
+                    params,
+                    cache_salt=salt,
+                    priority=priority,
+                    mm_inputs=mm,
+                    lora_request=lora,
                 )
             except Exception as e:  # noqa: BLE001 - a bad request fails only its caller
                 fut.set_exception(e)

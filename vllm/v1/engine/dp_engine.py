@@ -30,6 +30,7 @@ from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
+from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalInputs
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -130,7 +131,10 @@ class DPEngine(EngineInputs, ReplicaLauncher):
         cache_salt: str | None = None,
         priority: int = 0,
         mm_inputs: MultiModalInputs | None = None,
+        seeds: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
+        """seeds: ignored (the front end draws an unseeded request's seeds itself)."""
         params = check_params(params)
         self.check_request(params, priority)
         if request_id in self._requests:
@@ -145,6 +149,7 @@ class DPEngine(EngineInputs, ReplicaLauncher):
             "cache_salt": cache_salt,
             "priority": priority,
             "mm_inputs": mm_inputs,
+            "lora_request": self.lora_checker.checked(lora_request),
             # Drawn here, in request order, as one engine draws them.
             "seeds": self.draw_seeds(params.n) if params.seed is None else None,
         }
@@ -153,7 +158,11 @@ class DPEngine(EngineInputs, ReplicaLauncher):
         n_prompt = len(prompt_token_ids)
         max_out = params.max_tokens if params.max_tokens is not None else max_len - n_prompt
         cost = params.n * (n_prompt + max(0, max_out))
-        replica = self.balancer.choose(list(prompt_token_ids), cache_salt)
+        # Prefixes are shared per adapter (as the replicas' prefix caches key them).
+        route_salt = (
+            cache_salt if lora_request is None else f"{cache_salt}|lora:{lora_request.lora_int_id}"
+        )
+        replica = self.balancer.choose(list(prompt_token_ids), route_salt)
         self._requests[request_id] = _Tracked(replica, kwargs, cost, n_prompt)
         self.balancer.load[replica] += cost
         self._send(replica, ("add", kwargs))

@@ -12,6 +12,8 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.exceptions import VLLMTypeError, VLLMValidationError
 from vllm.logger import init_logger
+from vllm.lora.peft import LoRAChecker
+from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalInputs
 from vllm.multimodal.processing import ImageProcessor
 from vllm.outputs import RequestOutput
@@ -102,6 +104,8 @@ class EngineInputs:
                 logger.warning("%s; prompts with images will be refused", e)
                 self._mm_unavailable = str(e)
         self._t_phase = self._phase("tokenizer", t_phase)
+        # Adapters are checked (their PEFT folder read once per id) before any worker sees them.
+        self.lora_checker = LoRAChecker(vllm_config.lora_config, mc.hf_config)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.generation_config = mc.try_get_generation_config()
         self.priority_policy = vllm_config.scheduler_config.policy == "priority"
@@ -137,6 +141,8 @@ class EngineInputs:
         cache_salt: str | None = None,
         priority: int = 0,
         mm_inputs: MultiModalInputs | None = None,
+        seeds: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         raise NotImplementedError
 
@@ -282,13 +288,29 @@ class EngineInputs:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         params = check_params(params)
         self.check_request(params, priority)
+        self.check_lora(lora_request)
         text, ids, cache_salt, mm = self.preprocess(prompt)
         self.add_processed_request(
-            request_id, text, ids, params, arrival_time, cache_salt, priority, mm
+            request_id,
+            text,
+            ids,
+            params,
+            arrival_time,
+            cache_salt,
+            priority,
+            mm,
+            lora_request=lora_request,
         )
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """Refuse, naming the problem, an adapter the engine cannot run (reads its folder
+        once per adapter id; thread-safe like preprocess)."""
+        if lora_request is not None:
+            self.lora_checker.check(lora_request)
 
     def check_request(self, params: SamplingParams, priority: int = 0) -> None:
         """What the engine's configuration refuses in a request (vLLM's checks and wording):

@@ -12,6 +12,7 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.logger import init_logger
+from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalInputs
 from vllm.outputs import RequestOutput
 from vllm.reasoning import reasoning_gate
@@ -170,6 +171,7 @@ class LLMEngine(EngineInputs):
         priority: int = 0,
         mm_inputs: MultiModalInputs | None = None,
         seeds: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Add a request whose prompt already went through preprocess (the server does that
         on a tokenizer thread, so a long prompt never holds up the engine thread). seeds: the
@@ -209,7 +211,17 @@ class LLMEngine(EngineInputs):
             cid = request_id if params.n == 1 else f"{i}_{request_id}"
             children[cid] = ChildState(i, child_params)
             requests.append(
-                Request(cid, ids, child_params, arrival_time, seed, cache_salt, priority, mm_inputs)
+                Request(
+                    cid,
+                    ids,
+                    child_params,
+                    arrival_time,
+                    seed,
+                    cache_salt,
+                    priority,
+                    mm_inputs,
+                    self.lora_checker.checked(lora_request),
+                )
             )
         self.output_processor.add(
             RequestState(request_id, text, ids, params, children, arrival_time)

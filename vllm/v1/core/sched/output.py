@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalInputs
 from vllm.sampling_params import SamplingParams
 
@@ -29,6 +30,8 @@ class NewRequestData:
     states (after num_computed_tokens tokens) it resumes from; -1: none."""
     mm_inputs: MultiModalInputs | None = None
     """Multimodal prompts: the images (the first stage encodes them) and M-RoPE positions."""
+    lora_request: LoRARequest | None = None
+    """The adapter the request runs with (enable_lora); None: the base model."""
 
 
 @dataclass

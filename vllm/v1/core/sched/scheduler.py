@@ -65,6 +65,8 @@ class Scheduler:
         spec = vllm_config.speculative_config
         self.spec_k = SpecKPolicy(spec, step_costs) if spec is not None else None
         self.enable_prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        lc = getattr(vllm_config, "lora_config", None)  # (test doubles may lack it)
+        self.max_loras = lc.max_loras if lc is not None else 0
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
             self.block_size,
@@ -199,6 +201,14 @@ class Scheduler:
             j = candidates[-1]
         return self.running.pop(j)
 
+    def _lora_fits(self, req: Request) -> bool:
+        """Whether req's adapter is running already or a device slot is left for it."""
+        lr = req.lora_request
+        if lr is None:
+            return True
+        running = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        return lr.lora_int_id in running or len(running) < self.max_loras
+
     def schedule(self, max_num_reqs: int | None = None) -> SchedulerOutput:
         """max_num_reqs caps the requests of this step (a pipeline spreads its requests over
         the batches it keeps in flight)."""
@@ -265,6 +275,8 @@ class Scheduler:
             and len(num_scheduled) < cap
         ):
             req = self.waiting[0]
+            if not self._lora_fits(req):
+                break  # its adapter waits for a slot: max_loras adapters are running
             kvm = self.kv_cache_manager
             hit_blocks, num_hit = kvm.get_computed_blocks(req)
             n = req.num_tokens - req.num_computed_tokens - num_hit
@@ -299,6 +311,7 @@ class Scheduler:
                     state_slot=self.kv_cache_manager.req_to_state_slot.get(req.request_id, -1),
                     state_checkpoint=kvm.restore_checkpoint(req, num_hit),
                     mm_inputs=req.mm_inputs,
+                    lora_request=req.lora_request,
                 )
             )
             num_scheduled[req.request_id] = n

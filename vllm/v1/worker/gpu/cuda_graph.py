@@ -247,13 +247,20 @@ class CudaGraphRunner:
 
 
 def graphs_unsupported(
-    vllm_config: Any, model: Any, attn_layers: dict[str, Any], parallel: bool, hybrid: bool
+    vllm_config: Any,
+    model: Any,
+    attn_layers: dict[str, Any],
+    parallel: bool,
+    hybrid: bool,
+    lora: bool = False,
 ) -> str | None:
     """Why a stage's forward is not captured (None: it is)."""
     if vllm_config.enforce_eager or not vllm_config.compilation_config.cudagraph_capture_sizes:
         return "no capture sizes (or enforce_eager)"
     if parallel:
         return "pipeline / tensor parallelism"
+    if lora:
+        return "LoRA adapters (enable_lora)"
     if hybrid:
         return "a hybrid model (linear-attention states)"
     if model.supports_multimodal:
@@ -278,6 +285,7 @@ def capture_step_graphs(
     *,
     parallel: bool,
     hybrid: bool,
+    lora: bool = False,
     max_num_reqs: int,
     max_blocks_per_req: int,
     rows_per_req: int,
@@ -290,7 +298,7 @@ def capture_step_graphs(
     kind = graph_kind(device)
     if kind is None:
         return None
-    why = graphs_unsupported(vllm_config, model, attn_layers, parallel, hybrid)
+    why = graphs_unsupported(vllm_config, model, attn_layers, parallel, hybrid, lora)
     if why is not None:
         logger.info("CUDA graphs off: %s", why)
         return None
@@ -316,3 +324,21 @@ def capture_step_graphs(
         return None
     logger.info("CUDA graphs (%s) captured for step sizes %s", kind, graphs.sizes)
     return graphs
+
+
+def capture_for_runner(runner: Any) -> CudaGraphRunner | None:
+    """capture_step_graphs for a ModelRunner's target model, with the runner's sizes."""
+    assert runner.model is not None
+    return capture_step_graphs(
+        runner.vllm_config,
+        runner.model,
+        runner.attn_layers,
+        parallel=runner.pp.world_size > 1 or runner.tp.world_size > 1,
+        hybrid=runner.linear_attn_states is not None,
+        lora=runner.lora is not None,
+        max_num_reqs=runner.max_num_reqs,
+        max_blocks_per_req=runner.max_blocks_per_req,
+        rows_per_req=runner.num_spec + 1,
+        block_size=runner.block_size,
+        device=runner.device,
+    )

@@ -16,6 +16,7 @@ from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.forward_context import decode_rows, set_forward_context
 from vllm.logger import init_logger
+from vllm.lora.worker_manager import LoRAWorkerManager
 from vllm.model_executor.layers.attention import AttentionLayerBase
 from vllm.model_executor.model_loader.loader import get_model
 from vllm.model_executor.models.interfaces import check_supports_pp
@@ -87,6 +88,8 @@ class ModelRunner:
         self._new_slots = np.zeros(0, dtype=np.int64)
         # Captured forwards of decode / verify steps (CUDA graphs), set up after the KV cache.
         self.cuda_graphs: cuda_graph.CudaGraphRunner | None = None
+        # enable_lora: the adapters of this stage's layers, each row's slot set per step.
+        self.lora: LoRAWorkerManager | None = None
 
     # ---- setup --------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -108,6 +111,8 @@ class ModelRunner:
                 rows = self.vllm_config.scheduler_config.max_num_batched_tokens
                 made = self.model.make_empty_intermediate_tensors(rows, self.dtype, self.device)
                 self.recv_buffers = dict(made.tensors)
+        if self.vllm_config.lora_config is not None:
+            self.lora = LoRAWorkerManager(self.model, self.vllm_config.lora_config, self.dtype)
         self.attn_layers = {
             name: m for name, m in self._all_modules() if isinstance(m, AttentionLayerBase)
         }
@@ -168,19 +173,7 @@ class ModelRunner:
             reserve_step_activations(
                 self.vllm_config, [m for _, m in self._all_modules()], self.pp.rank
             )
-        assert self.model is not None
-        self.cuda_graphs = cuda_graph.capture_step_graphs(
-            self.vllm_config,
-            self.model,
-            self.attn_layers,
-            parallel=self.pp.world_size > 1 or self.tp.world_size > 1,
-            hybrid=self.linear_attn_states is not None,
-            max_num_reqs=self.max_num_reqs,
-            max_blocks_per_req=self.max_blocks_per_req,
-            rows_per_req=self.num_spec + 1,
-            block_size=self.block_size,
-            device=self.device,
-        )
+        self.cuda_graphs = cuda_graph.capture_for_runner(self)
         if self.speculator is not None:
             self.speculator.capture()
 
@@ -254,6 +247,8 @@ class ModelRunner:
             if self.pp.is_first_rank:
                 inputs_embeds = self.model.embed_input_ids(batch.input_ids)
                 self.mm.merge_embeds(self.model, batch, inputs_embeds)
+        if self.lora is not None:
+            self.lora.begin_step(so, batch.num_tokens_after_padding)
         graphs = self.cuda_graphs
         if (
             graphs is not None
