@@ -57,6 +57,7 @@ class PrometheusStatLogger:
         num_spec_tokens: int,
         max_model_len: int = 2048,
         cache_config_info: dict[str, str] | None = None,
+        spec_proposers: list[str] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name", "engine"]
@@ -178,6 +179,21 @@ class PrometheusStatLogger:
                 c.labels(**self.labels)
         for i in range(num_spec_tokens):
             self.spec_per_pos.labels(**self.labels, position=str(i))
+        # The same three split by who proposed the drafts (a hybrid's two proposers, the
+        # grammar's forced tokens); over the proposer label they sum to the totals above.
+        self.spec_by_proposer = [
+            counter(
+                f"vllm:spec_decode_num_{what}_per_proposer", f"{doc}, per proposer.", ["proposer"]
+            )
+            for what, doc in (
+                ("drafts", "Number of spec decoding drafts"),
+                ("draft_tokens", "Number of draft tokens"),
+                ("accepted_tokens", "Number of accepted tokens"),
+            )
+        ]
+        for name in spec_proposers or []:
+            for c in self.spec_by_proposer:
+                c.labels(**self.labels, proposer=name)
         self._last_preemptions = 0
 
     def _child(self, metric: Any, **extra: str) -> Any:
@@ -224,6 +240,10 @@ class PrometheusStatLogger:
             for i, v in enumerate(sd.num_accepted_tokens_per_pos):
                 if v:
                     self._child(self.spec_per_pos, position=str(i)).inc(v)
+            for name, values in sd.per_proposer.items():
+                for c, v in zip(self.spec_by_proposer, values):
+                    if v:
+                        self._child(c, proposer=name).inc(v)
 
     def record_iteration(self, it: IterationStats) -> None:
         """The per-request histograms: latencies, finished sequences, request parameters."""
