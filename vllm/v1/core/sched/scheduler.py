@@ -62,7 +62,7 @@ class Scheduler:
         spec = vllm_config.speculative_config
         self.spec_k = SpecKPolicy(spec, step_costs) if spec is not None else None
         # Who proposed drafts the runner does not label (the metrics' proposer label).
-        self.default_proposer = spec.method if spec is not None else ""
+        self.default_proposer = getattr(spec, "method", "")
         self.enable_prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self.kv_cache_manager = KVCacheManager(
             num_blocks,
