@@ -12,6 +12,7 @@ speculation and to the better single proposer, mean acceptance length, the draft
 (vllm:spec_decode_num_*_per_proposer) and whether the greedy text equals no speculation's.
 
     python benchmarks/hybrid_smollm2.py [--dtype float32] [--repeats 2] [--output-len 64]
+        [--turns N]
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=0, help="the mix's first N requests (0: all)")
     args = ap.parse_args()
     head = str(SMOLLM2_EAGLE3_DIR)
     specs = {
@@ -93,7 +95,7 @@ def main() -> None:
             "hybrid_model_num_speculative_tokens": 3,
         },
     }
-    turns = mix()
+    turns = mix()[: args.turns or None]
     model = smollm2()
     llms = {name: make_llm(model, args.dtype, s) for name, s in specs.items()}
     print(f"CPU: {cpu_flags()}; dtype {args.dtype}; batch 1; greedy; {len(turns)} requests")

@@ -110,6 +110,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--profile", nargs="*", default=[], help="engines to profile at batch 1 (cProfile)"
+    )
     args = ap.parse_args()
 
     import jsonschema
@@ -160,6 +163,8 @@ def main() -> None:
         for llm in llms.values():
             for b in args.batch:
                 run(llm, b)  # warm-up: the grammar compiles, every batch shape seen
+        for n in args.profile:
+            profile(lambda n=n: run(llms[n], 1), n)
         for r in range(args.repeats):
             for b in args.batch:
                 for n in names[r % len(names) :] + names[: r % len(names)]:
@@ -192,6 +197,44 @@ def main() -> None:
                 f"| {n} | {b} | {tps:.1f} | {tps / base:.2f}x | {mal} | "
                 f"{jf[1]:.0f} ({jf[2]:.0f}) | {same} | {valid} |"
             )
+
+
+# (label, file suffix, function): where a step's time goes (cumulative, so they nest).
+PROFILED = [
+    ("engine step", "v1/engine/llm_engine.py", "step"),
+    ("runner execute_model", "worker/gpu/model_runner.py", "execute_model"),
+    ("  sample + verify + propose", "worker/gpu/model_runner.py", "_sample_and_propose"),
+    ("    grammar bitmasks (verify rows)", "sample/structured_outputs.py", "apply_bitmasks"),
+    ("    grammar accept (sampled)", "sample/structured_outputs.py", "accept"),
+    ("    draft model propose", "spec_decode/autoregressive/speculator.py", "propose"),
+    ("      draft grammar mask", "sample/structured_outputs.py", "mask"),
+    ("      draft grammar advance", "sample/structured_outputs.py", "advance"),
+    ("    grammar fork for drafting", "sample/structured_outputs.py", "draft_grammar"),
+    ("    constrain drafts / jump-forward", "sample/structured_outputs.py", "constrain_drafts"),
+]
+
+
+def profile(fn, name: str) -> None:
+    """Run fn under cProfile; print the cumulative ms per engine step of PROFILED."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    fn()
+    pr.disable()
+    stats = pstats.Stats(pr).stats  # type: ignore[attr-defined]
+    got: dict[str, tuple[int, float]] = {}
+    for (path, _, func), (_, calls, _, cum, _) in stats.items():
+        for label, suffix, f in PROFILED:
+            if func == f and path.endswith(suffix):
+                c, t = got.get(label, (0, 0.0))
+                got[label] = (c + calls, t + cum)
+    steps = max(got.get("engine step", (1, 0.0))[0], 1)
+    print(f"\nprofile of {name}, batch 1: {steps} engine steps, ms per step (cumulative)")
+    for label, _, _ in PROFILED:
+        if label in got:
+            print(f"  {label:40s} {1000 * got[label][1] / steps:8.1f}")
 
 
 if __name__ == "__main__":
