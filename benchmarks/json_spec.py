@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batch1-requests", type=int, default=4, help="sequential at batch 1")
     ap.add_argument(
         "--profile", nargs="*", default=[], help="engines to profile at batch 1 (cProfile)"
     )
@@ -121,11 +122,9 @@ def main() -> None:
     from vllm.sampling_params import StructuredOutputsParams
 
     model, specs = engines(args.model)
-    sp = SamplingParams(
-        temperature=0,
-        max_tokens=args.output_len,
-        structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
-    )
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    sp = SamplingParams(temperature=0, max_tokens=args.output_len, structured_outputs=so)
+    short = SamplingParams(temperature=0, max_tokens=16, structured_outputs=so)
     llms = {
         n: LLM(
             model=model,
@@ -141,7 +140,7 @@ def main() -> None:
 
     def run(llm, batch: int):
         """Batch 1: the prompts one after another; batch B: B prompts together."""
-        groups = [[p] for p in ps[:4]] if batch == 1 else [ps[:batch]]
+        groups = [[p] for p in ps[: args.batch1_requests]] if batch == 1 else [ps[:batch]]
         before = per_proposer(llm)
         t = time.perf_counter()
         outs = [o for g in groups for o in llm.generate(g, sp, use_tqdm=False)]
@@ -161,8 +160,8 @@ def main() -> None:
     names = list(llms)
     try:
         for llm in llms.values():
-            for b in args.batch:
-                run(llm, b)  # warm-up: the grammar compiles, every batch shape seen
+            for b in args.batch:  # warm-up: the grammar compiles, every batch shape seen
+                llm.generate(ps[:b], short, use_tqdm=False)
         for n in args.profile:
             profile(lambda n=n: run(llms[n], 1), n)
         for r in range(args.repeats):
