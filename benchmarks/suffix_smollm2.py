@@ -154,7 +154,10 @@ def main() -> None:
                 for name in names[r % len(names) :] + names[: r % len(names)]:
                     res = timed(llms[name], turns, args.output_len)
                     runs.setdefault((w, name), []).append(res)
-                    print(f"  rep {r} {w} {name}: {res[0]:.1f} tok/s", flush=True)
+                    tps = res[1] / max(res[1] - res[3], 1)  # tokens per step
+                    print(
+                        f"  rep {r} {w} {name}: {res[0]:.1f} tok/s, {tps:.2f} tok/step", flush=True
+                    )
     finally:
         for llm in llms.values():
             llm.shutdown()

@@ -129,13 +129,14 @@ def _requests(llm: LLM, name: str):
 _RUNS: dict = {}
 
 
-def _run(name: str, k: int, pp: int):
-    key = (name, k, pp)
+def _run(name: str, k: int, pp: int, tp: int = 1):
+    key = (name, k, pp, tp)
     if key not in _RUNS:
         llm = LLM(
             model=_model(name),
             speculative_config=_spec(name, k),
             pipeline_parallel_size=pp,
+            tensor_parallel_size=tp,
             dtype="float32",
             max_model_len=512,
             max_num_seqs=8,
@@ -150,6 +151,11 @@ def _run(name: str, k: int, pp: int):
                     for o in outs
                 ],
                 spec_decode_counts(llm),
+                {
+                    (m.name, m.labels["proposer"]): m.value
+                    for m in llm.get_metrics()
+                    if "proposer" in m.labels
+                },
             )
         finally:
             llm.shutdown()
@@ -190,18 +196,32 @@ CASES = [
 
 @pytest.mark.parametrize("name", [_param(n, id=n) for n in DRAFTED])
 def test_outputs_follow_their_grammars(name) -> None:
-    outs, _ = _run(name, 0, 1)
+    outs, _, _ = _run(name, 0, 1)
     _check_grammar(outs)
 
 
 @pytest.mark.parametrize("name,k,pp", [_param(n, k, p, id=f"{n}-k{k}-pp{p}") for n, k, p in CASES])
 def test_identical_with_and_without_speculation(name, k, pp) -> None:
-    ref, _ = _run(name, 0, 1)
-    outs, counts = _run(name, k, pp)
+    ref, _, _ = _run(name, 0, 1)
+    outs, counts, _ = _run(name, k, pp)
     assert [o[0] for o in outs] == [o[0] for o in ref]
     _check_grammar(outs)
     if k:
         assert counts[1] > 0 and counts[2] < counts[1], counts  # drafts, some rejected
+
+
+def test_json_schema_with_mtp_and_grammar_aware_drafting_under_tp2() -> None:
+    """TP = 2 (the bundled model's MLA heads and experts split over two worker processes),
+    its MTP head drafting under the grammar (grammar_aware_drafting, the default): the same
+    tokens as one worker without speculation, every output in its grammar (the schema's JSON
+    validated), and both the head's drafts and the grammar's forced tokens verified."""
+    ref, _, _ = _run("tiny_mtp", 0, 1)
+    outs, counts, by = _run("tiny_mtp", 2, 1, tp=2)
+    assert [o[0] for o in outs] == [o[0] for o in ref]
+    _check_grammar(outs)
+    assert counts[1] > 0 and counts[2] > 0, counts
+    drafts = "vllm:spec_decode_num_drafts_per_proposer"
+    assert by[(drafts, "mtp")] > 0 and by[(drafts, "jump_forward")] > 0, by
 
 
 @pytest.mark.parametrize("aware", [False, True], ids=["plain", "grammar_aware"])

@@ -24,3 +24,5 @@ class ModelRunnerOutput:
     logprobs: list[list[LogprobsLists | None]] | None = None
     prompt_logprobs: dict[str, list[LogprobsLists | None]] = field(default_factory=dict)
     draft_token_ids: list[list[int]] | None = None
+    draft_proposers: list[str] | None = None
+    """Per request: which proposer drafted its draft_token_ids (hybrid, jump-forward)."""

@@ -63,6 +63,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.spec_token_ids: list[int] = []
+        self.spec_proposer = ""  # who proposed spec_token_ids ("": the configured method)
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.in_flight = 0  # scheduled steps whose output has not come back (pipelining)

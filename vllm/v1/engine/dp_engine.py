@@ -40,6 +40,7 @@ from vllm.v1.engine.engine_inputs import EngineInputs, check_params
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from vllm.v1.metrics.reader import Metric, get_metrics_snapshot, sum_over_engines
+from vllm.v1.metrics.stats import spec_proposer_names
 
 logger = init_logger(__name__)
 
@@ -69,6 +70,7 @@ class DPEngine(EngineInputs, ReplicaLauncher):
                 for f in dataclasses.fields(vllm_config.cache_config)
             },
             engine_indexes=list(range(self.num_replicas)),
+            spec_proposers=spec_proposer_names(vllm_config.speculative_config),
         )
         self.stat_loggers: list[LoggingStatLogger] | None = None
         if not vllm_config.disable_log_stats:

@@ -31,7 +31,7 @@ from vllm.v1.engine.warmup import measure_step_costs, warm_up
 from vllm.v1.executor.selector import get_executor_class
 from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger, StatsRelay
 from vllm.v1.metrics.reader import Metric, get_metrics_snapshot
-from vllm.v1.metrics.stats import IterationStats
+from vllm.v1.metrics.stats import IterationStats, spec_proposer_names
 from vllm.v1.request import Request, RequestStatus
 
 logger = init_logger(__name__)
@@ -119,6 +119,7 @@ class LLMEngine(EngineInputs):
             mc.served_model_names[0],
             k,
             max_model_len=mc.max_model_len,
+            spec_proposers=spec_proposer_names(vllm_config.speculative_config),
             cache_config_info={
                 f.name: str(getattr(vllm_config.cache_config, f.name))
                 for f in dataclasses.fields(vllm_config.cache_config)

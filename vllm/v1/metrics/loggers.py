@@ -59,6 +59,7 @@ class PrometheusStatLogger:
         max_model_len: int = 2048,
         cache_config_info: dict[str, str] | None = None,
         engine_indexes: list[int] | None = None,
+        spec_proposers: list[str] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name", "engine"]
@@ -182,12 +183,27 @@ class PrometheusStatLogger:
             "Accepted tokens per draft position.",
             ["position"],
         )
+        # The same three split by who proposed the drafts (a hybrid's two proposers, the
+        # grammar's forced tokens); over the proposer label they sum to the totals above.
+        self.spec_by_proposer = [
+            counter(
+                f"vllm:spec_decode_num_{what}_per_proposer", f"{doc}, per proposer.", ["proposer"]
+            )
+            for what, doc in (
+                ("drafts", "Number of spec decoding drafts"),
+                ("draft_tokens", "Number of draft tokens"),
+                ("accepted_tokens", "Number of accepted tokens"),
+            )
+        ]
         for lab in self._labels.values():
             if num_spec_tokens:  # exported (as 0) from the start when speculation is on
                 for c in (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted):
                     c.labels(**lab)
             for i in range(num_spec_tokens):
                 self.spec_per_pos.labels(**lab, position=str(i))
+            for name in spec_proposers or []:
+                for c in self.spec_by_proposer:
+                    c.labels(**lab, proposer=name)
         self._last_preemptions = dict.fromkeys(self.engine_indexes, 0)
 
     def _child(self, metric: Any, engine: int, **extra: str) -> Any:
@@ -238,6 +254,10 @@ class PrometheusStatLogger:
             for i, v in enumerate(sd.num_accepted_tokens_per_pos):
                 if v:
                     self._child(self.spec_per_pos, e, position=str(i)).inc(v)
+            for name, values in sd.per_proposer.items():
+                for c, v in zip(self.spec_by_proposer, values):
+                    if v:
+                        self._child(c, e, proposer=name).inc(v)
 
     def set_idle(self, engine: int) -> None:
         """A replica that is gone runs and waits for nothing."""

@@ -5,6 +5,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+JUMP_FORWARD = "jump_forward"
+"""The proposer label of drafts that are a grammar's forced tokens (jump-forward)."""
+
+
+def spec_proposer_names(spec: Any) -> list[str]:
+    """The proposers whose drafts a speculative config can verify (the metrics' `proposer`
+    label values): the method (the draft model's, or ngram / suffix / jump_forward), the
+    hybrid's draft-free proposer, and jump-forward where the grammar may force drafts."""
+    if spec is None:
+        return []
+    names = [spec.method]
+    if spec.hybrid_method is not None:
+        names.append(spec.hybrid_method)
+    if spec.grammar_aware_drafting and JUMP_FORWARD not in names:
+        names.append(JUMP_FORWARD)
+    return names
 
 
 @dataclass
@@ -14,17 +32,25 @@ class SpecDecodingStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    per_proposer: dict[str, list[int]] = field(default_factory=dict)
+    """proposer -> [drafts, draft tokens, accepted tokens]; sums to the totals above."""
 
     def __post_init__(self) -> None:
         if not self.num_accepted_tokens_per_pos:
             self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
 
-    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+    def observe_draft(
+        self, num_draft_tokens: int, num_accepted_tokens: int, proposer: str = ""
+    ) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
         for i in range(num_accepted_tokens):
             self.num_accepted_tokens_per_pos[i] += 1
+        c = self.per_proposer.setdefault(proposer, [0, 0, 0])
+        c[0] += 1
+        c[1] += num_draft_tokens
+        c[2] += num_accepted_tokens
 
 
 @dataclass

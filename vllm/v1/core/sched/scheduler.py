@@ -64,6 +64,8 @@ class Scheduler:
         # adaptive K needs the step costs measured at start-up (step_costs).
         spec = vllm_config.speculative_config
         self.spec_k = SpecKPolicy(spec, step_costs) if spec is not None else None
+        # Who proposed drafts the runner does not label (the metrics' proposer label).
+        self.default_proposer = getattr(spec, "method", "")
         self.enable_prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         lc = getattr(vllm_config, "lora_config", None)  # (test doubles may lack it)
         self.max_loras = lc.max_loras if lc is not None else 0
@@ -386,7 +388,8 @@ class Scheduler:
                 if self.spec_k is not None:
                     self.spec_k.observe(rid, len(drafts), num_accepted)
                 if spec_stats is not None:
-                    spec_stats.observe_draft(len(drafts), num_accepted)
+                    proposer = req.spec_proposer or self.default_proposer
+                    spec_stats.observe_draft(len(drafts), num_accepted, proposer)
             req.spec_token_ids = []
             logprobs = runner_out.logprobs[idx] if runner_out.logprobs else None
             for tok in sampled:
@@ -406,6 +409,8 @@ class Scheduler:
             elif runner_out.draft_token_ids is not None and sampled:
                 k = self.spec_k.k_next(rid) if self.spec_k is not None else 0
                 req.spec_token_ids = valid_drafts(runner_out.draft_token_ids[idx])[:k]
+                props = runner_out.draft_proposers
+                req.spec_proposer = props[idx] if props is not None else ""
             if out.new_token_ids or out.finish_reason or out.prompt_logprobs:
                 result.outputs[rid] = out
         result.stats = SchedulerStats(

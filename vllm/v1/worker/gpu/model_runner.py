@@ -354,7 +354,7 @@ class ModelRunner:
                 tokens = self._tp_agree(tokens)
         sampled, num_sampled = self.rejection_sampler(batch, tokens)
         num_rejected = np.where(num_sampled > 0, batch.num_draft_tokens_np + 1 - num_sampled, 0)
-        drafts = None
+        drafts, proposers = None, None
         if self.structured is not None:
             # Before drafting: the drafts follow the step's tokens in the grammar too.
             self.structured.accept(slots, sampled, num_sampled)
@@ -386,8 +386,9 @@ class ModelRunner:
                     draft_grammar=forks,
                 )
             )
+            proposers = self.speculator.row_proposers(getattr(spec_cfg, "method", ""), len(drafts))
             if grammar is not None:
-                grammar.constrain_drafts(drafts, slots, jump_forward=True)
+                grammar.constrain_drafts(drafts, slots, jump_forward=True, proposers=proposers)
                 grammar.num_masked_draft_rows += forks.num_masked_rows if forks else 0
         result = StepResult(sampled, num_sampled, num_rejected, drafts)
         apply_step_result(st, result, np.where(batch.need_sample_np, slots, -1))
@@ -400,6 +401,7 @@ class ModelRunner:
             logprobs=self._logprobs(batch, lp_logits, result),
             prompt_logprobs=prompt_lp,
             draft_token_ids=None if drafts is None else drafts.tolist(),
+            draft_proposers=proposers,
         )
 
     def _draft_mm_embeds(self, batch: InputBatch) -> tuple[np.ndarray, torch.Tensor] | None:

@@ -207,11 +207,19 @@ class StructuredOutputStates:
             return None
         return self.matchers.get(slot)
 
-    def constrain_drafts(self, drafts: np.ndarray, slots: np.ndarray, jump_forward: bool) -> None:
+    def constrain_drafts(
+        self,
+        drafts: np.ndarray,
+        slots: np.ndarray,
+        jump_forward: bool,
+        proposers: list[str] | None = None,
+    ) -> None:
         """Drafts [R, K] of the batch rows (request-state slots), in place, for the grammar
-        rows: the grammar's forced tokens where it forces any (jump-forward), else the drafts
-        cut (PAD) at the first one the grammar forbids. The matchers must have accepted the
-        step's sampled tokens already (the drafts follow them)."""
+        rows: the grammar's forced tokens where it forces any (jump-forward: that row's
+        proposers entry becomes "jump_forward"), else the drafts cut (PAD) at the first one
+        the grammar forbids. The matchers must have accepted the step's sampled tokens
+        already (the drafts follow them)."""
+        from vllm.v1.metrics.stats import JUMP_FORWARD
         from vllm.v1.worker.gpu.states import PAD_TOKEN_ID
 
         K = drafts.shape[1]
@@ -226,6 +234,8 @@ class StructuredOutputStates:
                     drafts[i, :n] = forced[:n]
                     drafts[i, n:] = PAD_TOKEN_ID
                     self.num_jump_forward_tokens += n
+                    if proposers is not None:
+                        proposers[i] = JUMP_FORWARD
                     continue
             f = m.fork()
             for j in range(K):

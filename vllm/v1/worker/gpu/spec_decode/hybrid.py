@@ -52,6 +52,7 @@ class HybridSpeculator(BaseSpeculator):
         self.num_steps_by = {"model": 0, spec.hybrid_method: 0}
         self.num_drafts_by = {"model": 0, spec.hybrid_method: 0}
         self.free_name = spec.hybrid_method
+        self.last_use_free = np.zeros(0, dtype=bool)  # the last propose()'s rows served free
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for what this class does not define: the draft model's attributes.
@@ -94,6 +95,7 @@ class HybridSpeculator(BaseSpeculator):
         free = self.free.propose(inputs)
         match = getattr(self.free, "last_match_lengths", np.zeros(len(drafts), dtype=np.int64))
         use_free = (match >= self.min_match) & (free[:, 0] != PAD_TOKEN_ID) & inputs.has_sample
+        self.last_use_free = use_free
         out = drafts.copy()
         out[use_free] = free[use_free]
         sampled = inputs.has_sample
@@ -104,3 +106,6 @@ class HybridSpeculator(BaseSpeculator):
         model_rows = sampled & ~use_free
         self.num_drafts_by["model"] += int((drafts[model_rows] != PAD_TOKEN_ID).sum())
         return out
+
+    def row_proposers(self, method: str, num_rows: int) -> list[str]:
+        return [self.free_name if f else method for f in self.last_use_free[:num_rows].tolist()]

@@ -121,6 +121,11 @@ class BaseSpeculator(ABC):
     def propose(self, inputs: ProposeInputs) -> np.ndarray:
         """Draft tokens [num_reqs, K] int64 for the rows of inputs.input_batch."""
 
+    def row_proposers(self, method: str, num_rows: int) -> list[str]:
+        """The proposer of each row's drafts from the last propose() (the metrics' label):
+        the configured method, unless a hybrid chose per row."""
+        return [method] * num_rows
+
     def end_warm_up(self) -> None:  # noqa: B027 - optional hook: nothing learned by default
         """Forget what the start-up's dummy requests taught (suffix decoding's global cache).
         Default: nothing."""
