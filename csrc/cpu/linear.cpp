@@ -4,15 +4,18 @@
 // y = x @ W^T (+ b) for the few rows of a decode / verify / draft step (small M), W [N, K] and
 // x [M, K] both fp32 or both bf16, accumulated in fp32, rounded to x's dtype once.
 //
-// With M this small the product is bound by streaming W from memory: a block of kNR weight rows
-// is read from memory once and multiplied against every row of x (tiles of MR rows) while it
-// sits in L1, so a verify step's M = 4 rows cost about what one row costs.
+// With M this small the product is bound by streaming W from memory at one row and by the FMA
+// units from a few rows on: a block of weight rows is read from memory once and multiplied
+// against every row of x while it sits in L1, in register tiles (MR rows of x by NR weight rows
+// of vector accumulators, sized to the register file as llamafile's tinyBLAS does) so that each
+// weight vector loaded feeds MR rows and each x vector NR weight rows.
 //
 // Batch invariance by construction: output element (m, n) is always one vector accumulator
 // running over k in the same order (whole vectors, then the zero-padded tail), then the same
-// horizontal sum, then + bias and one rounding - whatever M is, whichever rows share the call
-// and however the output columns are split across threads. Tiles only change how many
-// independent accumulators are live at once, never the arithmetic of any one of them.
+// horizontal sum, then + bias and one rounding - whatever M is, whichever rows share the call,
+// whichever tile shape runs (picked from M) and however the output columns are split across
+// threads. Tiles only change how many independent accumulators are live at once, never the
+// arithmetic of any one of them.
 //
 // The instruction set is chosen at run time (cpuid), each path compiled with its own target
 // attribute, so one build runs on AVX2-only and AVX512-BF16 machines alike:
@@ -51,7 +54,11 @@ using vllm_cpu_isa::kAvx512;
 using vllm_cpu_isa::kAvx512Bf16;
 using vllm_cpu_isa::kPortable;
 
-constexpr int64_t kNR = 4;  // weight rows per block, read from memory once for all M rows
+// Register tiles: MR rows of x by NR rows of W, MR * NR vector accumulators live at once, so each
+// weight vector loaded is multiplied by MR rows and each x vector by NR weight rows. A block of
+// NR weight rows is read from memory once and stays in L1 while every tile of MR rows of x
+// passes over it. Which tile shape runs (picked from M and the instruction set) changes how
+// many accumulators are live, never the arithmetic of any one of them.
 
 template <typename T>
 inline float to_f(T v) {
@@ -88,63 +95,88 @@ void micro_portable(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t 
 }
 
 #ifdef VLLM_LINEAR_X86
-// The SIMD micro-kernels share one body: MR x NR accumulators (named variables: GCC keeps an
-// array of vector accumulators in memory, storing every one of them at every step), one loop
-// over k whose last step is the zero-padded (masked) tail, then one horizontal sum each.
-// ACC accumulator type, WV loaded-vector type, STEP elements per step, MASK(left) the step's
-// mask, LOAD(ptr, mask), FMA(acc, x, w), HSUM(acc).
-#define VLLM_MICRO_BODY(TW, ACC, WV, STEP, MASK, LOAD, FMA, HSUM, ZERO)                       \
-  static_assert((MR >= 1 && MR <= 4) && (NR == 1 || NR == 4), "tile shape");                 \
-  const ACC z = ZERO;                                                                         \
-  ACC c00 = z, c01 = z, c02 = z, c03 = z, c10 = z, c11 = z, c12 = z, c13 = z;                 \
-  ACC c20 = z, c21 = z, c22 = z, c23 = z, c30 = z, c31 = z, c32 = z, c33 = z;                 \
-  for (int64_t k = 0; k < K; k += STEP) {                                                     \
-    const auto m = MASK(K - k);                                                               \
-    if (pf.p != nullptr) /* a share of the next block: one sequential stream */              \
-      for (int64_t b = 0; b < pf.step; b += 64)                                               \
-        _mm_prefetch(pf.p + (k / STEP) * pf.step + b, _MM_HINT_T0);                           \
-    const WV w0 = LOAD(w + k, m);                                                             \
-    WV w1 = w0, w2 = w0, w3 = w0;                                                             \
-    if constexpr (NR > 1) {                                                                   \
-      w1 = LOAD(w + ldw + k, m);                                                              \
-      w2 = LOAD(w + 2 * ldw + k, m);                                                          \
-      w3 = LOAD(w + 3 * ldw + k, m);                                                          \
-    }                                                                                         \
-    VLLM_MICRO_ROW(0, LOAD, FMA)                                                              \
-    if constexpr (MR > 1) VLLM_MICRO_ROW(1, LOAD, FMA)                                        \
-    if constexpr (MR > 2) VLLM_MICRO_ROW(2, LOAD, FMA)                                        \
-    if constexpr (MR > 3) VLLM_MICRO_ROW(3, LOAD, FMA)                                        \
-  }                                                                                           \
-  const ACC c[4][4] = {                                                                       \
-      {c00, c01, c02, c03}, {c10, c11, c12, c13}, {c20, c21, c22, c23}, {c30, c31, c32, c33}}; \
-  for (int i = 0; i < MR; ++i)                                                                \
-    for (int j = 0; j < NR; ++j) out[i * NR + j] = HSUM(c[i][j]);
+// The SIMD micro-kernels share one body: up to 4 x 8 accumulators (named variables: GCC keeps
+// an array of vector accumulators in memory, storing every one of them at every step; the
+// unused ones are dead code), a loop over whole vectors of k with plain loads, then at most one
+// zero-padded (masked) tail step into the same accumulators, then one horizontal sum each.
+// ACC accumulator type, WV loaded-vector type, STEP elements per step, MASK(left) the tail's
+// mask, LOAD(ptr, Full{} or mask), FMA(acc, x, w), HSUM(acc).
+struct Full {};  // a whole vector: a plain load
 
-#define VLLM_MICRO_ROW(I, LOAD, FMA)                \
-  {                                                 \
-    const auto xv = LOAD(x + (I) * ldx + k, m);     \
-    c##I##0 = FMA(c##I##0, xv, w0);                 \
-    if constexpr (NR > 1) {                         \
-      c##I##1 = FMA(c##I##1, xv, w1);               \
-      c##I##2 = FMA(c##I##2, xv, w2);               \
-      c##I##3 = FMA(c##I##3, xv, w3);               \
-    }                                               \
+#define VLLM_ACC_ROW(I)                                                                      \
+  Acc a##I##_0 = z, a##I##_1 = z, a##I##_2 = z, a##I##_3 = z, a##I##_4 = z, a##I##_5 = z,          \
+      a##I##_6 = z, a##I##_7 = z;
+
+#define VLLM_FMA_ROW(I, LOAD, M, FMA)                                                        \
+  if constexpr (MR > (I)) {                                                                  \
+    const auto xv = LOAD(x + (I) * ldx + k, M);                                              \
+    a##I##_0 = FMA(a##I##_0, xv, w0);                                                          \
+    if constexpr (NR > 1) a##I##_1 = FMA(a##I##_1, xv, w1);                                    \
+    if constexpr (NR > 2) a##I##_2 = FMA(a##I##_2, xv, w2);                                    \
+    if constexpr (NR > 3) a##I##_3 = FMA(a##I##_3, xv, w3);                                    \
+    if constexpr (NR > 4) a##I##_4 = FMA(a##I##_4, xv, w4);                                    \
+    if constexpr (NR > 5) a##I##_5 = FMA(a##I##_5, xv, w5);                                    \
+    if constexpr (NR > 6) a##I##_6 = FMA(a##I##_6, xv, w6);                                    \
+    if constexpr (NR > 7) a##I##_7 = FMA(a##I##_7, xv, w7);                                    \
   }
+
+#define VLLM_STEP(LOAD, M, FMA)                                                              \
+  {                                                                                          \
+    const Wv w0 = LOAD(w + k, M);                                                            \
+    Wv w1 = w0, w2 = w0, w3 = w0, w4 = w0, w5 = w0, w6 = w0, w7 = w0;                        \
+    if constexpr (NR > 1) w1 = LOAD(w + 1 * ldw + k, M);                                     \
+    if constexpr (NR > 2) w2 = LOAD(w + 2 * ldw + k, M);                                     \
+    if constexpr (NR > 3) w3 = LOAD(w + 3 * ldw + k, M);                                     \
+    if constexpr (NR > 4) w4 = LOAD(w + 4 * ldw + k, M);                                     \
+    if constexpr (NR > 5) w5 = LOAD(w + 5 * ldw + k, M);                                     \
+    if constexpr (NR > 6) w6 = LOAD(w + 6 * ldw + k, M);                                     \
+    if constexpr (NR > 7) w7 = LOAD(w + 7 * ldw + k, M);                                     \
+    VLLM_FMA_ROW(0, LOAD, M, FMA)                                                            \
+    VLLM_FMA_ROW(1, LOAD, M, FMA)                                                            \
+    VLLM_FMA_ROW(2, LOAD, M, FMA)                                                            \
+    VLLM_FMA_ROW(3, LOAD, M, FMA)                                                            \
+  }
+
+#define VLLM_OUT_ROW(I, HSUM)                                                                \
+  if constexpr (MR > (I)) {                                                                  \
+    const Acc r[8] = {a##I##_0, a##I##_1, a##I##_2, a##I##_3, a##I##_4, a##I##_5, a##I##_6, a##I##_7}; \
+    for (int j = 0; j < NR; ++j) out[(I) * NR + j] = HSUM(r[j]);                             \
+  }
+
+#define VLLM_MICRO_BODY(ACC, WV, STEP, MASK, LOAD, FMA, HSUM, ZERO)                          \
+  static_assert(MR >= 1 && MR <= 4 && NR >= 1 && NR <= 8, "tile shape");                     \
+  using Acc = ACC;                                                                           \
+  using Wv = WV;                                                                             \
+  const Acc z = ZERO;                                                                        \
+  VLLM_ACC_ROW(0) VLLM_ACC_ROW(1) VLLM_ACC_ROW(2) VLLM_ACC_ROW(3)                            \
+  const char* pfp = pf.p;                                                                    \
+  int64_t k = 0;                                                                             \
+  for (; k + (STEP) <= K; k += (STEP)) {                                                     \
+    if (pfp != nullptr) { /* a share of the next block: one sequential stream */            \
+      for (int64_t b = 0; b < pf.step; b += 64) _mm_prefetch(pfp + b, _MM_HINT_T0);          \
+      pfp += pf.step;                                                                        \
+    }                                                                                        \
+    VLLM_STEP(LOAD, Full{}, FMA)                                                             \
+  }                                                                                          \
+  if (k < K) {                                                                               \
+    const auto tail = MASK(K - k);                                                           \
+    VLLM_STEP(LOAD, tail, FMA)                                                               \
+  }                                                                                          \
+  VLLM_OUT_ROW(0, HSUM) VLLM_OUT_ROW(1, HSUM) VLLM_OUT_ROW(2, HSUM) VLLM_OUT_ROW(3, HSUM)
 
 // ---- AVX2 + FMA: 8 fp32 lanes --------------------------------------------------------------
 #define VLLM_AVX2 __attribute__((target("avx2,fma")))
 
-VLLM_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-VLLM_AVX2 inline __m256 load8(const c10::BFloat16* p) {  // bf16 is fp32's top half
+VLLM_AVX2 inline __m256 load8(const float* p, Full) { return _mm256_loadu_ps(p); }
+VLLM_AVX2 inline __m256 load8(const c10::BFloat16* p, Full) {  // bf16 is fp32's top half
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 template <typename T>
-VLLM_AVX2 inline __m256 load8(const T* p, int64_t left) {  // left < 8: zero-padded copy
-  if (left >= 8) return load8(p);
+VLLM_AVX2 inline __m256 load8(const T* p, int64_t left) {  // 0 < left < 8: zero-padded copy
   T buf[8] = {};
   std::memcpy(buf, p, sizeof(T) * left);
-  return load8(buf);
+  return load8(buf, Full{});
 }
 VLLM_AVX2 inline int64_t mask8(int64_t left) { return left; }
 VLLM_AVX2 inline __m256 fma8(__m256 acc, __m256 x, __m256 w) { return _mm256_fmadd_ps(x, w, acc); }
@@ -155,22 +187,35 @@ VLLM_AVX2 inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// A bf16 row widened to fp32 (exact), 8 at a time.
+VLLM_AVX2 inline void widen_avx2(const c10::BFloat16* src, float* dst, int64_t K) {
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, load8(src + k, Full{}));
+  for (; k < K; ++k) dst[k] = static_cast<float>(src[k]);
+}
+
 template <int MR, int NR, typename TX, typename TW>
 VLLM_AVX2 void micro_avx2(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t K,
                           Prefetch pf, float* out) {
-  VLLM_MICRO_BODY(TW, __m256, __m256, 8, mask8, load8, fma8, hsum8, _mm256_setzero_ps())
+  VLLM_MICRO_BODY(__m256, __m256, 8, mask8, load8, fma8, hsum8, _mm256_setzero_ps())
 }
 
 // ---- AVX512F (+BW, VL): 16 fp32 lanes ------------------------------------------------------
 #define VLLM_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
 
 VLLM_AVX512 inline __mmask16 mask16(int64_t left) {
-  return left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+  return static_cast<__mmask16>((1u << left) - 1u);  // 0 < left < 16
 }
+VLLM_AVX512 inline __m512 load16(const float* p, Full) { return _mm512_loadu_ps(p); }
 VLLM_AVX512 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-VLLM_AVX512 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
-  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+VLLM_AVX512 inline __m512 widen16(__m256i h) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+VLLM_AVX512 inline __m512 load16(const c10::BFloat16* p, Full) {
+  return widen16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+VLLM_AVX512 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  return widen16(_mm256_maskz_loadu_epi16(m, p));
 }
 VLLM_AVX512 inline __m512 fma16(__m512 acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
 VLLM_AVX512 inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
@@ -178,7 +223,7 @@ VLLM_AVX512 inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
 template <int MR, int NR, typename TX, typename TW>
 VLLM_AVX512 void micro_avx512(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t K,
                               Prefetch pf, float* out) {
-  VLLM_MICRO_BODY(TW, __m512, __m512, 16, mask16, load16, fma16, hsum16, _mm512_setzero_ps())
+  VLLM_MICRO_BODY(__m512, __m512, 16, mask16, load16, fma16, hsum16, _mm512_setzero_ps())
 }
 
 // ---- AVX512-BF16: vdpbf16ps over bf16 pairs (32 per step) ----------------------------------
@@ -186,7 +231,10 @@ VLLM_AVX512 void micro_avx512(const TX* x, int64_t ldx, const TW* w, int64_t ldw
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma")))
 
 VLLM_AVX512BF16 inline __mmask32 mask32(int64_t left) {
-  return left >= 32 ? __mmask32(0xFFFFFFFFu) : static_cast<__mmask32>((uint64_t{1} << left) - 1u);
+  return static_cast<__mmask32>((uint64_t{1} << left) - 1u);  // 0 < left < 32
+}
+VLLM_AVX512BF16 inline __m512bh load32bh(const c10::BFloat16* p, Full) {
+  return (__m512bh)_mm512_loadu_si512(p);
 }
 VLLM_AVX512BF16 inline __m512bh load32bh(const c10::BFloat16* p, __mmask32 m) {
   return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
@@ -200,8 +248,7 @@ template <int MR, int NR>
 VLLM_AVX512BF16 void micro_avx512bf16(const c10::BFloat16* x, int64_t ldx,
                                       const c10::BFloat16* w, int64_t ldw, int64_t K,
                                       Prefetch pf, float* out) {
-  VLLM_MICRO_BODY(c10::BFloat16, __m512, __m512bh, 32, mask32, load32bh, dot32, hsum16bh,
-                  _mm512_setzero_ps())
+  VLLM_MICRO_BODY(__m512, __m512bh, 32, mask32, load32bh, dot32, hsum16bh, _mm512_setzero_ps())
 }
 #endif  // VLLM_LINEAR_X86
 
@@ -226,65 +273,99 @@ inline void micro(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t K,
 #endif
 }
 
-// Rows of x per tile: as many accumulators as the registers hold next to kNR weight vectors.
+// The tile shapes, sized to the register file (16 ymm on AVX2, 32 zmm on AVX512): one row of x
+// takes 8 weight rows at a time (8 accumulators + the x vector; the weights go straight from
+// memory into the FMAs); more rows take tiles of 4 rows of x by 3 weight rows on AVX2 (12
+// accumulators + 3 weight vectors + 1 x vector) and by 6 on AVX512 (24 + 6 + 1), so every
+// weight vector loaded feeds 4 rows and every x vector 3 or 6 weight rows.
+struct Shape {
+  int mr, nr;
+};
 template <Isa ISA>
-constexpr int kMR = (ISA == kAvx512 || ISA == kAvx512Bf16) ? 4 : 2;
+constexpr Shape kOneRow{1, 8};
+template <Isa ISA>
+constexpr Shape kRows{4, (ISA == kAvx512 || ISA == kAvx512Bf16) ? 6 : (ISA == kAvx2 ? 3 : 4)};
 
-template <Isa ISA, int NR, typename TX, typename T>
+template <Isa ISA, int MR, int NR, typename TX, typename T>
 inline void tile(int64_t mr, const TX* x, int64_t ldx, const T* w, int64_t ldw, int64_t K,
                  Prefetch pf, float* out) {
-  static_assert(kMR<ISA> == 2 || kMR<ISA> == 4);
+  static_assert(MR >= 1 && MR <= 4);
   switch (mr) {
     case 1:
       return micro<ISA, 1, NR>(x, ldx, w, ldw, K, pf, out);
     case 2:
-      return micro<ISA, 2, NR>(x, ldx, w, ldw, K, pf, out);
+      if constexpr (MR >= 2) return micro<ISA, 2, NR>(x, ldx, w, ldw, K, pf, out);
+      break;
     case 3:
-      if constexpr (kMR<ISA> >= 3) return micro<ISA, 3, NR>(x, ldx, w, ldw, K, pf, out);
+      if constexpr (MR >= 3) return micro<ISA, 3, NR>(x, ldx, w, ldw, K, pf, out);
       break;
     case 4:
-      if constexpr (kMR<ISA> >= 4) return micro<ISA, 4, NR>(x, ldx, w, ldw, K, pf, out);
+      if constexpr (MR >= 4) return micro<ISA, 4, NR>(x, ldx, w, ldw, K, pf, out);
       break;
   }
 }
 
-// Output columns [n0, n1) of all M rows.
-template <Isa ISA, typename TX, typename T>
+template <Isa ISA, typename T>
+inline void widen(const T* src, float* dst, int64_t K) {
+#ifdef VLLM_LINEAR_X86
+  if constexpr (ISA != kPortable && std::is_same_v<T, c10::BFloat16>)  // AVX512 CPUs have AVX2
+    return widen_avx2(src, dst, K);
+#endif
+  for (int64_t k = 0; k < K; ++k) dst[k] = to_f(src[k]);
+}
+
+// Output columns [n0, n1) of all M rows, in blocks of NR weight rows, tiles of MR rows of x.
+template <Isa ISA, int MR, int NR, typename TX, typename T>
 void run_columns(const TX* xp, int64_t ldx, int64_t M, const T* wp, int64_t ldw, int64_t K,
                  const T* bp, T* yp, int64_t ldy, int64_t n0, int64_t n1) {
-  constexpr int MR = kMR<ISA>;
   constexpr int64_t kStep = ISA == kAvx512Bf16 && !std::is_same_v<TX, float> ? 32
                             : ISA == kAvx512 || ISA == kAvx512Bf16          ? 16
                                                                             : 8;
-  const int64_t tiles = (M + MR - 1) / MR, steps = std::max<int64_t>(1, (K + kStep - 1) / kStep);
-  const int64_t block_bytes = kNR * K * static_cast<int64_t>(sizeof(T));
-  float acc[MR * kNR];
-  for (int64_t n = n0; n < n1; n += kNR) {
-    const int64_t nr = std::min(kNR, n1 - n);
+  const int64_t tiles = (M + MR - 1) / MR, steps = std::max<int64_t>(1, K / kStep);
+  const int64_t block_bytes = NR * K * static_cast<int64_t>(sizeof(T));
+  float acc[MR * NR];
+  // bf16 weights multiplied in fp32 by more than one tile: the block is widened into an fp32
+  // copy (in L1) once, not once per tile in registers.
+  float* wide = nullptr;
+  if constexpr (std::is_same_v<TX, float> && !std::is_same_v<T, float>) {
+    thread_local std::vector<float> buf;
+    if (tiles > 1) {
+      buf.resize(static_cast<size_t>(NR * K));
+      wide = buf.data();
+    }
+  }
+  for (int64_t n = n0; n < n1; n += NR) {
+    const int64_t nr = std::min<int64_t>(NR, n1 - n);
     for (int64_t m = 0; m < M; m += MR) {
       const int64_t mr = std::min<int64_t>(MR, M - m);
       const TX* x = xp + m * ldx;
-      if (nr == kNR) {
+      if (nr == NR) {
         // The tiles pull the next block (contiguous rows) in as one sequential stream, each a
-        // share of it, while this one is multiplied: kNR interleaved row streams alone reach
+        // share of it, while this one is multiplied: NR interleaved row streams alone reach
         // about half the bandwidth of one sequential read.
         Prefetch pf;
-        if (ldw == K && n + 2 * kNR <= n1) {
+        if (ldw == K && n + 2 * NR <= n1) {
           const int64_t tile_no = m / MR, share = (block_bytes + tiles - 1) / tiles;
-          pf.p = reinterpret_cast<const char*>(wp + (n + kNR) * ldw) + tile_no * share;
+          pf.p = reinterpret_cast<const char*>(wp + (n + NR) * ldw) + tile_no * share;
           pf.step = ((share + steps - 1) / steps + 63) / 64 * 64;
         }
-        tile<ISA, kNR>(mr, x, ldx, wp + n * ldw, ldw, K, pf, acc);
+        if (wide != nullptr) {
+          if (m == 0)  // widened once for all the tiles (exact: the same fp32 values)
+            for (int64_t j = 0; j < NR; ++j) widen<ISA>(wp + (n + j) * ldw, wide + j * K, K);
+          tile<ISA, MR, NR>(mr, x, ldx, wide, K, K, pf, acc);
+        } else {
+          tile<ISA, MR, NR>(mr, x, ldx, wp + n * ldw, ldw, K, pf, acc);
+        }
       } else {
         for (int64_t j = 0; j < nr; ++j) {  // the last rows of N: one at a time
           float one[MR];
-          tile<ISA, 1>(mr, x, ldx, wp + (n + j) * ldw, ldw, K, Prefetch{}, one);
-          for (int64_t i = 0; i < mr; ++i) acc[i * kNR + j] = one[i];
+          tile<ISA, MR, 1>(mr, x, ldx, wp + (n + j) * ldw, ldw, K, Prefetch{}, one);
+          for (int64_t i = 0; i < mr; ++i) acc[i * NR + j] = one[i];
         }
       }
       for (int64_t i = 0; i < mr; ++i)
         for (int64_t j = 0; j < nr; ++j) {
-          float v = acc[i * kNR + j];
+          float v = acc[i * NR + j];
           if (bp) v += to_f(bp[n + j]);
           yp[(m + i) * ldy + n + j] = static_cast<T>(v);
         }
@@ -292,32 +373,45 @@ void run_columns(const TX* xp, int64_t ldx, int64_t M, const T* wp, int64_t ldw,
   }
 }
 
-template <typename TX, typename T>
-void run_isa(Isa isa, const TX* xp, int64_t ldx, int64_t M, const T* wp, int64_t ldw, int64_t K,
-             int64_t N, const T* bp, T* yp, int64_t ldy) {
-  const int64_t blocks = (N + kNR - 1) / kNR;
+template <Isa ISA, int MR, int NR, typename TX, typename T>
+void run_split(const TX* xp, int64_t ldx, int64_t M, const T* wp, int64_t ldw, int64_t K,
+               int64_t N, const T* bp, T* yp, int64_t ldy) {
+  const int64_t blocks = (N + NR - 1) / NR;
   // Split over threads only when each gets a sizeable share of the weight (about 1 MB): a
   // parallel region costs more than a small layer's whole product when the other cores are
   // busy. The split never changes a result (each output element is computed whole by one
   // thread, the same way).
-  const int64_t bytes_per_block = kNR * K * static_cast<int64_t>(sizeof(T));
+  const int64_t bytes_per_block = NR * K * static_cast<int64_t>(sizeof(T));
   const int64_t grain =
       std::max<int64_t>(1, (int64_t{1} << 20) / std::max<int64_t>(bytes_per_block, 1));
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    const int64_t n0 = b0 * kNR, n1 = std::min(N, b1 * kNR);
-    switch (isa) {
-      case kAvx512Bf16:
-        if constexpr (std::is_same_v<TX, T>)
-          return run_columns<kAvx512Bf16>(xp, ldx, M, wp, ldw, K, bp, yp, ldy, n0, n1);
-        [[fallthrough]];  // fp32 inputs: the avx512 path
-      case kAvx512:
-        return run_columns<kAvx512>(xp, ldx, M, wp, ldw, K, bp, yp, ldy, n0, n1);
-      case kAvx2:
-        return run_columns<kAvx2>(xp, ldx, M, wp, ldw, K, bp, yp, ldy, n0, n1);
-      default:
-        return run_columns<kPortable>(xp, ldx, M, wp, ldw, K, bp, yp, ldy, n0, n1);
-    }
+    run_columns<ISA, MR, NR>(xp, ldx, M, wp, ldw, K, bp, yp, ldy, b0 * NR, std::min(N, b1 * NR));
   });
+}
+
+template <Isa ISA, typename TX, typename T>
+void run_shape(const TX* xp, int64_t ldx, int64_t M, const T* wp, int64_t ldw, int64_t K,
+               int64_t N, const T* bp, T* yp, int64_t ldy) {
+  constexpr Shape one = kOneRow<ISA>, rows = kRows<ISA>;
+  if (M == 1) return run_split<ISA, one.mr, one.nr>(xp, ldx, M, wp, ldw, K, N, bp, yp, ldy);
+  run_split<ISA, rows.mr, rows.nr>(xp, ldx, M, wp, ldw, K, N, bp, yp, ldy);
+}
+
+template <typename TX, typename T>
+void run_isa(Isa isa, const TX* xp, int64_t ldx, int64_t M, const T* wp, int64_t ldw, int64_t K,
+             int64_t N, const T* bp, T* yp, int64_t ldy) {
+  switch (isa) {
+    case kAvx512Bf16:
+      if constexpr (std::is_same_v<TX, T>)
+        return run_shape<kAvx512Bf16>(xp, ldx, M, wp, ldw, K, N, bp, yp, ldy);
+      [[fallthrough]];  // fp32 inputs: the avx512 path
+    case kAvx512:
+      return run_shape<kAvx512>(xp, ldx, M, wp, ldw, K, N, bp, yp, ldy);
+    case kAvx2:
+      return run_shape<kAvx2>(xp, ldx, M, wp, ldw, K, N, bp, yp, ldy);
+    default:
+      return run_shape<kPortable>(xp, ldx, M, wp, ldw, K, N, bp, yp, ldy);
+  }
 }
 
 template <typename T>
@@ -331,9 +425,12 @@ void run_linear(Isa isa, const at::Tensor& x, const at::Tensor& w, const at::Ten
   T* yp = y.mutable_data_ptr<T>();
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (isa != kAvx512Bf16) {
-      // The paths that multiply in fp32 widen the (few KB of) input rows once, not once per
-      // weight block; widening is exact, so the result is the same as widening in registers.
-      std::vector<float> xf(static_cast<size_t>(M * K));
+      // The paths that multiply in fp32 widen the (few KB of) input rows once per call - once
+      // per activation, as the fused QKV / gate-up projections each take their input in one
+      // call - not once per weight block or tile, into a buffer the calling thread keeps;
+      // widening is exact, so the result is the same as widening in registers.
+      thread_local std::vector<float> xf;
+      xf.resize(static_cast<size_t>(M * K));
       for (int64_t m = 0; m < M; ++m)
         for (int64_t k = 0; k < K; ++k) xf[m * K + k] = static_cast<float>(xp[m * ldx + k]);
       return run_isa<float, T>(isa, xf.data(), K, M, wp, ldw, K, N, bp, yp, ldy);

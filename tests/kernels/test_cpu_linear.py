@@ -6,6 +6,7 @@ linear() dispatch that the linear layers and the LM head use."""
 from __future__ import annotations
 
 import os
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -50,10 +51,13 @@ def isa(request, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_small_m_matches_reference(isa, dtype, bias):
-    """M = 1..17 (tiles and their remainders), N and K off the vector widths (tails of N
-    blocks, masked K tails: 8, 16 and 32 lanes), against an fp64 product."""
-    for n, k in [(13, 37), (64, 576), (4, 8), (7, 33), (9, 100)]:
-        for m in range(1, 18):
+    """M = 1..33 (the one-row tile, the 4-row tiles and their remainders, several passes over
+    a weight block), N off every tile width (blocks of 3, 6 and 8 weight rows and their
+    leftover rows) and K off the vector widths (masked K tails: 8, 16 and 32 lanes; K shorter
+    than one vector), against an fp64 product."""
+    shapes = [(13, 37), (64, 576), (4, 8), (7, 33), (9, 100), (23, 5), (1, 71), (47, 129)]
+    for n, k in shapes:
+        for m in range(1, 34):
             g = torch.Generator().manual_seed(m * 1000 + n + k)
             x = torch.randn(m, k, generator=g).to(dtype)
             w = torch.randn(n, k, generator=g).to(dtype)
@@ -74,6 +78,26 @@ def test_linear_small_m_strided_operands(isa, dtype):
     assert w.stride(0) != w.shape[1] and x.stride(0) != x.shape[1]
     got = ops.linear_small_m(x, w, None)
     torch.testing.assert_close(got.double(), _ref(x, w, None), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_alone_equals_the_row_among_2_to_32_rows(isa, dtype):
+    """Bit for bit, a row computed alone (the one-row tile) equals the same row at the first,
+    a middle and the last position of every batch of 2..32 rows (4-row tiles and their
+    remainders; bf16 weights widened per block once several tiles share it), with odd N and
+    K (leftover weight rows, masked K tail) and a bias."""
+    g = torch.Generator().manual_seed(7)
+    n, k = 103, 301
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    row = torch.randn(1, k, generator=g).to(dtype)
+    alone = ops.linear_small_m(row, w, b)
+    for m in range(2, 33):
+        for at in sorted({0, m // 2, m - 1}):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            x[at] = row[0]
+            got = ops.linear_small_m(x, w, b)
+            assert torch.equal(got[at : at + 1], alone), (m, at)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -238,3 +262,41 @@ def test_prefill_gemm_route_not_for_the_dtype_is_a_value_error(monkeypatch, clea
     monkeypatch.setenv("VLLM_CPU_PREFILL_GEMM", "fp32")
     with pytest.raises(ValueError, match="VLLM_CPU_PREFILL_GEMM"):
         linear_mod.linear(torch.randn(4, 8), torch.randn(3, 8))
+
+
+@pytest.mark.slow
+def test_avx512_paths_compile_with_explicit_isa_flags(tmp_path):
+    """The AVX512F and AVX512-BF16 paths, which an AVX2-only CPU cannot run, compile to
+    machine code with the instruction sets switched on by -m flags (not only through the
+    target attributes of the normal build): linear.cpp alone to an object file, whose
+    micro-kernels hold 512-bit FMAs and vdpbf16ps."""
+    import shutil
+    import subprocess
+
+    from torch.utils.cpp_extension import include_paths
+
+    cxx, objdump = shutil.which("g++"), shutil.which("objdump")
+    if cxx is None or objdump is None:
+        pytest.skip("needs g++ and objdump")
+    obj = tmp_path / "linear_avx512.o"
+    flags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2", "-mfma"]
+    cmd = [cxx, "-std=c++17", "-O2", "-fopenmp", "-c", *flags]
+    cmd += [f"-I{p}" for p in include_paths()]
+    cmd += [str(ops.CSRC / "linear.cpp"), "-o", str(obj)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    asm = subprocess.run(
+        [objdump, "-d", "-C", "--no-show-raw-insn", str(obj)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    bodies: dict[str, str] = {}
+    for chunk in asm.split("\n\n"):
+        head = chunk.strip().split("\n", 1)[0]
+        for name in ("micro_avx512bf16<4, 6>", "micro_avx512<4, 6, float, float>"):
+            if name in head and head.endswith(">:"):
+                bodies[name] = chunk
+    assert set(bodies) == {"micro_avx512bf16<4, 6>", "micro_avx512<4, 6, float, float>"}
+    assert "vdpbf16ps" in bodies["micro_avx512bf16<4, 6>"]
+    assert re.search(r"vfmadd\d+ps\s+%zmm", bodies["micro_avx512<4, 6, float, float>"])
