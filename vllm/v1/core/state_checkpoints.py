@@ -74,9 +74,13 @@ class StateCheckpointPool:
         """The checkpoint a request starting after num_hit_blocks cached blocks restores."""
         if num_hit_blocks == 0:
             return -1
-        ckpt = self.readable(hashes[num_hit_blocks - 1])
-        assert ckpt is not None, "limit_hit() chose a block without a checkpoint"
-        self._by_hash.move_to_end(hashes[num_hit_blocks - 1])
+        return self.restore_key(hashes[num_hit_blocks - 1])
+
+    def restore_key(self, key: BlockHash) -> int:
+        """The checkpoint under a block hash (or a prompt tail's key) a request resumes from."""
+        ckpt = self.readable(key)
+        assert ckpt is not None, "a hit chosen at a point without a readable checkpoint"
+        self._by_hash.move_to_end(key)
         self.num_restored += 1
         return ckpt
 
@@ -119,6 +123,19 @@ class StateCheckpointPool:
             self._register(ckpt, h)
         else:
             self._pending.setdefault(request_id, {})[idx] = ckpt
+        return ckpt
+
+    def save_key(self, key: BlockHash) -> int | None:
+        """A checkpoint id for the state at the end of a prompt tail (prompt_tails.py),
+        registered under its key at once (its KV is registered in the same step)."""
+        if key in self._by_hash:
+            return None
+        ckpt = self._take()
+        if ckpt is None:
+            return None
+        self._saved_step[ckpt] = self.step
+        self.num_saved += 1
+        self._register(ckpt, key)
         return ckpt
 
     def on_blocks_cached(self, request_id: str, hashes: list[BlockHash], num_cached: int) -> None:
