@@ -150,3 +150,33 @@ def test_pp2_mtp(request, turn1, model):
         _two_turns(llm, turn1, 44)
     finally:
         llm.shutdown()
+
+
+def test_ray_pp2_mtp(qwen3_5_near_self_draft_dir, turn1):
+    """Hybrid prefix caching under Ray (P = 2 stage actors, MTP): a hit on the block grid (a
+    41-token prompt again resumes at 40; with MTP its tail would end at 40, on the boundary,
+    so it has none) and the next turn at the prompt's tail (44), each equal to no caching."""
+    ray = pytest.importorskip("ray")
+    own_ray = not ray.is_initialized()
+    if own_ray:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        llm = LLM(
+            model=qwen3_5_near_self_draft_dir,
+            pipeline_parallel_size=2,
+            distributed_executor_backend="ray",
+            speculative_config=MTP,
+            **COMMON,
+        )
+        try:
+            assert type(llm.llm_engine.executor).__name__.startswith("Ray")
+            p = make_prompts(512, [41], seed=15)[0]
+            first, again = _gen(llm, [p], GREEDY)[0], _gen(llm, [p], GREEDY)[0]
+            assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 40)
+            _same(first.outputs[0], again.outputs[0])
+            _two_turns(llm, turn1, 44)
+        finally:
+            llm.shutdown()
+    finally:
+        if own_ray:
+            ray.shutdown()
