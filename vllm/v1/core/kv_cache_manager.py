@@ -254,12 +254,18 @@ class KVCacheManager:
         <= start is one the last step passed on drafts accepted since: the workers copy it from
         the states that step kept. With prompt tails, the step computing the end of the
         prompt (less the lookahead tokens a draft's KV there needs) caches its tail."""
-        known = min(end, request.num_tokens)
-        tail = None
-        if self.tails is not None:
+        out = self._plan_block_checkpoints(request, start, end)
+        if self.tails is not None:  # after the block boundaries: they come first
             p = request.num_prompt_tokens - self._extra
-            if p % self.block_size and start < p <= known:
+            if p % self.block_size and start < p <= min(end, request.num_tokens):
                 tail = self._register_tail(request, p)
+                if tail is not None:
+                    out = sorted([*out, tail])
+        return out
+
+    def _plan_block_checkpoints(
+        self, request: Request, start: int, end: int
+    ) -> list[tuple[int, int]]:
         if not self.checkpoints:
             return []
         hashes = self._block_hashes(request, min(end, request.num_tokens) // self.block_size)
@@ -272,8 +278,6 @@ class KVCacheManager:
             )
             if ckpt is not None:
                 out.append((p, ckpt))
-        if tail is not None:
-            out = sorted([*out, tail])
         return out
 
     def take_block_copies(self) -> list[tuple[int, int]]:
