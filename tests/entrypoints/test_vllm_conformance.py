@@ -386,6 +386,18 @@ def test_prompt_logprobs_equal_the_logprobs_of_generating_those_tokens(server, c
     assert r.status_code == 400 and "prompt_logprobs" in r.json()["error"]["message"]
 
 
+def test_logprobs_are_raw_by_default(client):
+    """vLLM's default logprobs_mode, raw_logprobs: the reported logprobs are the model's own,
+    before temperature (and the other controls), so the top logprobs of the first position
+    are the same at temperature 0.3 and 1.7 (processed_logprobs would scale them)."""
+    kw = dict(model=NAME, prompt=[318, 288, 10, 90, 311], max_tokens=1, logprobs=5, seed=3)
+    low = client.completions.create(temperature=0.3, **kw).choices[0].logprobs.top_logprobs[0]
+    high = client.completions.create(temperature=1.7, **kw).choices[0].logprobs.top_logprobs[0]
+    assert len(low) == 5 and low.keys() == high.keys()
+    for t in low:
+        assert low[t] == pytest.approx(high[t], abs=1e-4)
+
+
 def test_completions_echo(server, client, tok):
     prompt = "import heapq"
     plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0)
