@@ -11,7 +11,8 @@ hashes mean equal token prefixes (and equal cache salt). A full block whose KV i
 registered under its hash; a new request whose leading block hashes are registered starts with
 those blocks (shared, reference counted) instead of computing them. A freed block keeps its hash
 and stays reusable in an LRU until its memory is needed for another request. Hybrid models
-resume only after a block whose linear-attention states were checkpointed (state_checkpoints).
+resume only after a block whose linear-attention states were checkpointed (state_checkpoints),
+or after a cached prompt tail (prompt_tails.py: a partial last block, copied on write).
 """
 
 from __future__ import annotations
