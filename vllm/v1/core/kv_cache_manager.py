@@ -390,6 +390,7 @@ class KVCacheManager:
         if blocks:
             self.pool.give_back(blocks[::-1])
         self.checkpoints.free_request(request.request_id)
+        self._tail_hits.pop(request.request_id, None)
         slot = self.req_to_state_slot.pop(request.request_id, None)
         if slot is not None:
             self._free_state_slots.appendleft(slot)
