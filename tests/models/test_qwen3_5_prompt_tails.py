@@ -79,6 +79,17 @@ def test_next_turn_resumes_at_the_prompt_end(request, turn1, model, mtp):
 
 
 def test_off_resumes_at_the_block_boundary(qwen3_5_dir, turn1):
+    """mamba_cache_prompt_tail=False (--no-mamba-cache-prompt-tail): the block grid only."""
+    import argparse
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    ns = EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(
+        ["--no-mamba-cache-prompt-tail"]
+    )
+    assert EngineArgs.from_cli_args(ns).mamba_cache_prompt_tail is False
+    with pytest.raises(ValueError, match="mamba_cache_prompt_tail must be a bool"):
+        LLM(model=qwen3_5_dir, mamba_cache_prompt_tail="no", **COMMON)
     llm = LLM(model=qwen3_5_dir, mamba_cache_prompt_tail=False, **COMMON)
     try:
         _two_turns(llm, turn1, 40)
