@@ -137,9 +137,12 @@ def test_eviction_forgets_the_tail_and_its_checkpoint():
 
 
 def test_attention_only_tails():
-    """Without linear-attention states (no checkpoint needed) the manager caches tails too."""
+    """Without linear-attention states (no checkpoint needed) the manager caches tails too
+    (not switched on for attention-only models, which keep vLLM's full-block hits), never in
+    the step that computes the tail (the copy runs before that step's forward writes it)."""
     kvm = _manager(slots=0, ckpts=0)
     a = _req("a", A)
     _prefill(kvm, a)
+    assert kvm.get_computed_blocks(_req("s", A + [5]))[1] == 8  # same step: full blocks only
     n_hit, _, copies, ckpt = _prefill(kvm, _req("t", A + [5, 6]))
     assert (n_hit, ckpt) == (10, -1) and len(copies) == 1
