@@ -10,6 +10,14 @@ second leaves a checkpoint where the shared prefix ends), then timed alone:
 Outputs (greedy) are checked equal between on and off.
 
     python benchmarks/hybrid_prefix_cache.py --prefix-len 1536 --tail-len 24 --repeats 3
+
+--multi-turn: chats whose turns are shorter than a block, with and without the prompt-tail
+cache (mamba_cache_prompt_tail): each session starts from its own system prefix; every turn's
+prompt is the previous prompt + the previous answer + a new user message. Hit rate (cached /
+prompt tokens over turns 2..T) and the median TTFT of those turns, both engines interleaved by
+session, outputs checked equal.
+
+    python benchmarks/hybrid_prefix_cache.py --multi-turn --prefix-len 512 --repeats 3
 """
 
 from __future__ import annotations
@@ -61,8 +69,84 @@ def ttft(llm, prompt: list[int], output_len: int) -> tuple[float, list[int], int
     return first, list(out.outputs[0].token_ids), out.num_cached_tokens
 
 
+def multi_turn(args, model: str, vocab: int, common: dict) -> None:
+    from vllm import LLM
+
+    g = torch.Generator().manual_seed(1)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(1, vocab, (n,), generator=g).tolist()
+
+    sessions = [
+        (rand(args.prefix_len), [rand(args.user_len) for _ in range(args.turns)])
+        for _ in range(args.sessions)
+    ]
+    print(
+        f"multi-turn: {args.sessions} sessions x {args.turns} turns; system prefix "
+        f"{args.prefix_len}, user messages {args.user_len}, answers {args.output_len} tokens "
+        f"(a turn adds {args.user_len + args.output_len} < block {args.block_size})"
+    )
+    llms = {
+        "no tail": LLM(mamba_cache_prompt_tail=False, **common),
+        "tail": LLM(**common),
+    }
+    times: dict[str, list[float]] = {n: [] for n in llms}
+    hit: dict[str, list[int]] = {n: [0, 0] for n in llms}  # cached, prompt tokens (turns 2..)
+    pairs: list[float] = []  # per turn: TTFT without / with, run back to back
+    try:
+        for llm in llms.values():  # warm-up: first-request costs out of the timings
+            for n in (args.prefix_len, args.user_len + 1):
+                ttft(llm, rand(n), args.output_len)
+        for rep in range(args.repeats):
+            for llm in llms.values():
+                if not llm.reset_prefix_cache():
+                    raise RuntimeError("the prefix cache could not be reset")
+            for si, (system, users) in enumerate(sessions):
+                prompt: list[int] = list(system)
+                for ti, user in enumerate(users):
+                    prompt = prompt + user
+                    # Turn by turn, both engines back to back, the order alternating.
+                    order = list(llms) if (rep + si + ti) % 2 == 0 else list(llms)[::-1]
+                    got = {}
+                    for name in order:
+                        t, toks, n_cached = ttft(llms[name], prompt, args.output_len)
+                        got[name] = toks
+                        if ti > 0:
+                            times[name].append(t)
+                            hit[name][0] += n_cached
+                            hit[name][1] += len(prompt)
+                    assert got["tail"] == got["no tail"], "outputs differ"
+                    if ti > 0:
+                        pairs.append(times["no tail"][-1] / times["tail"][-1])
+                    prompt = prompt + got["tail"]
+                print(
+                    f"repeat {rep} session {si}: "
+                    + ", ".join(f"{n} {statistics.median(times[n]) * 1e3:.1f} ms" for n in llms)
+                )
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    print("| prompt-tail cache | cached / prompt tokens (turns 2..) | hit rate | TTFT (ms) |")
+    print("|---|---|---|---|")
+    for name in llms:
+        c, n = hit[name]
+        print(
+            f"| {'on' if name == 'tail' else 'off'} | {c} / {n} | {c / n:.1%} | "
+            f"{statistics.median(times[name]) * 1e3:.1f} |"
+        )
+    ratio = statistics.median(times["no tail"]) / statistics.median(times["tail"])
+    print(
+        f"TTFT speed-up of the prompt-tail cache (without / with): {ratio:.2f}x of the "
+        f"medians, {statistics.median(pairs):.2f}x median of the per-turn pairs"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--multi-turn", action="store_true")
+    ap.add_argument("--sessions", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--user-len", type=int, default=7)
     ap.add_argument("--prefix-len", type=int, default=1536)
     ap.add_argument("--tail-len", type=int, default=24)
     ap.add_argument("--output-len", type=int, default=4)
@@ -75,6 +159,8 @@ def main() -> None:
     from vllm import LLM
 
     max_len = args.prefix_len + args.tail_len + args.output_len + 64
+    if args.multi_turn:
+        max_len = args.prefix_len + args.turns * (args.user_len + args.output_len) + 64
     tmp = tempfile.TemporaryDirectory()
     model = build_model(Path(tmp.name), args.hidden, args.layers, max_len)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
@@ -91,6 +177,16 @@ def main() -> None:
         max_num_seqs=4,
     )
     print(f"CPU: {cpu_flags()}; torch threads {torch.get_num_threads()}")
+    if args.multi_turn:
+        print(
+            f"model: Qwen3.5 hidden {args.hidden}, {args.layers} layers (3:1 linear:full), "
+            f"block {args.block_size}"
+        )
+        try:
+            multi_turn(args, model, vocab, common)
+        finally:
+            tmp.cleanup()
+        return
     print(
         f"model: Qwen3.5 hidden {args.hidden}, {args.layers} layers (3:1 linear:full); prefix "
         f"{args.prefix_len} + tail {args.tail_len} tokens, block {args.block_size}"

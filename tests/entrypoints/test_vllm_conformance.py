@@ -386,6 +386,36 @@ def test_prompt_logprobs_equal_the_logprobs_of_generating_those_tokens(server, c
     assert r.status_code == 400 and "prompt_logprobs" in r.json()["error"]["message"]
 
 
+def test_logprobs_are_raw_by_default(client):
+    """vLLM's default logprobs_mode, raw_logprobs: the reported logprobs are the model's own,
+    before temperature (and the other controls), so the top logprobs of the first position
+    are the same at temperature 0.3 and 1.7 (processed_logprobs would scale them)."""
+    kw = dict(model=NAME, prompt=[318, 288, 10, 90, 311], max_tokens=1, logprobs=5, seed=3)
+    low = client.completions.create(temperature=0.3, **kw).choices[0].logprobs.top_logprobs[0]
+    high = client.completions.create(temperature=1.7, **kw).choices[0].logprobs.top_logprobs[0]
+    assert len(low) == 5 and low.keys() == high.keys()
+    for t in low:
+        assert low[t] == pytest.approx(high[t], abs=1e-4)
+
+
+def test_json_allows_whitespace_by_default(client, tok):
+    """As vLLM (xgrammar): a JSON schema allows free whitespace between tokens unless the
+    request (or the server's --structured-outputs-config) sets disable_any_whitespace. A
+    logit bias toward a space makes the model write spaces where the grammar lets it."""
+    space = tok.encode(" ", add_special_tokens=False)
+    assert len(space) == 1
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    kw = dict(model=NAME, prompt="x", max_tokens=6, temperature=0, logit_bias={space[0]: 100})
+
+    def text(**so) -> str:
+        body = {"structured_outputs": {"json": schema, **so}}
+        return client.completions.create(extra_body=body, **kw).choices[0].text
+
+    free, tight = text(), text(disable_any_whitespace=True)
+    assert free.startswith("{ ") and free.strip(" ") == "{", free
+    assert tight.startswith('{"a":'), tight
+
+
 def test_completions_echo(server, client, tok):
     prompt = "import heapq"
     plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0)

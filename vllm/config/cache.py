@@ -27,6 +27,12 @@ class CacheConfig:
     of a prompt, of each prefill chunk, each boundary a decode crosses) plus the end of the
     cached run a request started from (where requests sharing a prefix diverge); "all": every
     boundary a step passes; "none": no checkpoints (prefix caching is then off for hybrids)."""
+    mamba_cache_prompt_tail: bool = True
+    """Hybrid models with prefix caching (beyond vLLM): also cache the end of every prompt that
+    does not end on a block boundary - its partial last KV block and the linear-attention
+    states there - so a prompt extending a whole earlier one (the next turn of a chat) resumes
+    at that prompt's end rather than at the last block boundary before it. A request resuming
+    there gets its own copy of the partial block (copy-on-write)."""
     mamba_num_checkpoints: int | None = None
     """Hybrid models: how many linear-attention state checkpoints each stage keeps (least
     recently used evicted first; each holds the states of all of the stage's linear-attention
@@ -64,6 +70,10 @@ class CacheConfig:
             raise ValueError(
                 "mamba_num_checkpoints must be a positive integer, got "
                 f"{self.mamba_num_checkpoints!r}"
+            )
+        if not isinstance(self.mamba_cache_prompt_tail, bool):
+            raise ValueError(
+                f"mamba_cache_prompt_tail must be a bool, got {self.mamba_cache_prompt_tail!r}"
             )
         if not (self.enable_prefix_caching is None or isinstance(self.enable_prefix_caching, bool)):
             raise ValueError(

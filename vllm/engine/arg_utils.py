@@ -80,6 +80,7 @@ class EngineArgs:
     enable_prefix_caching: bool | None = CacheConfig.enable_prefix_caching
     mamba_cache_mode: str = CacheConfig.mamba_cache_mode
     mamba_num_checkpoints: int | None = CacheConfig.mamba_num_checkpoints
+    mamba_cache_prompt_tail: bool = CacheConfig.mamba_cache_prompt_tail
     pipeline_parallel_size: int = ParallelConfig.pipeline_parallel_size
     tensor_parallel_size: int = ParallelConfig.tensor_parallel_size
     distributed_executor_backend: DistributedExecutorBackend | None = (
@@ -194,6 +195,7 @@ class EngineArgs:
                 enable_prefix_caching=self.enable_prefix_caching,
                 mamba_cache_mode=self.mamba_cache_mode,
                 mamba_num_checkpoints=self.mamba_num_checkpoints,
+                mamba_cache_prompt_tail=self.mamba_cache_prompt_tail,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

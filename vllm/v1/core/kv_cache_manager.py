@@ -11,16 +11,18 @@ hashes mean equal token prefixes (and equal cache salt). A full block whose KV i
 registered under its hash; a new request whose leading block hashes are registered starts with
 those blocks (shared, reference counted) instead of computing them. A freed block keeps its hash
 and stays reusable in an LRU until its memory is needed for another request. Hybrid models
-resume only after a block whose linear-attention states were checkpointed (state_checkpoints).
+resume only after a block whose linear-attention states were checkpointed (state_checkpoints),
+or after a cached prompt tail (prompt_tails.py: a partial last block, copied on write).
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections import deque
 
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.prompt_tails import PromptTails, TailHit, tail_key
 from vllm.v1.core.state_checkpoints import StateCheckpointPool
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request
@@ -63,100 +65,6 @@ def block_mm_keys(request: Request, start: int, end: int) -> bytes:
     return b"|mm|" + b"|".join(keys) if keys else b""
 
 
-class BlockPool:
-    """KV block ids with reference counts.
-
-    Free blocks live in two queues: never-cached ones (taken first), and blocks that still hold
-    a registered prefix, in LRU order (evicted oldest first, and only when nothing else is
-    free)."""
-
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
-        self._cached_free: OrderedDict[int, None] = OrderedDict()
-        self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[BlockHash | None] = [None] * num_blocks
-        self._hash_to_block: dict[BlockHash, int] = {}
-        # Called with the hash of every block whose cached prefix is forgotten (evicted).
-        self.on_uncache: Callable[[BlockHash], None] | None = None
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free) + len(self._cached_free)
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return len(self._hash_to_block)
-
-    def take(self, n: int) -> list[int]:
-        assert n <= self.num_free_blocks
-        out = []
-        for _ in range(n):
-            if self._free:
-                b = self._free.popleft()
-            else:
-                b, _ = self._cached_free.popitem(last=False)
-                self._uncache(b)
-            self.ref_cnt[b] = 1
-            out.append(b)
-        return out
-
-    def touch(self, blocks: list[int]) -> None:
-        """Take a reference on cached blocks a request starts with."""
-        for b in blocks:
-            if self.ref_cnt[b] == 0:
-                del self._cached_free[b]
-            self.ref_cnt[b] += 1
-
-    def give_back(self, blocks: list[int]) -> None:
-        """Drop one reference on each block; a block nobody holds becomes free. Pass a
-        request's blocks tail first: cached ones then leave the LRU tail first, keeping the
-        prefix (the part other requests share) longest."""
-        uncached = []
-        for b in blocks:
-            self.ref_cnt[b] -= 1
-            assert self.ref_cnt[b] >= 0, f"block {b} freed twice"
-            if self.ref_cnt[b] == 0:
-                if self.block_hash[b] is not None:
-                    self._cached_free[b] = None
-                else:
-                    uncached.append(b)
-        # Recently used memory is reused first.
-        self._free.extendleft(uncached)
-
-    def lookup(self, block_hash: BlockHash) -> int | None:
-        return self._hash_to_block.get(block_hash)
-
-    def cache(self, block: int, block_hash: BlockHash) -> None:
-        """Register a computed full block; a prefix already registered keeps its block (this
-        one stays private to its request and is freed uncached)."""
-        if self.block_hash[block] is None and block_hash not in self._hash_to_block:
-            self.block_hash[block] = block_hash
-            self._hash_to_block[block_hash] = block
-
-    def _uncache(self, block: int) -> None:
-        h = self.block_hash[block]
-        if h is not None:
-            del self._hash_to_block[h]
-            self.block_hash[block] = None
-            if self.on_uncache is not None:
-                self.on_uncache(h)
-
-    def reset_cache(self) -> bool:
-        """Forget every cached prefix; refused (False) while any block is in use, since those
-        blocks' KV may be reused by the requests holding them."""
-        if any(self.ref_cnt):
-            return False
-        for b in list(self._cached_free):
-            self._uncache(b)
-        self._free.extend(self._cached_free)
-        self._cached_free.clear()
-        return True
-
-    def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
-
-
 class KVCacheManager:
     def __init__(
         self,
@@ -167,9 +75,14 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
         num_state_checkpoints: int = 0,
         mamba_cache_mode: str = "align",
+        cache_prompt_tails: bool = False,
     ) -> None:
         """num_state_checkpoints: hybrid models' linear-attention state checkpoints (a hit
         must end at a checkpointed block boundary).
+
+        cache_prompt_tails: also cache the partial last block of each prompt (prompt_tails.py;
+        a hybrid model checkpoints its states there too), so a prompt extending a whole
+        earlier prompt resumes at its end.
 
         num_lookahead_tokens: a draft model writes KV into the same blocks, and its KV at a
         position is computed from up to that many tokens after it (1: the next token), so a
@@ -191,8 +104,19 @@ class KVCacheManager:
         self.checkpoints = StateCheckpointPool(
             num_state_checkpoints if enable_caching else 0, block_size, mamba_cache_mode
         )
-        if self.checkpoints:
-            self.pool.on_uncache = self.checkpoints.drop
+        ok = enable_caching and (self.checkpoints or not num_state_slots)
+        self.tails = PromptTails(block_size) if cache_prompt_tails and ok else None
+        # Per request: the tail its cache hit ends with (get_computed_blocks until the hit is
+        # taken), and the (source, destination) block copies of this step's tail hits.
+        self._tail_hits: dict[str, TailHit] = {}
+        self._block_copies: list[tuple[int, int]] = []
+        if self.checkpoints or self.tails is not None:
+            self.pool.on_uncache = self._forget
+
+    def _forget(self, key: BlockHash) -> None:
+        self.checkpoints.drop(key)
+        if self.tails is not None:
+            self.tails.forget(key)
 
     @property
     def num_blocks(self) -> int:
@@ -208,17 +132,17 @@ class KVCacheManager:
         return self.req_to_blocks.get(request_id, [])
 
     # ---- prefix caching ------------------------------------------------------------------
+    @staticmethod
+    def _root(request: Request) -> BlockHash:
+        lora = request.lora_request
+        return root_block_hash(request.cache_salt, None if lora is None else lora.cache_key)
+
     def _block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """The request's block hashes, extended (as far as its tokens allow) to num_blocks."""
         hashes = request.block_hashes
         tokens = request.all_token_ids
         B = self.block_size
-        lora = request.lora_request
-        parent = (
-            hashes[-1]
-            if hashes
-            else root_block_hash(request.cache_salt, None if lora is None else lora.cache_key)
-        )
+        parent = hashes[-1] if hashes else self._root(request)
         while len(hashes) < num_blocks:
             start = len(hashes) * B
             end = start + B + self._extra
@@ -233,7 +157,10 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest run of cached leading blocks of a request that has computed nothing yet,
         and its token count. The last token is always left to compute (its logits sample the
-        next token), so at most (num_tokens - 1) // block_size blocks hit."""
+        next token), so at most (num_tokens - 1) // block_size blocks hit. With prompt
+        tails, a hit may end inside a block: the last full blocks returned are followed by a
+        tail (copied into the request's next block by allocate_slots)."""
+        self._tail_hits.pop(request.request_id, None)
         if (
             not self.enable_caching
             or request.skip_reading_prefix_cache
@@ -253,21 +180,93 @@ class KVCacheManager:
             n = 0
             if self.checkpoints:
                 n = self.checkpoints.limit_hit(request.request_id, request.block_hashes, len(hits))
-            hits = hits[:n]
+        else:
+            n = len(hits)
+        if self.tails is not None:
+            tail = self._find_tail(request, n, len(hits))
+            if tail is not None:
+                self._tail_hits[request.request_id] = tail
+                return hits[: tail.num_blocks], tail.num_blocks * self.block_size + tail.num_tokens
+        hits = hits[:n]
         return hits, len(hits) * self.block_size
+
+    def _find_tail(self, request: Request, n_lo: int, n_hi: int) -> TailHit | None:
+        """A cached tail after n in [n_lo, n_hi] cached full blocks ending past n_lo blocks."""
+        assert self.tails is not None
+        hashes = request.block_hashes
+        parents = {n: hashes[n - 1] if n else self._root(request) for n in range(n_lo, n_hi + 1)}
+
+        def usable(key: BlockHash) -> bool:
+            return not self.num_state_slots or self.checkpoints.readable(key) is not None
+
+        found = self.tails.find(
+            request.all_token_ids,
+            parents,
+            self.checkpoints.step,
+            usable,
+            lambda start, end: block_mm_keys(request, start, end),
+        )
+        if found is None:
+            return None
+        n, t, key = found
+        block = self.pool.lookup_tail(key)
+        assert block is not None, "a registered tail without its block"
+        return TailHit(n, t, block, key)
+
+    def _register_tail(self, request: Request, p: int) -> tuple[int, int] | None:
+        """Cache the prompt's tail ending after p tokens (computed by the step being planned:
+        usable from the next one); a hybrid's checkpoint (p, id) of the state there."""
+        assert self.tails is not None
+        B, rid = self.block_size, request.request_id
+        n = p // B
+        hashes = self._block_hashes(request, n)
+        if len(hashes) < n:
+            return None
+        parent = hashes[n - 1] if n else self._root(request)
+        end = p + self._extra
+        toks = request.all_token_ids[n * B : end]
+        mm = block_mm_keys(request, n * B, end)
+        key = tail_key(parent, toks, mm)
+        if self.pool.lookup_tail(key) is not None:
+            return None
+        out = None
+        if self.num_state_slots:
+            ckpt = self.checkpoints.save_key(key)
+            if ckpt is None:
+                return None  # no checkpoint free this step
+            out = (p, ckpt)
+        self.tails.register(key, parent, toks, p - n * B, mm, self.checkpoints.step)
+        self.pool.cache_tail(self.req_to_blocks[rid][n], key)
+        return out
 
     def restore_checkpoint(self, request: Request, num_hit_tokens: int) -> int:
         """The state checkpoint a request starting after num_hit_tokens cached tokens resumes
         from (-1: none, it starts from scratch)."""
+        tail = self._tail_hits.pop(request.request_id, None)
         if not self.checkpoints:
             return -1
+        if tail is not None:
+            return self.checkpoints.restore_key(tail.key)
         return self.checkpoints.restore(request.block_hashes, num_hit_tokens // self.block_size)
 
     def plan_checkpoints(self, request: Request, start: int, end: int) -> list[tuple[int, int]]:
         """(boundary, checkpoint id) of the states a step computing tokens [start, end) of the
         request saves; only boundaries its known tokens reach (never after a draft). A boundary
         <= start is one the last step passed on drafts accepted since: the workers copy it from
-        the states that step kept."""
+        the states that step kept. With prompt tails, the step computing the end of the
+        prompt (less the lookahead tokens a draft's KV there needs) caches its tail."""
+        out = self._plan_block_checkpoints(request, start, end)
+        if self.tails is not None:  # after the block boundaries: they come first
+            p = request.num_prompt_tokens - self._extra
+            if p % self.block_size and start < p <= min(end, request.num_tokens):
+                tail = self._register_tail(request, p)
+                if tail is not None:
+                    out = sorted([*out, tail])
+        return out
+
+    def _plan_block_checkpoints(
+        self, request: Request, start: int, end: int
+    ) -> list[tuple[int, int]]:
         if not self.checkpoints:
             return []
         hashes = self._block_hashes(request, min(end, request.num_tokens) // self.block_size)
@@ -280,6 +279,11 @@ class KVCacheManager:
             )
             if ckpt is not None:
                 out.append((p, ckpt))
+        return out
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) KV block copies the workers make before the next step."""
+        out, self._block_copies = self._block_copies, []
         return out
 
     def record_prefix_cache_lookup(self, request: Request, num_hit_tokens: int) -> None:
@@ -339,11 +343,17 @@ class KVCacheManager:
         hits = new_computed_blocks or []
         rid = request.request_id
         blocks = self.req_to_blocks.setdefault(rid, [])
+        # A hit ending with a prompt tail: its block is copied into the first new one.
+        tail = self._tail_hits.get(rid) if not blocks else None
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        if tail is not None:
+            num_computed += tail.num_tokens
         total = num_computed + num_new_tokens + num_lookahead_tokens
         need = self.blocks_needed(total) - len(blocks) - len(hits)
-        # Cached blocks nobody holds leave the free pool when this request takes them.
-        num_free = self.pool.num_free_blocks - sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
+        # Cached blocks nobody holds leave the free pool when this request takes them (the
+        # tail's block too, until it is copied).
+        pinned = [*hits, tail.block] if tail is not None else hits
+        num_free = self.pool.num_free_blocks - sum(1 for b in pinned if self.pool.ref_cnt[b] == 0)
         needs_slot = self.num_state_slots and rid not in self.req_to_state_slot
         if need > num_free or (needs_slot and not self._free_state_slots):
             if not blocks:
@@ -355,7 +365,14 @@ class KVCacheManager:
             self.pool.touch(hits)
             blocks.extend(hits)
             self._num_cached_blocks[rid] = len(blocks)
+        if tail is not None:
+            self.pool.touch([tail.block])  # not evicted by the take below
         new = self.pool.take(need) if need > 0 else []
+        if tail is not None:
+            # Copy-on-write: the request writes after the tail into its own copy; the source
+            # may be written (or, once released here, reused) only after this step's copies.
+            self._block_copies.append((tail.block, new[0]))
+            self.pool.give_back([tail.block])
         blocks.extend(new)
         if self.enable_caching:
             self._cache_full_blocks(request, num_computed + num_new_tokens)
@@ -373,6 +390,7 @@ class KVCacheManager:
         if blocks:
             self.pool.give_back(blocks[::-1])
         self.checkpoints.free_request(request.request_id)
+        self._tail_hits.pop(request.request_id, None)
         slot = self.req_to_state_slot.pop(request.request_id, None)
         if slot is not None:
             self._free_state_slots.appendleft(slot)

@@ -33,6 +33,8 @@ class StateCheckpointPool:
         self._hash_of: list[BlockHash | None] = [None] * num_checkpoints
         # Schedule step in which each checkpoint was (last) saved: readable from the next one.
         self._saved_step = [0] * num_checkpoints
+        # Checkpoints at prompt tails (save_key): evicted before any at a block boundary.
+        self._is_tail = [False] * num_checkpoints
         self.step = 0
         # Saved checkpoints whose block hash is not known yet (it needs lookahead tokens):
         # request id -> {block index: checkpoint id}.
@@ -74,9 +76,13 @@ class StateCheckpointPool:
         """The checkpoint a request starting after num_hit_blocks cached blocks restores."""
         if num_hit_blocks == 0:
             return -1
-        ckpt = self.readable(hashes[num_hit_blocks - 1])
-        assert ckpt is not None, "limit_hit() chose a block without a checkpoint"
-        self._by_hash.move_to_end(hashes[num_hit_blocks - 1])
+        return self.restore_key(hashes[num_hit_blocks - 1])
+
+    def restore_key(self, key: BlockHash) -> int:
+        """The checkpoint under a block hash (or a prompt tail's key) a request resumes from."""
+        ckpt = self.readable(key)
+        assert ckpt is not None, "a hit chosen at a point without a readable checkpoint"
+        self._by_hash.move_to_end(key)
         self.num_restored += 1
         return ckpt
 
@@ -121,6 +127,20 @@ class StateCheckpointPool:
             self._pending.setdefault(request_id, {})[idx] = ckpt
         return ckpt
 
+    def save_key(self, key: BlockHash) -> int | None:
+        """A checkpoint id for the state at the end of a prompt tail (prompt_tails.py),
+        registered under its key at once (its KV is registered in the same step)."""
+        if key in self._by_hash:
+            return None
+        ckpt = self._take()
+        if ckpt is None:
+            return None
+        self._saved_step[ckpt] = self.step
+        self.num_saved += 1
+        self._register(ckpt, key)
+        self._is_tail[ckpt] = True
+        return ckpt
+
     def on_blocks_cached(self, request_id: str, hashes: list[BlockHash], num_cached: int) -> None:
         """The request's first num_cached blocks are now registered: so are their pending
         checkpoints."""
@@ -152,12 +172,21 @@ class StateCheckpointPool:
         self._hash_of[ckpt] = h
 
     def _take(self) -> int | None:
+        ckpt = self._take_any()
+        if ckpt is not None:
+            self._is_tail[ckpt] = False
+        return ckpt
+
+    def _take_any(self) -> int | None:
         if self._free:
             return self._free.popleft()
-        # Never one saved in this step: two saves of one id in a forward would race.
-        for h, ckpt in self._by_hash.items():
-            if self._saved_step[ckpt] < self.step:
-                del self._by_hash[h]
-                self._hash_of[ckpt] = None
-                return ckpt
+        # Never one saved in this step: two saves of one id in a forward would race. The
+        # least recently used prompt tail first (it serves only prompts extending that whole
+        # prompt), then the least recently used block boundary.
+        for tails_only in (True, False):
+            for h, ckpt in self._by_hash.items():
+                if self._saved_step[ckpt] < self.step and (self._is_tail[ckpt] or not tails_only):
+                    del self._by_hash[h]
+                    self._hash_of[ckpt] = None
+                    return ckpt
         return None  # all in use by this step or by requests whose blocks are not cached yet

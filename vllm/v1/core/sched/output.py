@@ -59,6 +59,10 @@ class SchedulerOutput:
     state_checkpoint_saves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     """Hybrid models with prefix caching: per request, (tokens, checkpoint id) of the
     linear-attention states this step saves, the state after that many of its tokens."""
+    kv_block_copies: list[tuple[int, int]] = field(default_factory=list)
+    """(source, destination) KV blocks every stage copies, in every attention layer's cache,
+    before this step's forward: a request resuming from a cached prompt tail gets its own copy
+    of the tail's partial block (copy-on-write)."""
 
     def without_pixel_values(self) -> SchedulerOutput:
         """What a pipeline stage after the first receives: the same step, its new requests'

@@ -84,6 +84,9 @@ class Scheduler:
             mamba_cache_mode=(
                 vllm_config.cache_config.mamba_cache_mode if num_state_checkpoints else "none"
             ),
+            # Beyond vLLM, hybrids only: attention-only models keep vLLM's full-block hits.
+            cache_prompt_tails=bool(num_state_checkpoints)
+            and getattr(vllm_config.cache_config, "mamba_cache_prompt_tail", False),
         )
         self.priority_policy = sc.policy == "priority"
         self._num_added = 0  # ties in priority and arrival time go in the order added
@@ -349,6 +352,7 @@ class Scheduler:
             num_prompt_tokens=num_prompt,
             num_draft_steps=num_draft_steps,
             state_checkpoint_saves=saves,
+            kv_block_copies=self.kv_cache_manager.take_block_copies(),
         )
 
     def _take_new_blocks(self, req: Request) -> list[int]:

@@ -28,6 +28,7 @@ from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.worker.cpu_memory import reserve_step_activations
 from vllm.v1.worker.gpu import cuda_graph
 from vllm.v1.worker.gpu.input_batch import InputBatch, prepare_inputs
+from vllm.v1.worker.gpu.kv_block_copy import copy_kv_blocks
 from vllm.v1.worker.gpu.linear_attn_states import LinearAttnStates
 from vllm.v1.worker.gpu.mm_utils import MultiModalRunnerState
 from vllm.v1.worker.gpu.pp_utils import PPHandler
@@ -193,6 +194,7 @@ class ModelRunner:
         for d in so.scheduled_new_reqs:
             self.mm.add(d.req_id, d.mm_inputs)
         self._new_slots = np.array([st.add(d) for d in so.scheduled_new_reqs], dtype=np.int64)
+        copy_kv_blocks(self.kv_caches, so.kv_block_copies, self.block_size, self.num_blocks)
         if self.linear_attn_states is not None:  # prefix-cache hits resume from checkpoints
             self.linear_attn_states.restore_hits(so.scheduled_new_reqs, st)
         if self.structured is not None:
