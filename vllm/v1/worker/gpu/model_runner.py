@@ -220,6 +220,7 @@ class ModelRunner:
             self.device,
             short_query_len=self.num_spec + 1 if self.num_spec else 1,
             num_tokens_padded=self.vllm_config.padded_num_tokens(int(num_sched.sum())),
+            scheduled_drafts=so.num_draft_tokens,
         )
 
     @torch.inference_mode()
@@ -400,7 +401,7 @@ class ModelRunner:
             sampled_token_ids=result.sampled_token_lists(),
             logprobs=self._logprobs(batch, lp_logits, result),
             prompt_logprobs=prompt_lp,
-            draft_token_ids=None if drafts is None else drafts.tolist(),
+            num_draft_tokens=result.num_valid_drafts(),
             draft_proposers=proposers,
         )
 
