@@ -100,9 +100,7 @@ class NgramSpeculator(BaseSpeculator):
         b = inputs.input_batch
         R, K = b.num_reqs, self.num_speculative_steps
         drafts = np.full((R, K), PAD_TOKEN_ID, dtype=np.int64)
-        hist, hist_len = inputs.token_ids, inputs.num_tokens
-        if hist is None or hist_len is None:
-            raise ValueError("the ngram speculator needs the requests' token history")
+        hist, hist_len = inputs.states.token_ids, inputs.states.num_tokens
         k_max = K if inputs.num_draft_steps is None else min(K, inputs.num_draft_steps)
         slots = b.idx_mapping_np
         self.last_match_lengths = np.zeros(R, dtype=np.int64)
@@ -115,10 +113,10 @@ class NgramSpeculator(BaseSpeculator):
             have = len(idx.tokens)
             if have < n_hist:
                 idx.extend(hist[s, have:n_hist].tolist())
-            n = int(inputs.num_sampled[i])
+            n = int(inputs.step.num_sampled[i])
             if n == 0 or k_max == 0:
                 continue
-            idx.extend(inputs.sampled_token_ids[i, :n].tolist())
+            idx.extend(inputs.step.sampled[i, :n].tolist())
             got = idx.propose(k_max)
             if got is not None:
                 drafts[i, :k_max] = got

@@ -232,9 +232,7 @@ class SuffixSpeculator(BaseSpeculator):
         b = inputs.input_batch
         R, K = b.num_reqs, self.num_speculative_steps
         drafts = np.full((R, K), PAD_TOKEN_ID, dtype=np.int64)
-        hist, hist_len = inputs.token_ids, inputs.num_tokens
-        if hist is None or hist_len is None:
-            raise ValueError("the suffix speculator needs the requests' token history")
+        hist, hist_len = inputs.states.token_ids, inputs.states.num_tokens
         k_max = K if inputs.num_draft_steps is None else min(K, inputs.num_draft_steps)
         slots = b.idx_mapping_np
         self.last_match_lengths = np.zeros(R, dtype=np.int64)
@@ -247,10 +245,10 @@ class SuffixSpeculator(BaseSpeculator):
             n_hist = int(hist_len[s])
             if own.size < n_hist:
                 own.append(hist[s, own.size : n_hist], new_sequence=False)
-            n = int(inputs.num_sampled[i])
+            n = int(inputs.step.num_sampled[i])
             if n == 0 or k_max == 0:
                 continue
-            own.append(inputs.sampled_token_ids[i, :n], new_sequence=False)
+            own.append(inputs.step.sampled[i, :n], new_sequence=False)
             context = own.buf[max(0, own.size - self.depth) : own.size]
             best: tuple[float, int, int, list[int], str, int] = (0.0, 0, 0, [], "", 0)
             for name, corpus in (("request", own), ("global", self.global_cache.corpus)):
