@@ -9,6 +9,7 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -76,24 +77,27 @@ def cpu_flags() -> str:
     return f"{model}; {' '.join(have)}"
 
 
-def add_workload_args(ap: Any, model_help: str, input_len: int) -> None:
-    """The arguments of a throughput driver's workload (argparse parser ap)."""
+def parse_workload(
+    ap: Any, default_model: Callable[[], str], model_help: str, input_len: int
+) -> tuple[Any, str, list[list[int]]]:
+    """A throughput driver's workload: its arguments (added to argparse parser ap, which holds
+    the driver's own), the model (--model, else default_model()) and --num-prompts prompts of
+    --input-len random token ids of its vocabulary (seeded). Returns (args, model, prompts)."""
+    import torch
+    from transformers import AutoConfig
+
     ap.add_argument("--model", default=None, help=f"checkpoint folder (default: {model_help})")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=input_len)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
-
-
-def random_prompt_ids(model: str, num_prompts: int, input_len: int) -> list[list[int]]:
-    """num_prompts prompts of input_len random token ids of model's vocabulary (seeded)."""
-    import torch
-    from transformers import AutoConfig
-
+    args = ap.parse_args()
+    model = args.model or default_model()
     vocab = AutoConfig.from_pretrained(model).vocab_size
     g = torch.Generator().manual_seed(0)
-    return torch.randint(10, vocab - 1, (num_prompts, input_len), generator=g).tolist()
+    shape = (args.num_prompts, args.input_len)
+    return args, model, torch.randint(10, vocab - 1, shape, generator=g).tolist()
 
 
 def make_chat_llm(

@@ -25,7 +25,7 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core per replica (and for DP = 1)
 
-from benchmarks.common import add_workload_args, cpu_flags, random_prompt_ids, timer
+from benchmarks.common import cpu_flags, parse_workload, timer
 
 
 def _replica_procs(llm) -> list:
@@ -114,14 +114,11 @@ def bench_backend(model: str, prompts, args, backend: str) -> tuple[float, float
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    add_workload_args(ap, "bundled model", input_len=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--backends", default="ray,mp")
-    args = ap.parse_args()
     from vllm.config import default_model_path
 
-    model = args.model or default_model_path()
-    prompts = random_prompt_ids(model, args.num_prompts, args.input_len)
+    args, model, prompts = parse_workload(ap, default_model_path, "bundled model", input_len=32)
     print(f"CPU: {cpu_flags()}; cores available: {len(os.sched_getaffinity(0))}", flush=True)
     try:
         load = os.getloadavg()

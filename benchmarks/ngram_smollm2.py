@@ -25,23 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import make_chat_llm, smollm2, timed_chats
+from benchmarks.suffix_smollm2 import FILES
 
-FUNC = """def total_price(items, tax_rate):
-    subtotal = 0
-    for item in items:
-        subtotal += item["price"] * item["quantity"]
-    tax = subtotal * tax_rate
-    return subtotal + tax
-"""
-FUNC2 = """def merge_counts(left, right):
-    result = dict(left)
-    for key, value in right.items():
-        if key in result:
-            result[key] = result[key] + value
-        else:
-            result[key] = value
-    return result
-"""
+# The functions the agentic workload of suffix_smollm2.py writes.
+FUNC, FUNC2 = FILES["utils/price.py"], FILES["utils/counts.py"]
 TASKS = [
     f"Rename the variable `subtotal` to `net_total` in this function. Reply with the whole "
     f"function only.\n\n{FUNC}",

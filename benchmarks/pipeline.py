@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from benchmarks.common import CACHE, add_workload_args, random_prompt_ids, timer
+from benchmarks.common import CACHE, parse_workload, timer
 
 
 def bench_llama() -> str:
@@ -111,12 +111,9 @@ def _print(name: str, r: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    add_workload_args(ap, "built on the fly", input_len=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--skip-ray", action="store_true")
-    args = ap.parse_args()
-    model = args.model or bench_llama()
-    prompts = random_prompt_ids(model, args.num_prompts, args.input_len)
+    args, model, prompts = parse_workload(ap, bench_llama, "built on the fly", input_len=64)
     print(
         f"model={model} prompts={args.num_prompts} in={args.input_len} out={args.output_len} "
         f"max_num_seqs={args.max_num_seqs} cores={os.cpu_count()} P=1 threads="
