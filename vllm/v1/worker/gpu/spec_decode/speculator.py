@@ -7,9 +7,10 @@ target, draft-token sampling)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
     from vllm.v1.worker.gpu.input_batch import InputBatch
     from vllm.v1.worker.gpu.sample.structured_outputs import DraftGrammar
     from vllm.v1.worker.gpu.states import RequestStates, StepResult
+
+
+C = TypeVar("C")
 
 
 @dataclass
@@ -74,6 +78,36 @@ class ProposeInputs:
     def sampling(self) -> SamplingArrays:
         """The rows' sampling parameters (a draft sampling like the target)."""
         return SamplingArrays.of(self.states, self.input_batch.idx_mapping_np)
+
+    def max_drafts(self, k: int) -> int:
+        """The most drafts worth proposing per request for a proposer of k (num_draft_steps)."""
+        return k if self.num_draft_steps is None else min(k, self.num_draft_steps)
+
+    def follow_histories(
+        self,
+        corpora: list[C | None],
+        new: Callable[[], C],
+        size: Callable[[C], int],
+        extend: Callable[[C, np.ndarray], None],
+        k_max: int,
+    ) -> Iterator[tuple[int, C]]:
+        """For a draft-free proposer that keeps a token corpus per request-state slot
+        (corpora[slot]): bring each row's corpus up to its request's history (new() where the
+        request is new to the slot; size(c) tokens it holds, extend(c, tokens) appends), then,
+        where the row sampled and k_max > 0, append the tokens just sampled and yield
+        (row, corpus) to propose from (before the next row's corpus is touched)."""
+        st, step = self.states, self.step
+        for i, s in enumerate(self.input_batch.idx_mapping_np.tolist()):
+            c = corpora[s]
+            if c is None or self.new_req_mask[i]:
+                c = corpora[s] = new()
+            n_hist, have = int(st.num_tokens[s]), size(c)
+            if have < n_hist:
+                extend(c, st.token_ids[s, have:n_hist])
+            n = int(step.num_sampled[i])
+            if n and k_max:
+                extend(c, step.sampled[i, :n])
+                yield i, c
 
     def last_valid_indices(self) -> np.ndarray:
         """[R] each request's last token row still valid after rejection."""

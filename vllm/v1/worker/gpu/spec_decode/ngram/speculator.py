@@ -97,26 +97,17 @@ class NgramSpeculator(BaseSpeculator):
         """Nothing to warm up."""
 
     def propose(self, inputs: ProposeInputs) -> np.ndarray:
-        b = inputs.input_batch
-        R, K = b.num_reqs, self.num_speculative_steps
+        R, K = inputs.input_batch.num_reqs, self.num_speculative_steps
         drafts = np.full((R, K), PAD_TOKEN_ID, dtype=np.int64)
-        hist, hist_len = inputs.states.token_ids, inputs.states.num_tokens
-        k_max = K if inputs.num_draft_steps is None else min(K, inputs.num_draft_steps)
-        slots = b.idx_mapping_np
+        k_max = inputs.max_drafts(K)
         self.last_match_lengths = np.zeros(R, dtype=np.int64)
-        for i in range(R):
-            s = int(slots[i])
-            idx = self.indices[s]
-            if idx is None or inputs.new_req_mask[i]:
-                idx = self.indices[s] = NgramIndex(self.lo, self.hi)
-            n_hist = int(hist_len[s])
-            have = len(idx.tokens)
-            if have < n_hist:
-                idx.extend(hist[s, have:n_hist].tolist())
-            n = int(inputs.step.num_sampled[i])
-            if n == 0 or k_max == 0:
-                continue
-            idx.extend(inputs.step.sampled[i, :n].tolist())
+        for i, idx in inputs.follow_histories(
+            self.indices,
+            lambda: NgramIndex(self.lo, self.hi),
+            lambda c: len(c.tokens),
+            lambda c, tokens: c.extend(tokens.tolist()),
+            k_max,
+        ):
             got = idx.propose(k_max)
             if got is not None:
                 drafts[i, :k_max] = got

@@ -229,26 +229,17 @@ class SuffixSpeculator(BaseSpeculator):
         self.global_cache.add(output_token_ids)
 
     def propose(self, inputs: ProposeInputs) -> np.ndarray:
-        b = inputs.input_batch
-        R, K = b.num_reqs, self.num_speculative_steps
+        R, K = inputs.input_batch.num_reqs, self.num_speculative_steps
         drafts = np.full((R, K), PAD_TOKEN_ID, dtype=np.int64)
-        hist, hist_len = inputs.states.token_ids, inputs.states.num_tokens
-        k_max = K if inputs.num_draft_steps is None else min(K, inputs.num_draft_steps)
-        slots = b.idx_mapping_np
+        k_max = inputs.max_drafts(K)
         self.last_match_lengths = np.zeros(R, dtype=np.int64)
-        for i in range(R):
-            s = int(slots[i])
-            own = self.own[s]
-            if own is None or inputs.new_req_mask[i]:
-                own = self.own[s] = TokenCorpus()
-                own.append([], new_sequence=True)
-            n_hist = int(hist_len[s])
-            if own.size < n_hist:
-                own.append(hist[s, own.size : n_hist], new_sequence=False)
-            n = int(inputs.step.num_sampled[i])
-            if n == 0 or k_max == 0:
-                continue
-            own.append(inputs.step.sampled[i, :n], new_sequence=False)
+        for i, own in inputs.follow_histories(
+            self.own,
+            TokenCorpus,
+            lambda c: c.size,
+            lambda c, tokens: c.append(tokens, new_sequence=False),
+            k_max,
+        ):
             context = own.buf[max(0, own.size - self.depth) : own.size]
             best: tuple[float, int, int, list[int], str, int] = (0.0, 0, 0, [], "", 0)
             for name, corpus in (("request", own), ("global", self.global_cache.corpus)):
