@@ -173,6 +173,29 @@ class BaseSpeculator(ABC):
         written output_token_ids (suffix decoding learns from them). Default: nothing."""
 
 
+class DraftFreeSpeculator(BaseSpeculator):
+    """A speculator without a draft model (prompt lookup, suffix decoding, jump-forward): its
+    drafts come from tokens already known, so there is nothing to build or warm up."""
+
+    model = None
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device | str) -> None:
+        spec = vllm_config.speculative_config
+        if spec is None:
+            raise ValueError("a speculator needs speculative_config")
+        self.speculative_config = spec
+        self.num_speculative_steps = spec.num_speculative_tokens
+        self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        # The match each row of the last propose() drafted from (0: none), for a hybrid.
+        self.last_match_lengths = np.zeros(0, dtype=np.int64)
+
+    def load_model(self, target_model: CausalLMBase) -> None:
+        """Nothing to build."""
+
+    def capture(self) -> None:
+        """Nothing to warm up."""
+
+
 class DraftModelSpeculator(BaseSpeculator):
     """A speculator with a draft nn.Module of its own (MTP head, EAGLE head)."""
 

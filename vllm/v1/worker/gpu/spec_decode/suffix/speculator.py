@@ -30,17 +30,13 @@ from __future__ import annotations
 
 import collections
 from array import array
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from vllm.config import VllmConfig
-from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator, ProposeInputs
+from vllm.v1.worker.gpu.spec_decode.speculator import DraftFreeSpeculator, ProposeInputs
 from vllm.v1.worker.gpu.states import PAD_TOKEN_ID
-
-if TYPE_CHECKING:
-    from vllm.model_executor.models.base import CausalLMBase
 
 _SEP = -1  # between two sequences of a corpus (and over evicted ones)
 
@@ -190,33 +186,20 @@ class GlobalSuffixCache:
             self.ranges = collections.deque(c.compact(list(self.ranges)))
 
 
-class SuffixSpeculator(BaseSpeculator):
+class SuffixSpeculator(DraftFreeSpeculator):
     """Suffix decoding (module docstring). Built on the last pipeline stage like every
     speculator; its drafts go through the same StepResult broadcast."""
 
-    model = None
-
     def __init__(self, vllm_config: VllmConfig, device: torch.device | str) -> None:
-        spec = vllm_config.speculative_config
-        if spec is None:
-            raise ValueError("a speculator needs speculative_config")
+        super().__init__(vllm_config, device)
+        spec = self.speculative_config
         self.depth = spec.suffix_decoding_max_tree_depth
         self.factor = spec.suffix_decoding_max_spec_factor
         self.min_prob = spec.suffix_decoding_min_token_prob
-        self.num_speculative_steps = spec.num_speculative_tokens
-        self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.own: list[TokenCorpus | None] = [None] * self.max_num_reqs
         self.global_cache = GlobalSuffixCache(spec.suffix_decoding_max_cached_requests)
         # Drafts proposed, by the source they came from (tests, benchmarks).
         self.num_proposed = {"request": 0, "global": 0}
-        # The match each row of the last propose() drafted from (0: none), for a hybrid.
-        self.last_match_lengths = np.zeros(0, dtype=np.int64)
-
-    def load_model(self, target_model: CausalLMBase) -> None:
-        """Nothing to build: the drafts come from tokens already written."""
-
-    def capture(self) -> None:
-        """Nothing to warm up."""
 
     def end_warm_up(self) -> None:
         self.global_cache = GlobalSuffixCache(self.global_cache.max_requests)
