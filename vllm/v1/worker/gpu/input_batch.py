@@ -86,9 +86,9 @@ def prepare_inputs(
     seq_lens = c + n
     need_sample = seq_lens >= known
     num_drafts = np.where(need_sample, seq_lens - known, 0)
-    if scheduled_drafts is not None:
-        want = np.array([scheduled_drafts.get(r, 0) for r in req_ids], dtype=np.int64)
-        if not np.array_equal(want, num_drafts):
+    if scheduled_drafts is not None and (scheduled_drafts or num_drafts.any()):
+        want = np.fromiter((scheduled_drafts.get(r, 0) for r in req_ids), np.int64, len(req_ids))
+        if (want != num_drafts).any():
             raise RuntimeError(
                 f"the scheduler verifies {want.tolist()} drafts of requests {list(req_ids)}, "
                 f"their scheduled tokens hold {num_drafts.tolist()}"
