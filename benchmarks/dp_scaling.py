@@ -25,7 +25,7 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core per replica (and for DP = 1)
 
-from benchmarks.common import cpu_flags, timer
+from benchmarks.common import cpu_flags, parse_workload, timer
 
 
 def _replica_procs(llm) -> list:
@@ -114,24 +114,11 @@ def bench_backend(model: str, prompts, args, backend: str) -> tuple[float, float
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="checkpoint folder (default: bundled model)")
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=32)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--backends", default="ray,mp")
-    args = ap.parse_args()
-    import torch
-    from transformers import AutoConfig
-
     from vllm.config import default_model_path
 
-    model = args.model or default_model_path()
-    vocab = AutoConfig.from_pretrained(model).vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(10, vocab - 1, (args.num_prompts, args.input_len), generator=g).tolist()
+    args, model, prompts = parse_workload(ap, default_model_path, "bundled model", input_len=32)
     print(f"CPU: {cpu_flags()}; cores available: {len(os.sched_getaffinity(0))}", flush=True)
     try:
         load = os.getloadavg()

@@ -24,24 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import smollm2
+from benchmarks.common import make_chat_llm, smollm2, timed_chats
+from benchmarks.suffix_smollm2 import FILES
 
-FUNC = """def total_price(items, tax_rate):
-    subtotal = 0
-    for item in items:
-        subtotal += item["price"] * item["quantity"]
-    tax = subtotal * tax_rate
-    return subtotal + tax
-"""
-FUNC2 = """def merge_counts(left, right):
-    result = dict(left)
-    for key, value in right.items():
-        if key in result:
-            result[key] = result[key] + value
-        else:
-            result[key] = value
-    return result
-"""
+# The functions the agentic workload of suffix_smollm2.py writes.
+FUNC, FUNC2 = FILES["utils/price.py"], FILES["utils/counts.py"]
 TASKS = [
     f"Rename the variable `subtotal` to `net_total` in this function. Reply with the whole "
     f"function only.\n\n{FUNC}",
@@ -55,38 +42,7 @@ TASKS = [
 
 
 def make_llm(model: str, dtype: str, spec: dict | None):
-    from vllm import LLM
-
-    return LLM(
-        model=model,
-        dtype=dtype,
-        speculative_config=spec,
-        max_model_len=512,
-        # A small step budget keeps start-up's warm-up short (it prefills a full budget).
-        max_num_batched_tokens=256,
-        max_num_seqs=4,
-    )
-
-
-def _counters(llm) -> tuple[float, float]:
-    m = {x.name: x for x in llm.get_metrics()}
-    d = m.get("vllm:spec_decode_num_drafts")
-    a = m.get("vllm:spec_decode_num_accepted_tokens")
-    return (d.value if d else 0.0, a.value if a else 0.0)
-
-
-def timed(llm, chats, out_len: int):
-    from vllm import SamplingParams
-
-    sp = SamplingParams(temperature=0, max_tokens=out_len)
-    d0, a0 = _counters(llm)
-    t = time.perf_counter()
-    outs = [llm.chat([c], sp, use_tqdm=False)[0] for c in chats]
-    dt = time.perf_counter() - t
-    d1, a1 = _counters(llm)
-    ids = [list(o.outputs[0].token_ids) for o in outs]
-    toks = sum(len(x) for x in ids)
-    return toks / dt, toks, d1 - d0, a1 - a0, ids
+    return make_chat_llm(model, dtype, spec, max_model_len=512, max_num_batched_tokens=256)
 
 
 def matcher_cost(k: int, lo: int, hi: int, ids: list[list[int]]) -> float:
@@ -129,12 +85,12 @@ def main() -> None:
     llms = {name: make_llm(model, args.dtype, s) for name, s in specs.items()}
     try:
         for llm in llms.values():
-            timed(llm, chats[:1], 8)  # warm-up
+            timed_chats(llm, chats[:1], 8)  # warm-up
         runs: dict[str, list] = {name: [] for name in llms}
         names = list(llms)
         for r in range(args.repeats):
             for name in names[r % len(names) :] + names[: r % len(names)]:
-                runs[name].append(timed(llms[name], chats, args.output_len))
+                runs[name].append(timed_chats(llms[name], chats, args.output_len))
                 print(f"  rep {r} {name}: {runs[name][-1][0]:.1f} tok/s", flush=True)
     finally:
         for llm in llms.values():

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from benchmarks.common import CACHE, timer
+from benchmarks.common import CACHE, parse_workload, timer
 
 
 def bench_llama() -> str:
@@ -111,21 +111,9 @@ def _print(name: str, r: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default=None, help="checkpoint folder (default: built on the fly)")
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--skip-ray", action="store_true")
-    args = ap.parse_args()
-    model = args.model or bench_llama()
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(model).vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(10, vocab - 1, (args.num_prompts, args.input_len), generator=g).tolist()
+    args, model, prompts = parse_workload(ap, bench_llama, "built on the fly", input_len=64)
     print(
         f"model={model} prompts={args.num_prompts} in={args.input_len} out={args.output_len} "
         f"max_num_seqs={args.max_num_seqs} cores={os.cpu_count()} P=1 threads="

@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import cpu_flags, smollm2
+from benchmarks.common import cpu_flags, make_chat_llm, smollm2, timed_chats
 
 FILES = {
     "utils/price.py": """def total_price(items, tax_rate):
@@ -83,23 +82,7 @@ CHAT = [
 
 
 def make_llm(model: str, dtype: str, spec: dict | None):
-    from vllm import LLM
-
-    return LLM(
-        model=model,
-        dtype=dtype,
-        speculative_config=spec,
-        max_model_len=1024,
-        max_num_batched_tokens=512,
-        max_num_seqs=4,
-    )
-
-
-def _counters(llm) -> tuple[float, float]:
-    m = {x.name: x for x in llm.get_metrics()}
-    d = m.get("vllm:spec_decode_num_drafts")
-    a = m.get("vllm:spec_decode_num_accepted_tokens")
-    return (d.value if d else 0.0, a.value if a else 0.0)
+    return make_chat_llm(model, dtype, spec, max_model_len=1024, max_num_batched_tokens=512)
 
 
 def _forget(llm) -> None:
@@ -110,18 +93,9 @@ def _forget(llm) -> None:
 
 
 def timed(llm, turns: list[str], out_len: int):
-    from vllm import SamplingParams
-
-    sp = SamplingParams(temperature=0, max_tokens=out_len)
+    """The turns as greedy chats (timed_chats), suffix decoding's global cache emptied first."""
     _forget(llm)
-    d0, a0 = _counters(llm)
-    t = time.perf_counter()
-    outs = [llm.chat([{"role": "user", "content": u}], sp, use_tqdm=False)[0] for u in turns]
-    dt = time.perf_counter() - t
-    d1, a1 = _counters(llm)
-    ids = [list(o.outputs[0].token_ids) for o in outs]
-    toks = sum(len(x) for x in ids)
-    return toks / dt, toks, d1 - d0, a1 - a0, ids
+    return timed_chats(llm, [[{"role": "user", "content": u}] for u in turns], out_len)
 
 
 def main() -> None:

@@ -181,16 +181,22 @@ def linear_isa() -> int:
     """The path linear_small_m runs (VLLM_CPU_LINEAR_ISA, resolved against the CPU once;
     cache_clear() after changing the variable). ValueError naming the variable when the CPU
     lacks the one asked for."""
-    name = envs.VLLM_CPU_LINEAR_ISA
-    try:
-        return int(torch.ops.vllm_cpu.linear_small_m_isa(LINEAR_ISAS[name]))
-    except RuntimeError as e:
-        raise ValueError(f"VLLM_CPU_LINEAR_ISA={name}: this CPU cannot run that path") from e
+    probe = torch.ops.vllm_cpu.linear_small_m_isa
+    return _resolve_isa("VLLM_CPU_LINEAR_ISA", envs.VLLM_CPU_LINEAR_ISA, probe)
 
 
 def linear_isas_available() -> list[str]:
     """The VLLM_CPU_LINEAR_ISA paths (other than auto) this CPU can run."""
     return _isas_available(torch.ops.vllm_cpu.linear_small_m_isa)
+
+
+def _resolve_isa(var: str, name: str, probe) -> int:
+    """The path code of ISA name `name` (the value of environment variable `var`) that probe,
+    a kernel's *_isa op, accepts on this CPU; ValueError naming the variable otherwise."""
+    try:
+        return int(probe(LINEAR_ISAS[name]))
+    except RuntimeError as e:
+        raise ValueError(f"{var}={name}: this CPU cannot run that path") from e
 
 
 def _isas_available(probe) -> list[str]:
@@ -211,11 +217,8 @@ def prefill_attention_isa() -> int:
     """The path prefill_attention runs (VLLM_CPU_PREFILL_ATTN_ISA, same names as
     VLLM_CPU_LINEAR_ISA, resolved against the CPU once; cache_clear() after changing the
     variable). ValueError naming the variable when the CPU lacks the one asked for."""
-    name = envs.VLLM_CPU_PREFILL_ATTN_ISA
-    try:
-        return int(torch.ops.vllm_cpu.prefill_attention_isa(LINEAR_ISAS[name]))
-    except RuntimeError as e:
-        raise ValueError(f"VLLM_CPU_PREFILL_ATTN_ISA={name}: this CPU cannot run that path") from e
+    probe = torch.ops.vllm_cpu.prefill_attention_isa
+    return _resolve_isa("VLLM_CPU_PREFILL_ATTN_ISA", envs.VLLM_CPU_PREFILL_ATTN_ISA, probe)
 
 
 def prefill_attention_isas_available() -> list[str]:

@@ -110,23 +110,39 @@ struct VecOps {
           y, SET1(1.f)),                                                              \
       y, SET1(1.f))
 
+// The lane-wise ops and exp2 of an x86 VecOps: the same intrinsics at 256 (AVX2) and 512
+// (AVX512) bits, named _mm<BITS>_*; ROUND is round-to-nearest, which the two sets name
+// differently.
+#define VLLM_PA_X86_LANE_OPS(BITS, ROUND)                                                  \
+  static constexpr int64_t W = BITS / 32;                                                   \
+  using V = __m##BITS;                                                                      \
+  static inline V zero() { return _mm##BITS##_setzero_ps(); }                               \
+  static inline V set1(float x) { return _mm##BITS##_set1_ps(x); }                          \
+  static inline V load(const float* p) { return _mm##BITS##_loadu_ps(p); }                  \
+  static inline void store(float* p, V a) { _mm##BITS##_storeu_ps(p, a); }                  \
+  static inline V fma(V a, V b, V c) { return _mm##BITS##_fmadd_ps(a, b, c); }              \
+  static inline V mul(V a, V b) { return _mm##BITS##_mul_ps(a, b); }                        \
+  static inline V add(V a, V b) { return _mm##BITS##_add_ps(a, b); }                        \
+  static inline V sub(V a, V b) { return _mm##BITS##_sub_ps(a, b); }                        \
+  static inline V max(V a, V b) { return _mm##BITS##_max_ps(a, b); }                        \
+  static inline V exp2(V x) {                                                               \
+    x = _mm##BITS##_max_ps(x, _mm##BITS##_set1_ps(-127.f));                                 \
+    const V n = ROUND(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                    \
+    const V y =                                                                             \
+        _mm##BITS##_mul_ps(_mm##BITS##_sub_ps(x, n), _mm##BITS##_set1_ps(0.69314718056f));  \
+    const V p = VLLM_PA_EXP2_POLY(_mm##BITS##_fmadd_ps, _mm##BITS##_set1_ps, y);            \
+    const __m##BITS##i e = _mm##BITS##_slli_epi32(                                          \
+        _mm##BITS##_add_epi32(_mm##BITS##_cvtps_epi32(n), _mm##BITS##_set1_epi32(127)), 23); \
+    return _mm##BITS##_mul_ps(p, _mm##BITS##_castsi##BITS##_ps(e));                         \
+  }
+
 #ifdef VLLM_CPU_X86
 // ---- AVX2 + FMA: 8 lanes -------------------------------------------------------------------
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
 struct VecOps {
-  static constexpr int64_t W = 8;
-  using V = __m256;
-  static inline V zero() { return _mm256_setzero_ps(); }
-  static inline V set1(float x) { return _mm256_set1_ps(x); }
-  static inline V load(const float* p) { return _mm256_loadu_ps(p); }
-  static inline void store(float* p, V a) { _mm256_storeu_ps(p, a); }
-  static inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static inline V mul(V a, V b) { return _mm256_mul_ps(a, b); }
-  static inline V add(V a, V b) { return _mm256_add_ps(a, b); }
-  static inline V sub(V a, V b) { return _mm256_sub_ps(a, b); }
-  static inline V max(V a, V b) { return _mm256_max_ps(a, b); }
+  VLLM_PA_X86_LANE_OPS(256, _mm256_round_ps)
   static inline V select_neg_inf(V s, V kpos, V qpos, bool window, V win) {
     V hide = _mm256_cmp_ps(kpos, qpos, _CMP_GT_OQ);
     if (window) hide = _mm256_or_ps(hide, _mm256_cmp_ps(_mm256_sub_ps(qpos, kpos), win, _CMP_GE_OQ));
@@ -135,15 +151,6 @@ struct VecOps {
   static inline V is_neg_inf_to_zero(V a) {
     return _mm256_blendv_ps(a, _mm256_setzero_ps(),
                             _mm256_cmp_ps(a, _mm256_set1_ps(kPaNegInf), _CMP_EQ_OQ));
-  }
-  static inline V exp2(V x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-127.f));
-    const V n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const V y = _mm256_mul_ps(_mm256_sub_ps(x, n), _mm256_set1_ps(0.69314718056f));
-    const V p = VLLM_PA_EXP2_POLY(_mm256_fmadd_ps, _mm256_set1_ps, y);
-    const __m256i e = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
   }
 };
 #include "prefill_attention_body.h"
@@ -155,17 +162,7 @@ struct VecOps {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
 namespace avx512 {
 struct VecOps {
-  static constexpr int64_t W = 16;
-  using V = __m512;
-  static inline V zero() { return _mm512_setzero_ps(); }
-  static inline V set1(float x) { return _mm512_set1_ps(x); }
-  static inline V load(const float* p) { return _mm512_loadu_ps(p); }
-  static inline void store(float* p, V a) { _mm512_storeu_ps(p, a); }
-  static inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static inline V mul(V a, V b) { return _mm512_mul_ps(a, b); }
-  static inline V add(V a, V b) { return _mm512_add_ps(a, b); }
-  static inline V sub(V a, V b) { return _mm512_sub_ps(a, b); }
-  static inline V max(V a, V b) { return _mm512_max_ps(a, b); }
+  VLLM_PA_X86_LANE_OPS(512, _mm512_roundscale_ps)
   static inline V select_neg_inf(V s, V kpos, V qpos, bool window, V win) {
     __mmask16 hide = _mm512_cmp_ps_mask(kpos, qpos, _CMP_GT_OQ);
     if (window) hide |= _mm512_cmp_ps_mask(_mm512_sub_ps(qpos, kpos), win, _CMP_GE_OQ);
@@ -175,19 +172,11 @@ struct VecOps {
     const __mmask16 inf = _mm512_cmp_ps_mask(a, _mm512_set1_ps(kPaNegInf), _CMP_EQ_OQ);
     return _mm512_mask_blend_ps(inf, a, _mm512_setzero_ps());
   }
-  static inline V exp2(V x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-127.f));
-    const V n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const V y = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.69314718056f));
-    const V p = VLLM_PA_EXP2_POLY(_mm512_fmadd_ps, _mm512_set1_ps, y);
-    const __m512i e = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-  }
 };
 #include "prefill_attention_body.h"
 }  // namespace avx512
 #pragma GCC pop_options
+#undef VLLM_PA_X86_LANE_OPS
 #endif  // VLLM_CPU_X86
 
 template <typename T>

@@ -10,7 +10,6 @@ cache; cache_salt isolates. Hybrid Qwen3.5: tests/e2e/test_hybrid_prefix_caching
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import pytest
@@ -89,21 +88,11 @@ class Run:
     num_preemptions: int = 0
 
 
-def _spy_drafts(llm: LLM) -> dict[str, list[list[int]]]:
-    """Record every draft proposal per request as the engine receives it."""
-    log: dict[str, list[list[int]]] = defaultdict(list)
-    sched = llm.llm_engine.scheduler
-    orig = sched.update_from_output
-
-    def spy(so, ro):
-        if ro.draft_token_ids is not None:
-            for rid, i in ro.req_id_to_index.items():
-                if ro.sampled_token_ids[i]:
-                    log[rid].append(list(ro.draft_token_ids[i]))
-        return orig(so, ro)
-
-    sched.update_from_output = spy
-    return log
+def _draft_log(llm: LLM) -> dict[str, list[list[int]]]:
+    """Every draft proposal per request since the engine started recording (the proposing
+    stage keeps them: only their counts reach the engine)."""
+    logs = [d for d in llm.llm_engine.executor.collective_rpc("draft_log") if d is not None]
+    return logs[0] if logs else {}
 
 
 def _metrics(llm: LLM) -> dict[str, object]:
@@ -119,7 +108,7 @@ def _metrics(llm: LLM) -> dict[str, object]:
 def _run(model: str, prompt_rounds: list[list[list[int]]], caching: bool, **kw) -> Run:
     llm = LLM(model=model, enable_prefix_caching=caching, **{**COMMON, **kw})
     try:
-        drafts = _spy_drafts(llm)
+        llm.llm_engine.executor.collective_rpc("record_drafts")
         outs = []
         for prompts in prompt_rounds:
             outs += llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
@@ -131,7 +120,7 @@ def _run(model: str, prompt_rounds: list[list[list[int]]], caching: bool, **kw) 
             ],
             cached=[o.num_cached_tokens for o in outs],
             metrics=_metrics(llm),
-            drafts=dict(drafts),
+            drafts=_draft_log(llm),
             num_preemptions=llm.llm_engine.scheduler.num_preemptions,
         )
     finally:

@@ -62,19 +62,31 @@ def _switching_run(target: str, spec: dict, pp: int):
     outputs and, per step that scheduled A, (A's known tokens, the drafts A verified)."""
     spec = {**spec, "num_speculative_tokens_per_batch_size": SCHEDULE}
     eng = _engine(target, {**spec, "adaptive_num_speculative_tokens": False}, pp)
-    verified: list[tuple[int, list[int]]] = []
+    eng.executor.collective_rpc("record_drafts")
+    # Per step that scheduled A: its known tokens, how many of its proposals had come back,
+    # and how many drafts of the latest it verifies (the values are the proposing stage's).
+    scheduled: list[tuple[int, int, int]] = []
+    num_proposals = 0
     sched = eng.scheduler
-    schedule = sched.schedule
+    schedule, update = sched.schedule, sched.update_from_output
 
     def recording_schedule(*a, **kw):
         so = schedule(*a, **kw)
         if "A" in so.num_scheduled_tokens:
             req = sched.requests["A"]
-            verified.append((req.num_tokens, list(so.scheduled_spec_decode_tokens.get("A", []))))
+            scheduled.append((req.num_tokens, num_proposals, so.num_draft_tokens.get("A", 0)))
         return so
 
+    def counting_update(so, ro):
+        nonlocal num_proposals
+        i = ro.req_id_to_index.get("A")
+        num_proposals += i is not None and bool(ro.sampled_token_ids[i])
+        return update(so, ro)
+
     sched.schedule = recording_schedule  # type: ignore[method-assign]
+    sched.update_from_output = counting_update  # type: ignore[method-assign]
     outs: dict[str, list[int]] = {}
+    verified: list[tuple[int, list[int]]] = []
     try:
         eng.add_request("A", {"prompt_token_ids": A_PROMPT}, _greedy(A_TOKENS))
         added = False
@@ -87,9 +99,17 @@ def _switching_run(target: str, spec: dict, pp: int):
                 for i, p in enumerate(B_PROMPTS):
                     eng.add_request(f"B{i}", {"prompt_token_ids": p}, _greedy(B_TOKENS))
                 added = True
+        proposals = _draft_log(eng).get("A", [])
+        verified = [(t, proposals[p - 1][:n] if n else []) for t, p, n in scheduled]
     finally:
         eng.shutdown()
     return outs, verified
+
+
+def _draft_log(eng: LLMEngine) -> dict[str, list[list[int]]]:
+    """Each request's draft proposals since record_drafts (the proposing stage's log)."""
+    logs = [d for d in eng.executor.collective_rpc("draft_log") if d is not None]
+    return logs[0] if logs else {}
 
 
 def _fresh_drafts(target: str, spec: dict, contexts: list[list[int]]) -> list[list[int]]:
@@ -98,6 +118,7 @@ def _fresh_drafts(target: str, spec: dict, contexts: list[list[int]]) -> list[li
     eng = _engine(
         target, {**spec, "adaptive_num_speculative_tokens": False}, enable_prefix_caching=False
     )
+    eng.executor.collective_rpc("record_drafts")
     got = []
     try:
         for i, ctx in enumerate(contexts):
@@ -106,7 +127,7 @@ def _fresh_drafts(target: str, spec: dict, contexts: list[list[int]]) -> list[li
             eng.step()
             req = eng.scheduler.requests[rid]
             assert req.all_token_ids == ctx
-            got.append(list(req.spec_token_ids))
+            got.append(_draft_log(eng)[rid][0][: req.num_drafts])
             while eng.has_unfinished_requests():
                 eng.step()
     finally:
@@ -247,7 +268,7 @@ def _verified_ks(
     def recording_schedule(*a, **kw):
         so = schedule(*a, **kw)
         if "r" in so.num_scheduled_tokens and sched.requests["r"].num_output_tokens > 0:
-            ks.append(len(so.scheduled_spec_decode_tokens.get("r", [])))
+            ks.append(so.num_draft_tokens.get("r", 0))
         return so
 
     sched.schedule = recording_schedule  # type: ignore[method-assign]

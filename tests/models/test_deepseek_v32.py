@@ -470,7 +470,7 @@ def test_draft_steps_read_the_step0_selection_of_each_requests_last_token(
 
         def propose(inputs):
             b = inputs.input_batch
-            last = b.query_start_loc_np[:-1] + b.num_scheduled_tokens - inputs.num_rejected - 1
+            last = b.query_start_loc_np[:-1] + b.num_scheduled_tokens - inputs.step.num_rejected - 1
             log.append(("propose", torch.from_numpy(last.astype("int64"))))
             return orig_propose(inputs)
 

@@ -259,8 +259,8 @@ def record_drafts(llm) -> list[tuple[list[int], list[int], list[torch.Tensor]]]:
     def propose(inputs):
         steps.clear()
         drafts = orig_propose(inputs)
-        batch, num_sampled = inputs.input_batch, inputs.num_sampled
-        sampled = inputs.sampled_token_ids
+        batch, num_sampled = inputs.input_batch, inputs.step.num_sampled
+        sampled = inputs.step.sampled
         # The states get this step's sampled tokens after propose returns.
         st = runner.states
         for i, s in enumerate(batch.idx_mapping_np.tolist()):

@@ -23,6 +23,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     logprobs: list[list[LogprobsLists | None]] | None = None
     prompt_logprobs: dict[str, list[LogprobsLists | None]] = field(default_factory=dict)
-    draft_token_ids: list[list[int]] | None = None
+    num_draft_tokens: list[int] | None = None
+    """Per request: how many drafts it proposed for the next step (up to its first padding
+    entry); the worker keeps their values. None: no speculation."""
     draft_proposers: list[str] | None = None
-    """Per request: which proposer drafted its draft_token_ids (hybrid, jump-forward)."""
+    """Per request: which proposer drafted them (hybrid, jump-forward)."""

@@ -62,8 +62,10 @@ class Request:
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.spec_token_ids: list[int] = []
-        self.spec_proposer = ""  # who proposed spec_token_ids ("": the configured method)
+        # Drafts the worker holds for it that the next step may verify (their values stay on
+        # the worker), and who proposed them ("": the configured method).
+        self.num_drafts = 0
+        self.spec_proposer = ""
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.in_flight = 0  # scheduled steps whose output has not come back (pipelining)
@@ -84,7 +86,7 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        return len(self.all_token_ids) + len(self.spec_token_ids)
+        return len(self.all_token_ids) + self.num_drafts
 
     @property
     def skip_reading_prefix_cache(self) -> bool:

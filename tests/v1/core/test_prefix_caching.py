@@ -218,7 +218,7 @@ def test_draft_mode_registers_a_block_once_its_next_token_is_known():
     so = s.schedule()
     # Block 1 ends at the last prompt token; its next token is not sampled yet.
     assert s.kv_cache_manager.pool.num_cached_blocks == 1
-    s.update_from_output(so, ModelRunnerOutput(["a"], {"a": 0}, [[9]], None, {}, [[5]]))
+    s.update_from_output(so, ModelRunnerOutput(["a"], {"a": 0}, [[9]], None, {}, [1]))
     s.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
     # Freed with token 8 known: block 1 is registered too.
     assert s.kv_cache_manager.pool.num_cached_blocks == 2
@@ -235,7 +235,8 @@ def test_draft_mode_registers_a_block_once_its_next_token_is_known():
 class _SimWorker:
     """Mirrors the model runner's block tables and writes, per KV slot, what a model would
     store there: the token prefix ending at that position (and with a draft, the token after
-    it). Reading a slot whose content is not the reader's own prefix is a caching bug."""
+    it). Reading a slot whose content is not the reader's own prefix is a caching bug. Like
+    the model runner, it keeps its drafts and verifies the first ones the scheduler counts."""
 
     def __init__(self, num_blocks, block_size, k, vocab, seed):
         self.B, self.k, self.vocab = block_size, k, vocab
@@ -243,6 +244,7 @@ class _SimWorker:
         self.tables: dict[str, list[int]] = {}
         self.tokens: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
+        self.drafts: dict[str, list[int]] = {}
         self.rng = random.Random(seed)
         self.num_reads = 0
 
@@ -255,6 +257,7 @@ class _SimWorker:
     def execute(self, so) -> ModelRunnerOutput:
         for rid in so.finished_req_ids:
             self.tables.pop(rid, None)
+            self.drafts.pop(rid, None)
         for nr in so.scheduled_new_reqs:
             self.tables[nr.req_id] = list(nr.block_ids)
             self.tokens[nr.req_id] = list(nr.prefill_token_ids)
@@ -267,7 +270,7 @@ class _SimWorker:
         sampled, drafts = [], []
         for rid in ids:
             toks, c, n = self.tokens[rid], self.computed[rid], so.num_scheduled_tokens[rid]
-            spec = so.scheduled_spec_decode_tokens.get(rid, [])
+            spec = self.drafts.get(rid, [])[: so.num_draft_tokens.get(rid, 0)]
             seq = toks + spec
             # Every context position this step attends to must hold this request's prefix.
             for p in range(c):
@@ -300,7 +303,9 @@ class _SimWorker:
                 for _ in range(self.k):
                     good = self.next_token(toks + d)
                     d.append(good if self.rng.random() < 0.6 else (good + 1) % self.vocab)
-            drafts.append(d)
+            if out:
+                self.drafts[rid] = d
+            drafts.append(len(d))
         return ModelRunnerOutput(
             ids, {r: i for i, r in enumerate(ids)}, sampled, None, {}, drafts if self.k else None
         )

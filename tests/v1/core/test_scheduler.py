@@ -125,14 +125,14 @@ def test_spec_tokens_scheduled_and_rolled_back():
     r = _req("a", 5, max_tokens=10)
     s.add_request(r)
     so = s.schedule()
-    s.update_from_output(so, ModelRunnerOutput(["a"], {"a": 0}, [[9]], None, {}, [[1, 2]]))
-    assert r.spec_token_ids == [1, 2]
+    s.update_from_output(so, ModelRunnerOutput(["a"], {"a": 0}, [[9]], None, {}, [2]))
+    assert r.num_drafts == 2
     so = s.schedule()
     assert so.num_scheduled_tokens == {"a": 3}
-    assert so.scheduled_spec_decode_tokens == {"a": [1, 2]}
+    assert so.num_draft_tokens == {"a": 2}
     before = r.num_computed_tokens  # advanced by 3 at schedule time
     # One draft accepted, one rejected: sampled = [accepted draft, bonus].
-    res = s.update_from_output(so, ModelRunnerOutput(["a"], {"a": 0}, [[1, 5]], None, {}, [[3, 4]]))
+    res = s.update_from_output(so, ModelRunnerOutput(["a"], {"a": 0}, [[1, 5]], None, {}, [2]))
     assert r.num_computed_tokens == before - 1
     assert r.num_computed_tokens == r.num_tokens - 1
     assert res.outputs["a"].num_accepted_tokens == 1

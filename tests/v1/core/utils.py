@@ -62,8 +62,8 @@ def make_request(
 
 
 def answer(
-    so: SchedulerOutput, token: int = 7, drafts: list[list[int]] | None = None
+    so: SchedulerOutput, token: int = 7, num_drafts: list[int] | None = None
 ) -> ModelRunnerOutput:
     ids = so.req_ids
     sampled = [[token] for _ in ids]
-    return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled, None, {}, drafts)
+    return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled, None, {}, num_drafts)

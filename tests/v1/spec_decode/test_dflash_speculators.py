@@ -73,7 +73,7 @@ def _record(llm: LLM) -> list[tuple[str, int, list[int], list[torch.Tensor], lis
     def propose(inputs):
         drafts = orig(inputs)
         for i, rid in enumerate(inputs.input_batch.req_ids):
-            if inputs.num_sampled[i]:
+            if inputs.step.num_sampled[i]:
                 records.append(
                     (
                         rid,

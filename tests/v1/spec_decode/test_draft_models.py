@@ -61,8 +61,8 @@ def _record_drafts(llm: LLM) -> list[tuple[list[int], list[int]]]:
 
     def propose(inputs):
         drafts = orig(inputs)
-        batch, num_sampled = inputs.input_batch, inputs.num_sampled
-        sampled = inputs.sampled_token_ids
+        batch, num_sampled = inputs.input_batch, inputs.step.num_sampled
+        sampled = inputs.step.sampled
         st = runner.states
         for i, s in enumerate(batch.idx_mapping_np.tolist()):
             if num_sampled[i]:

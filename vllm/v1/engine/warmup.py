@@ -159,7 +159,7 @@ def measure_step_costs(
         for _ in range(reps):
             for m, ds in configs:
                 for rid in ids:
-                    sched.requests[rid].spec_token_ids = [1 % vocab] * m
+                    sched.requests[rid].num_drafts = m
                 policy.force_k = ds
                 t = time.perf_counter()
                 so = sched.schedule()

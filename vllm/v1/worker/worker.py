@@ -25,6 +25,7 @@ from vllm.distributed.parallel_state import (
 from vllm.logger import init_logger
 from vllm.sequence import IntermediateTensors
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.worker.cpu_memory import configure_cpu_process_memory
 from vllm.v1.worker.gpu.model_runner import ModelRunner
 
@@ -76,6 +77,8 @@ class Worker:
             "recv_payload_s": 0.0,
             "send_s": 0.0,
         }
+        # record_drafts(): every draft proposal of this stage per request (None: off).
+        self._draft_log: dict[str, list[list[int]]] | None = None
 
     def init_device(self) -> None:
         if self.device.type == "cuda":
@@ -156,7 +159,7 @@ class Worker:
             self._maybe_fail(so)
         if self.world_size == 1:
             self._comm["steps"] += 1
-            return self._runner().execute_model(so, intermediate_tensors)
+            return self._log_drafts(self._runner().execute_model(so, intermediate_tensors))
         pp = get_pp_group()
         if not pp.is_first_rank and so.total_num_scheduled_tokens > 0:
             intermediate_tensors = IntermediateTensors(self._recv(pp.prev_rank))
@@ -165,7 +168,7 @@ class Worker:
         self._comm["run_s"] += time.perf_counter() - t0
         self._comm["run_cpu_s"] += time.process_time() - c0
         if pp.is_last_rank:
-            return out
+            return self._log_drafts(out)
         if isinstance(out, IntermediateTensors):
             t0 = time.perf_counter()
             self._reap_sends(keep=self.world_size - 1)
@@ -233,6 +236,33 @@ class Worker:
             tp_collectives=tp.num_collectives,
             mm_pixel_bytes=(self.model_runner.mm.pixel_bytes_received if self.model_runner else 0),
         )
+
+    def record_drafts(self) -> None:
+        """From now on keep each request's draft proposals (draft_log). The drafts' values
+        never leave the worker in a step's output (the scheduler receives their counts), so
+        this is how a caller compares what two configurations proposed."""
+        self._draft_log = {}
+
+    def draft_log(self) -> dict[str, list[list[int]]] | None:
+        """Since record_drafts(): per request, the drafts proposed after each step that
+        sampled for it, in order (a row of K, PAD_TOKEN_ID where none). None on a stage that
+        does not propose, or when not recording."""
+        runner = self.model_runner
+        return self._draft_log if runner is not None and runner.speculator is not None else None
+
+    def _log_drafts(
+        self, out: ModelRunnerOutput | IntermediateTensors | None
+    ) -> ModelRunnerOutput | IntermediateTensors | None:
+        log, runner = self._draft_log, self.model_runner
+        if log is None or runner is None or not isinstance(out, ModelRunnerOutput):
+            return out
+        if out.num_draft_tokens is None:
+            return out
+        st = runner.states
+        for rid, i in out.req_id_to_index.items():
+            if out.sampled_token_ids[i]:
+                log.setdefault(rid, []).append(st.draft_tokens[st.slot(rid)].tolist())
+        return out
 
     def check_health(self) -> bool:
         return True

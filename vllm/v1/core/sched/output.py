@@ -49,7 +49,9 @@ class SchedulerOutput:
     scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]  # batch order = insertion order
     total_num_scheduled_tokens: int
-    scheduled_spec_decode_tokens: dict[str, list[int]]
+    num_draft_tokens: dict[str, int]
+    """Requests verifying drafts this step: how many of the drafts the worker proposed for it
+    last step (their first ones; the worker keeps the values, the scheduler only counts)."""
     finished_req_ids: set[str]  # finished or preempted since the last step: free their slots
     step_id: int = 0
     num_prompt_tokens: int = 0  # prompt (or recomputed) tokens among the scheduled ones

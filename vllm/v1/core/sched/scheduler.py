@@ -7,6 +7,12 @@ or the next chunk of a prompt), then waiting ones in arrival order. A waiting re
 after the longest prefix of its tokens found in the prefix cache. When KV blocks run out, the
 newest running request is preempted: its blocks are freed (their cached prefix stays reusable)
 and it is recomputed later.
+
+Drafts are counted here, never carried: the worker proposes and keeps the draft tokens and
+reports how many each request has (ModelRunnerOutput.num_draft_tokens); the scheduler decides
+how many of them the next step verifies (its K, the budget, max_model_len) and schedules that
+count (SchedulerOutput.num_draft_tokens), which is all its token budget, KV blocks and
+acceptance statistics need.
 """
 
 from __future__ import annotations
@@ -31,15 +37,6 @@ logger = init_logger(__name__)
 class SchedulerStepResult:
     outputs: dict[str, EngineCoreOutput] = field(default_factory=dict)
     stats: SchedulerStats | None = None
-
-
-def valid_drafts(row: list[int]) -> list[int]:
-    """A row of proposed drafts up to its first padding entry (negative: no draft there; a
-    drafter without a match, or a step that drafted fewer than K)."""
-    for i, t in enumerate(row):
-        if t < 0:
-            return list(row[:i])
-    return list(row)
 
 
 class Scheduler:
@@ -184,7 +181,7 @@ class Scheduler:
         self._sent_blocks.pop(req.request_id, None)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.spec_token_ids = []
+        req.num_drafts = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.finished_req_ids.add(req.request_id)  # workers drop the slot; it comes back as new
@@ -221,7 +218,7 @@ class Scheduler:
         cap = max_num_reqs if max_num_reqs is not None else self.max_num_seqs
         lookahead = self.num_spec_tokens
         num_scheduled: dict[str, int] = {}
-        spec_tokens: dict[str, list[int]] = {}
+        num_drafts: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted = False
@@ -238,8 +235,7 @@ class Scheduler:
             if req.in_flight:
                 i += 1
                 continue
-            if len(req.spec_token_ids) > k_cap:
-                req.spec_token_ids = req.spec_token_ids[:k_cap]
+            req.num_drafts = min(req.num_drafts, k_cap)
             n = req.num_tokens_with_spec - req.num_computed_tokens
             n = min(n, budget, self.max_model_len - req.num_computed_tokens)
             if n <= 0:
@@ -261,10 +257,10 @@ class Scheduler:
             if not scheduled_self:
                 break
             # Drafts beyond what fits this step are dropped (the budget or max_model_len cut them).
-            num_spec = max(0, req.num_computed_tokens + n - req.num_tokens)
-            req.spec_token_ids = req.spec_token_ids[:num_spec]
-            if req.spec_token_ids:
-                spec_tokens[req.request_id] = list(req.spec_token_ids)
+            fits = max(0, req.num_computed_tokens + n - req.num_tokens)
+            req.num_drafts = min(req.num_drafts, fits)
+            if req.num_drafts:
+                num_drafts[req.request_id] = req.num_drafts
             cached.req_ids.append(req.request_id)
             cached.new_block_ids.append(self._take_new_blocks(req))
             cached.num_computed_tokens.append(req.num_computed_tokens)
@@ -346,7 +342,7 @@ class Scheduler:
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
-            scheduled_spec_decode_tokens=spec_tokens,
+            num_draft_tokens=num_drafts,
             finished_req_ids=finished,
             step_id=self._step_id,
             num_prompt_tokens=num_prompt,
@@ -383,18 +379,18 @@ class Scheduler:
                 continue  # preempted while this step was in flight; it will be recomputed
             idx = runner_out.req_id_to_index[rid]
             sampled = runner_out.sampled_token_ids[idx]
-            drafts = sched_out.scheduled_spec_decode_tokens.get(rid, [])
+            drafts = sched_out.num_draft_tokens.get(rid, 0)
             out = EngineCoreOutput(rid, [], num_cached_tokens=max(req.num_cached_tokens, 0))
             if drafts and sampled:
                 num_accepted = len(sampled) - 1
-                req.num_computed_tokens -= len(drafts) - num_accepted
-                out.num_draft_tokens, out.num_accepted_tokens = len(drafts), num_accepted
+                req.num_computed_tokens -= drafts - num_accepted
+                out.num_draft_tokens, out.num_accepted_tokens = drafts, num_accepted
                 if self.spec_k is not None:
-                    self.spec_k.observe(rid, len(drafts), num_accepted)
+                    self.spec_k.observe(rid, drafts, num_accepted)
                 if spec_stats is not None:
                     proposer = req.spec_proposer or self.default_proposer
-                    spec_stats.observe_draft(len(drafts), num_accepted, proposer)
-            req.spec_token_ids = []
+                    spec_stats.observe_draft(drafts, num_accepted, proposer)
+            req.num_drafts = 0
             logprobs = runner_out.logprobs[idx] if runner_out.logprobs else None
             for tok in sampled:
                 req.append_output_token_ids(tok)
@@ -410,9 +406,9 @@ class Scheduler:
                 out.stop_reason = req.stop_reason
                 self.running.remove(req)
                 self._free(req)
-            elif runner_out.draft_token_ids is not None and sampled:
+            elif runner_out.num_draft_tokens is not None and sampled:
                 k = self.spec_k.k_next(rid) if self.spec_k is not None else 0
-                req.spec_token_ids = valid_drafts(runner_out.draft_token_ids[idx])[:k]
+                req.num_drafts = min(runner_out.num_draft_tokens[idx], k)
                 props = runner_out.draft_proposers
                 req.spec_proposer = props[idx] if props is not None else ""
             if out.new_token_ids or out.finish_reason or out.prompt_logprobs:

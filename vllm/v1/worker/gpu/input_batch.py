@@ -51,9 +51,13 @@ def prepare_inputs(
     device: torch.device,
     short_query_len: int,
     num_tokens_padded: int | None = None,
+    scheduled_drafts: dict[str, int] | None = None,
 ) -> InputBatch:
     """Build the batch from the request states (before num_computed is advanced).
-    num_tokens_padded: rows the forward runs on (default: the real token count)."""
+    num_tokens_padded: rows the forward runs on (default: the real token count).
+    scheduled_drafts: the scheduler's count of drafts each request verifies (absent: none);
+    the rows verify the first that many of the drafts stored in the request states, and a
+    count that disagrees with the scheduled tokens is refused."""
     slots = np.array([states.slot(r) for r in req_ids], dtype=np.int64)
     n = np.asarray(num_scheduled, dtype=np.int64)
     c = states.num_computed[slots].copy()
@@ -82,6 +86,13 @@ def prepare_inputs(
     seq_lens = c + n
     need_sample = seq_lens >= known
     num_drafts = np.where(need_sample, seq_lens - known, 0)
+    if scheduled_drafts is not None and (scheduled_drafts or num_drafts.any()):
+        want = np.fromiter((scheduled_drafts.get(r, 0) for r in req_ids), np.int64, len(req_ids))
+        if (want != num_drafts).any():
+            raise RuntimeError(
+                f"the scheduler verifies {want.tolist()} drafts of requests {list(req_ids)}, "
+                f"their scheduled tokens hold {num_drafts.tolist()}"
+            )
     num_logits = np.where(need_sample, num_drafts + 1, 0)
     cu = np.zeros(len(slots) + 1, dtype=np.int64)
     np.cumsum(num_logits, out=cu[1:])

@@ -222,6 +222,7 @@ class ModelRunner:
             self.device,
             short_query_len=self.num_spec + 1 if self.num_spec else 1,
             num_tokens_padded=self.vllm_config.padded_num_tokens(int(num_sched.sum())),
+            scheduled_drafts=so.num_draft_tokens,
         )
 
     @torch.inference_mode()
@@ -356,7 +357,8 @@ class ModelRunner:
                 tokens = self._tp_agree(tokens)
         sampled, num_sampled = self.rejection_sampler(batch, tokens)
         num_rejected = np.where(num_sampled > 0, batch.num_draft_tokens_np + 1 - num_sampled, 0)
-        drafts, proposers = None, None
+        result = StepResult(sampled, num_sampled, num_rejected, None)  # drafts: proposed below
+        proposers = None
         if self.structured is not None:
             # Before drafting: the drafts follow the step's tokens in the grammar too.
             self.structured.accept(slots, sampled, num_sampled)
@@ -364,26 +366,15 @@ class ModelRunner:
         grammar = self.structured if spec_cfg and spec_cfg.grammar_aware_drafting else None
         forks = grammar.draft_grammar(slots) if grammar is not None else None
         if self.speculator is not None:
-            # The prompt tokens after each row's chunk: the draft's next inputs where nothing
-            # was sampled (a non-final prefill chunk).
-            ahead = np.arange(self.speculator.num_lookahead_tokens)
-            chunk_end = batch.num_computed_tokens_np + batch.num_scheduled_tokens
-            cols = np.minimum(chunk_end[:, None] + ahead, st.token_ids.shape[1] - 1)
-            next_prefill = st.token_ids[slots[:, None], cols]
-            drafts = self.speculator.propose(
+            result.drafts = drafts = self.speculator.propose(
                 ProposeInputs(
                     input_batch=batch,
+                    states=st,
+                    step=result,
                     last_hidden_states=hidden,
                     aux_hidden_states=aux,
-                    sampled_token_ids=sampled,
-                    num_sampled=num_sampled,
-                    num_rejected=num_rejected,
-                    next_prefill_token_ids=next_prefill,
-                    sampling=SamplingArrays.of(st, slots),
                     new_req_mask=np.isin(slots, self._new_slots),
                     mm_embeds=self._draft_mm_embeds(batch),
-                    token_ids=st.token_ids,
-                    num_tokens=st.num_tokens,
                     num_draft_steps=num_draft_steps,
                     draft_grammar=forks,
                 )
@@ -392,7 +383,6 @@ class ModelRunner:
             if grammar is not None:
                 grammar.constrain_drafts(drafts, slots, jump_forward=True, proposers=proposers)
                 grammar.num_masked_draft_rows += forks.num_masked_rows if forks else 0
-        result = StepResult(sampled, num_sampled, num_rejected, drafts)
         apply_step_result(st, result, np.where(batch.need_sample_np, slots, -1))
         if self.pp_handler is not None:
             self.pp_handler.broadcast(result, batch)
@@ -402,7 +392,7 @@ class ModelRunner:
             sampled_token_ids=result.sampled_token_lists(),
             logprobs=self._logprobs(batch, lp_logits, result),
             prompt_logprobs=prompt_lp,
-            draft_token_ids=None if drafts is None else drafts.tolist(),
+            num_draft_tokens=result.num_valid_drafts(),
             draft_proposers=proposers,
         )
 

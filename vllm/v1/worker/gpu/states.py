@@ -117,6 +117,16 @@ class StepResult:
     num_rejected: np.ndarray  # [R] int64; 0 where nothing was sampled
     drafts: np.ndarray | None  # [R, K] int64, or None without speculation
 
+    def num_valid_drafts(self) -> list[int] | None:
+        """Per row: its drafts up to the first PAD_TOKEN_ID (a drafter without a match, or a
+        step that drafted fewer than K), the most the scheduler may have verified next step.
+        The values stay here (apply_step_result stores them in the request states); the
+        scheduler receives only these counts. None without speculation."""
+        if self.drafts is None:
+            return None
+        pad = self.drafts < 0
+        return np.where(pad.any(axis=1), pad.argmax(axis=1), pad.shape[1]).tolist()
+
     def sampled_token_lists(self) -> list[list[int]]:
         """The sampled tokens of each row as lists (what the scheduler consumes)."""
         return [row[:n] for row, n in zip(self.sampled.tolist(), self.num_sampled.tolist())]

@@ -7,8 +7,10 @@ target, draft-token sampling)."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import cached_property
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -31,61 +33,97 @@ if TYPE_CHECKING:
     from vllm.model_executor.models.base import CausalLMBase
     from vllm.v1.worker.gpu.input_batch import InputBatch
     from vllm.v1.worker.gpu.sample.structured_outputs import DraftGrammar
+    from vllm.v1.worker.gpu.states import RequestStates, StepResult
+
+
+C = TypeVar("C")
 
 
 @dataclass
 class ProposeInputs:
-    """What the model runner hands propose() after verifying a step (one row per request).
+    """What the model runner hands propose() after verifying a step (one row per request of
+    input_batch): the step's batch, the request states, and what the verifier kept.
 
-    last_hidden_states [num_tokens_after_padding, H] (and, EAGLE3-style, aux_hidden_states) are
-    the target's for this step; sampled_token_ids [R, K + 1] / num_sampled / num_rejected what
-    the verifier kept; next_prefill_token_ids [R, num_lookahead_tokens] the known tokens after
-    each row's chunk (read where nothing was sampled); sampling the rows' sampling parameters;
-    new_req_mask the rows whose request entered its slot this step."""
+    states are the request-state slots as they were before this step's result (history
+    token_ids / num_tokens without the tokens just sampled; apply_step_result runs after
+    propose). step: what the verifier kept, sampled [R, K + 1] / num_sampled / num_rejected (its
+    drafts are what propose() returns). last_hidden_states [num_tokens_after_padding, H] (and,
+    EAGLE3-style, aux_hidden_states) are the target's for this step; new_req_mask the rows whose
+    request entered its slot this step."""
 
     input_batch: InputBatch
+    states: RequestStates
+    step: StepResult
     last_hidden_states: torch.Tensor
     aux_hidden_states: list[torch.Tensor] | None
-    sampled_token_ids: np.ndarray
-    num_sampled: np.ndarray
-    num_rejected: np.ndarray
-    next_prefill_token_ids: np.ndarray
-    sampling: SamplingArrays
     new_req_mask: np.ndarray
     mm_embeds: tuple[np.ndarray, torch.Tensor] | None = None
     """Multimodal targets, where the draft's binding gathers encoder outputs: the first-pass
     rows (of the target's layout, shifted left: row r reads the token after row r's) whose
     input is an image placeholder, and that placeholder's encoder output [N, H]."""
-    token_ids: np.ndarray | None = None
-    num_tokens: np.ndarray | None = None
     num_draft_steps: int | None = None
     draft_grammar: DraftGrammar | None = None
     """Structured-output rows: forks of their grammar matchers; a draft model masks its
     choice at each draft position with them (grammar-aware drafting)."""
 
     def __post_init__(self) -> None:
-        self.num_sampled = np.asarray(self.num_sampled, dtype=np.int64)
-        self.num_rejected = np.asarray(self.num_rejected, dtype=np.int64)
         self.new_req_mask = np.asarray(self.new_req_mask, dtype=bool)
 
     @property
     def has_sample(self) -> np.ndarray:
         """[R] bool: the rows that sampled this step (not a non-final prefill chunk)."""
-        return self.num_sampled > 0
+        return self.step.num_sampled > 0
+
+    @cached_property
+    def sampling(self) -> SamplingArrays:
+        """The rows' sampling parameters (a draft sampling like the target)."""
+        return SamplingArrays.of(self.states, self.input_batch.idx_mapping_np)
+
+    def max_drafts(self, k: int) -> int:
+        """The most drafts worth proposing per request for a proposer of k (num_draft_steps)."""
+        return k if self.num_draft_steps is None else min(k, self.num_draft_steps)
+
+    def follow_histories(
+        self,
+        corpora: list[C | None],
+        new: Callable[[], C],
+        size: Callable[[C], int],
+        extend: Callable[[C, np.ndarray], None],
+        k_max: int,
+    ) -> Iterator[tuple[int, C]]:
+        """For a draft-free proposer that keeps a token corpus per request-state slot
+        (corpora[slot]): bring each row's corpus up to its request's history (new() where the
+        request is new to the slot; size(c) tokens it holds, extend(c, tokens) appends), then,
+        where the row sampled and k_max > 0, append the tokens just sampled and yield
+        (row, corpus) to propose from (before the next row's corpus is touched)."""
+        st, step = self.states, self.step
+        for i, s in enumerate(self.input_batch.idx_mapping_np.tolist()):
+            c = corpora[s]
+            if c is None or self.new_req_mask[i]:
+                c = corpora[s] = new()
+            n_hist, have = int(st.num_tokens[s]), size(c)
+            if have < n_hist:
+                extend(c, st.token_ids[s, have:n_hist])
+            n = int(step.num_sampled[i])
+            if n and k_max:
+                extend(c, step.sampled[i, :n])
+                yield i, c
 
     def last_valid_indices(self) -> np.ndarray:
         """[R] each request's last token row still valid after rejection."""
         b = self.input_batch
-        return b.query_start_loc_np[:-1] + b.num_scheduled_tokens - self.num_rejected - 1
+        return b.query_start_loc_np[:-1] + b.num_scheduled_tokens - self.step.num_rejected - 1
 
     def next_tokens(self, width: int) -> np.ndarray:
         """[R, width] the known tokens after each request's last valid row: the one just
         sampled, then the prompt tokens after the chunk (all of them prompt tokens for a
         non-final prefill chunk)."""
-        R = self.input_batch.num_reqs
-        nxt = np.asarray(self.next_prefill_token_ids, dtype=np.int64).reshape(R, -1)[:, :width]
-        nxt = nxt.copy()
-        last = self.sampled_token_ids[np.arange(R), np.maximum(self.num_sampled - 1, 0)]
+        b, st, step = self.input_batch, self.states, self.step
+        R = b.num_reqs
+        chunk_end = b.num_computed_tokens_np + b.num_scheduled_tokens
+        cols = np.minimum(chunk_end[:, None] + np.arange(width), st.token_ids.shape[1] - 1)
+        nxt = st.token_ids[b.idx_mapping_np[:, None], cols]
+        last = step.sampled[np.arange(R), np.maximum(step.num_sampled - 1, 0)]
         has = self.has_sample
         nxt[has, 0] = last[has]
         return nxt
@@ -114,7 +152,7 @@ class BaseSpeculator(ABC):
     @property
     def num_lookahead_tokens(self) -> int:
         """Known tokens after each request's last position that propose() reads (the width of
-        its next_prefill_token_ids)."""
+        its ProposeInputs.next_tokens)."""
         return 1
 
     @abstractmethod
@@ -133,6 +171,29 @@ class BaseSpeculator(ABC):
     def on_request_removed(self, slot: int, output_token_ids: np.ndarray) -> None:  # noqa: B027
         """A request left request-state slot `slot` (finished, aborted or preempted) having
         written output_token_ids (suffix decoding learns from them). Default: nothing."""
+
+
+class DraftFreeSpeculator(BaseSpeculator):
+    """A speculator without a draft model (prompt lookup, suffix decoding, jump-forward): its
+    drafts come from tokens already known, so there is nothing to build or warm up."""
+
+    model = None
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device | str) -> None:
+        spec = vllm_config.speculative_config
+        if spec is None:
+            raise ValueError("a speculator needs speculative_config")
+        self.speculative_config = spec
+        self.num_speculative_steps = spec.num_speculative_tokens
+        self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+        # The match each row of the last propose() drafted from (0: none), for a hybrid.
+        self.last_match_lengths = np.zeros(0, dtype=np.int64)
+
+    def load_model(self, target_model: CausalLMBase) -> None:
+        """Nothing to build."""
+
+    def capture(self) -> None:
+        """Nothing to warm up."""
 
 
 class DraftModelSpeculator(BaseSpeculator):

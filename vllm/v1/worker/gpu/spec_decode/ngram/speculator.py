@@ -12,22 +12,18 @@ Matching is an incremental index per request slot: a dict from every n-gram (eac
 [min, max]) to the position after its latest occurrence, extended by the tokens appended since
 the request's previous step. A step costs O(new tokens x (max - min + 1)) dict operations per
 request, never O(context). A request without a match (or a row that sampled nothing: a non-final
-prefill chunk) gets no drafts: its row is PAD_TOKEN_ID, which the scheduler reads as "none".
+prefill chunk) gets no drafts: its row is PAD_TOKEN_ID, and the runner reports it to the
+scheduler as 0 drafts.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from vllm.config import VllmConfig
-from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator, ProposeInputs
+from vllm.v1.worker.gpu.spec_decode.speculator import DraftFreeSpeculator, ProposeInputs
 from vllm.v1.worker.gpu.states import PAD_TOKEN_ID
-
-if TYPE_CHECKING:
-    from vllm.model_executor.models.base import CausalLMBase
 
 
 class NgramIndex:
@@ -72,53 +68,29 @@ class NgramIndex:
         return None
 
 
-class NgramSpeculator(BaseSpeculator):
+class NgramSpeculator(DraftFreeSpeculator):
     """Prompt lookup (module docstring). Built on the last pipeline stage like every
     speculator; its drafts go through the same StepResult broadcast."""
 
-    model = None
-
     def __init__(self, vllm_config: VllmConfig, device: torch.device | str) -> None:
-        spec = vllm_config.speculative_config
-        if spec is None:
-            raise ValueError("a speculator needs speculative_config")
+        super().__init__(vllm_config, device)
+        spec = self.speculative_config
         assert spec.prompt_lookup_min is not None and spec.prompt_lookup_max is not None
         self.lo, self.hi = spec.prompt_lookup_min, spec.prompt_lookup_max
-        self.num_speculative_steps = spec.num_speculative_tokens
-        self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.indices: list[NgramIndex | None] = [None] * self.max_num_reqs
-        # The n-gram each row of the last propose() matched (0: none), for a hybrid.
-        self.last_match_lengths = np.zeros(0, dtype=np.int64)
-
-    def load_model(self, target_model: CausalLMBase) -> None:
-        """Nothing to build: the drafts come from the requests' own tokens."""
-
-    def capture(self) -> None:
-        """Nothing to warm up."""
 
     def propose(self, inputs: ProposeInputs) -> np.ndarray:
-        b = inputs.input_batch
-        R, K = b.num_reqs, self.num_speculative_steps
+        R, K = inputs.input_batch.num_reqs, self.num_speculative_steps
         drafts = np.full((R, K), PAD_TOKEN_ID, dtype=np.int64)
-        hist, hist_len = inputs.token_ids, inputs.num_tokens
-        if hist is None or hist_len is None:
-            raise ValueError("the ngram speculator needs the requests' token history")
-        k_max = K if inputs.num_draft_steps is None else min(K, inputs.num_draft_steps)
-        slots = b.idx_mapping_np
+        k_max = inputs.max_drafts(K)
         self.last_match_lengths = np.zeros(R, dtype=np.int64)
-        for i in range(R):
-            s = int(slots[i])
-            idx = self.indices[s]
-            if idx is None or inputs.new_req_mask[i]:
-                idx = self.indices[s] = NgramIndex(self.lo, self.hi)
-            n_hist = int(hist_len[s])
-            have = len(idx.tokens)
-            if have < n_hist:
-                idx.extend(hist[s, have:n_hist].tolist())
-            n = int(inputs.num_sampled[i])
-            if n == 0 or k_max == 0:
-                continue
-            idx.extend(inputs.sampled_token_ids[i, :n].tolist())
+        for i, idx in inputs.follow_histories(
+            self.indices,
+            lambda: NgramIndex(self.lo, self.hi),
+            lambda c: len(c.tokens),
+            lambda c, tokens: c.extend(tokens.tolist()),
+            k_max,
+        ):
             got = idx.propose(k_max)
             if got is not None:
                 drafts[i, :k_max] = got
@@ -126,24 +98,10 @@ class NgramSpeculator(BaseSpeculator):
         return drafts
 
 
-class JumpForwardSpeculator(BaseSpeculator):
+class JumpForwardSpeculator(DraftFreeSpeculator):
     """No drafter of its own (method "jump_forward"): every row proposes nothing here, and the
     model runner fills in, for structured-output requests, the tokens their grammar forces
     (StructuredOutputStates.constrain_drafts)."""
-
-    model = None
-
-    def __init__(self, vllm_config: VllmConfig, device: torch.device | str) -> None:
-        spec = vllm_config.speculative_config
-        if spec is None:
-            raise ValueError("a speculator needs speculative_config")
-        self.num_speculative_steps = spec.num_speculative_tokens
-
-    def load_model(self, target_model: CausalLMBase) -> None:
-        """Nothing to build."""
-
-    def capture(self) -> None:
-        """Nothing to warm up."""
 
     def propose(self, inputs: ProposeInputs) -> np.ndarray:
         R = inputs.input_batch.num_reqs

@@ -30,17 +30,13 @@ from __future__ import annotations
 
 import collections
 from array import array
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from vllm.config import VllmConfig
-from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator, ProposeInputs
+from vllm.v1.worker.gpu.spec_decode.speculator import DraftFreeSpeculator, ProposeInputs
 from vllm.v1.worker.gpu.states import PAD_TOKEN_ID
-
-if TYPE_CHECKING:
-    from vllm.model_executor.models.base import CausalLMBase
 
 _SEP = -1  # between two sequences of a corpus (and over evicted ones)
 
@@ -190,33 +186,20 @@ class GlobalSuffixCache:
             self.ranges = collections.deque(c.compact(list(self.ranges)))
 
 
-class SuffixSpeculator(BaseSpeculator):
+class SuffixSpeculator(DraftFreeSpeculator):
     """Suffix decoding (module docstring). Built on the last pipeline stage like every
     speculator; its drafts go through the same StepResult broadcast."""
 
-    model = None
-
     def __init__(self, vllm_config: VllmConfig, device: torch.device | str) -> None:
-        spec = vllm_config.speculative_config
-        if spec is None:
-            raise ValueError("a speculator needs speculative_config")
+        super().__init__(vllm_config, device)
+        spec = self.speculative_config
         self.depth = spec.suffix_decoding_max_tree_depth
         self.factor = spec.suffix_decoding_max_spec_factor
         self.min_prob = spec.suffix_decoding_min_token_prob
-        self.num_speculative_steps = spec.num_speculative_tokens
-        self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.own: list[TokenCorpus | None] = [None] * self.max_num_reqs
         self.global_cache = GlobalSuffixCache(spec.suffix_decoding_max_cached_requests)
         # Drafts proposed, by the source they came from (tests, benchmarks).
         self.num_proposed = {"request": 0, "global": 0}
-        # The match each row of the last propose() drafted from (0: none), for a hybrid.
-        self.last_match_lengths = np.zeros(0, dtype=np.int64)
-
-    def load_model(self, target_model: CausalLMBase) -> None:
-        """Nothing to build: the drafts come from tokens already written."""
-
-    def capture(self) -> None:
-        """Nothing to warm up."""
 
     def end_warm_up(self) -> None:
         self.global_cache = GlobalSuffixCache(self.global_cache.max_requests)
@@ -229,28 +212,17 @@ class SuffixSpeculator(BaseSpeculator):
         self.global_cache.add(output_token_ids)
 
     def propose(self, inputs: ProposeInputs) -> np.ndarray:
-        b = inputs.input_batch
-        R, K = b.num_reqs, self.num_speculative_steps
+        R, K = inputs.input_batch.num_reqs, self.num_speculative_steps
         drafts = np.full((R, K), PAD_TOKEN_ID, dtype=np.int64)
-        hist, hist_len = inputs.token_ids, inputs.num_tokens
-        if hist is None or hist_len is None:
-            raise ValueError("the suffix speculator needs the requests' token history")
-        k_max = K if inputs.num_draft_steps is None else min(K, inputs.num_draft_steps)
-        slots = b.idx_mapping_np
+        k_max = inputs.max_drafts(K)
         self.last_match_lengths = np.zeros(R, dtype=np.int64)
-        for i in range(R):
-            s = int(slots[i])
-            own = self.own[s]
-            if own is None or inputs.new_req_mask[i]:
-                own = self.own[s] = TokenCorpus()
-                own.append([], new_sequence=True)
-            n_hist = int(hist_len[s])
-            if own.size < n_hist:
-                own.append(hist[s, own.size : n_hist], new_sequence=False)
-            n = int(inputs.num_sampled[i])
-            if n == 0 or k_max == 0:
-                continue
-            own.append(inputs.sampled_token_ids[i, :n], new_sequence=False)
+        for i, own in inputs.follow_histories(
+            self.own,
+            TokenCorpus,
+            lambda c: c.size,
+            lambda c, tokens: c.append(tokens, new_sequence=False),
+            k_max,
+        ):
             context = own.buf[max(0, own.size - self.depth) : own.size]
             best: tuple[float, int, int, list[int], str, int] = (0.0, 0, 0, [], "", 0)
             for name, corpus in (("request", own), ("global", self.global_cache.corpus)):
