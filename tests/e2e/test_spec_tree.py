@@ -43,7 +43,7 @@ def eagle_self_dir(llama_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def near_bigram_dir(llama_dir, tmp_path_factory):
     return make_llama_bigram_target(
-        tmp_path_factory.mktemp("tree_near_bigram"), llama_dir, target_scale=0.3
+        tmp_path_factory.mktemp("tree_near_bigram"), llama_dir, target_scale=0.7
     )
 
 
