@@ -109,3 +109,49 @@ def test_deepest_branch_right(bigram_dir, eagle_self_dir, prompts):
     assert got == ref
     drafts, accepted, per_depth = _counts(m)
     assert accepted == 3 * drafts, (drafts, accepted, per_depth)
+
+
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_tree_with_chunked_prefill_prefix_hits_and_preemption(
+    near_bigram_dir, eagle_self_dir, prompts, sp
+):
+    """A small token budget (prompts arrive in chunks beside verifying trees), repeated prompts
+    (prefix-cache hits) and a KV cache too small for every request (preemption, recompute):
+    the text and the logprobs of every emitted token equal the speculation-free run's."""
+    sp = sp.clone()
+    sp.logprobs = 2
+    ps = prompts + [prompts[2][:50] + [7, 8, 9]]
+    spec = _tree_spec("eagle", eagle_self_dir)
+    probe = LLM(model=near_bigram_dir, **COMMON, speculative_config=spec)
+    per_block = probe.llm_engine.executor.worker.model_runner.kv_cache_bytes_per_block()
+    bs = probe.llm_engine.vllm_config.cache_config.block_size
+    probe.shutdown()
+    kw = dict(max_num_batched_tokens=32, max_model_len=10 * bs - 7)
+    llm = LLM(
+        model=near_bigram_dir,
+        speculative_config=spec,
+        kv_cache_memory_bytes=10 * per_block,
+        **{**COMMON, **kw},
+    )
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+        # The last prompt again: its blocks are still cached.
+        outs += llm.generate([{"prompt_token_ids": ps[-1]}], sp, use_tqdm=False)
+        m = {x.name: x for x in llm.get_metrics()}
+    finally:
+        llm.shutdown()
+    ref_llm = LLM(model=near_bigram_dir, **{**COMMON, **kw})
+    try:
+        ref = ref_llm.generate([{"prompt_token_ids": p} for p in ps + ps[-1:]], sp, use_tqdm=False)
+    finally:
+        ref_llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [r.outputs[0].token_ids for r in ref]
+    assert m["vllm:num_preemptions"].value > 0
+    assert m["vllm:prefix_cache_hits"].value > 0
+    assert _counts(m)[1] > 0
+    for o, r in zip(outs, ref):
+        for lp, rlp, tok in zip(
+            o.outputs[0].logprobs, r.outputs[0].logprobs, o.outputs[0].token_ids
+        ):
+            assert lp[tok].logprob == pytest.approx(rlp[tok].logprob, abs=1e-4)
+            assert set(lp) == set(rlp)

@@ -123,7 +123,8 @@ def test_fork_at_the_root():
     assert sampled[0, :2].tolist() == [12, 55] and sampled[1, :2].tolist() == [21, 66]
     assert tp.paths == [[2], [1]]
     # The stages without logits re-derive the same path from the drafts and the tokens.
-    assert path_from_result(np.array([10, 11, 12, 13, 14, 15, 16]), t.parents, sampled[0, :2]) == [2]
+    drafts = np.array([10, 11, 12, 13, 14, 15, 16])
+    assert path_from_result(drafts, t.parents, sampled[0, :2]) == [2]
 
 
 def test_layout_positions_and_mask():
