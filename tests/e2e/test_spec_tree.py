@@ -155,3 +155,22 @@ def test_tree_with_chunked_prefill_prefix_hits_and_preemption(
         ):
             assert lp[tok].logprob == pytest.approx(rlp[tok].logprob, abs=1e-4)
             assert set(lp) == set(rlp)
+
+
+def test_tree_beside_logit_controls(near_bigram_dir, eagle_self_dir, prompts):
+    """Requests with penalties / bad words verify their nodes as a chain (their controls read
+    the rows before as history), plain ones as a tree, in one batch: all equal the
+    speculation-free text."""
+    base = dict(max_tokens=40, ignore_eos=True)
+    sps = [
+        SamplingParams(temperature=0, repetition_penalty=3.0, **base),
+        SamplingParams(temperature=0, **base),
+        SamplingParams(temperature=0.8, seed=5, frequency_penalty=2.0, **base),
+        SamplingParams(temperature=0, presence_penalty=2.0, min_tokens=15, **base),
+        SamplingParams(temperature=0.8, seed=6, presence_penalty=-2.0, **base),
+        SamplingParams(temperature=0, presence_penalty=-2.0, **base),
+    ]
+    ref, _ = _run(near_bigram_dir, prompts, sps)
+    got, m = _run(near_bigram_dir, prompts, sps, _tree_spec("eagle", eagle_self_dir))
+    assert got == ref
+    assert _counts(m)[1] > 0
