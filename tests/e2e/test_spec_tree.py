@@ -174,3 +174,17 @@ def test_tree_beside_logit_controls(near_bigram_dir, eagle_self_dir, prompts):
     got, m = _run(near_bigram_dir, prompts, sps, _tree_spec("eagle", eagle_self_dir))
     assert got == ref
     assert _counts(m)[1] > 0
+
+
+@pytest.mark.usefixtures("pp_forkserver")
+@pytest.mark.parametrize(
+    "par", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)], ids=["pp2", "tp2"]
+)
+def test_tree_pipeline_and_tensor_parallel(near_bigram_dir, eagle_self_dir, prompts, par):
+    """P = 2 (the stage without logits compacts its KV from the broadcast result) and TP = 2
+    (rank 0's tokens decide): greedy and seeded text equal to no speculation at P = 1."""
+    sps = [GREEDY if i % 2 else SEEDED for i in range(len(prompts))]
+    ref, _ = _run(near_bigram_dir, prompts, sps)
+    got, m = _run(near_bigram_dir, prompts, sps, _tree_spec("eagle", eagle_self_dir), **par)
+    assert got == ref
+    assert _counts(m)[1] > 0

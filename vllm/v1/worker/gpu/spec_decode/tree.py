@@ -245,31 +245,48 @@ class TreeVerifier(RejectionSampler):
         tree = StaticTree.from_config(vllm_config)
         if tree is None:
             return None
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
-            raise ValueError(
-                "speculative_config.speculative_token_tree is not supported with "
-                "pipeline_parallel_size > 1 yet"
-            )
         return cls(tree, runner)
 
+    def _slot_parents(self, slot: int, k: int) -> np.ndarray:
+        """The parents of a request's first k nodes. A request with logit controls or a
+        grammar verifies its nodes as a chain in tree order (lossless, fewer acceptances):
+        both read each row's history as the drafts of the rows before it."""
+        p = self.runner.states.params[slot]
+        if p is not None and (needs_controls(p) or p.structured_outputs is not None):
+            return np.arange(k, dtype=np.int64) - 1
+        return self.tree.parents[:k]
+
     def _parents(self, batch):
-        """parents_of(row, k) for this batch. A request with logit controls or a grammar
-        verifies its nodes as a chain in tree order (lossless, fewer acceptances): both read
-        each row's history as the drafts of the rows before it."""
-        params, slots = self.runner.states.params, batch.idx_mapping_np
-        chain = np.arange(self.tree.num_nodes) - 1
-
-        def parents_of(row: int, k: int) -> np.ndarray:
-            p = params[int(slots[row])]
-            if p is not None and (needs_controls(p) or p.structured_outputs is not None):
-                return chain[:k]
-            return self.tree.parents[:k]
-
-        return parents_of
+        slots = batch.idx_mapping_np
+        return lambda row, k: self._slot_parents(int(slots[row]), k)
 
     def layout(self, input_batch):
+        h = self.runner.pp_handler
+        if h is not None and h.before_apply is None and not self.runner.pp.is_last_rank:
+            h.before_apply = self._compact_from_result
         apply_layout(input_batch, self._parents(input_batch))
         return input_batch
+
+    def _compact_from_result(self, states, result, idx_mapping: np.ndarray) -> None:
+        """Pipeline stages before the last: compact this stage's KV from the last stage's
+        broadcast result (the path re-derived from the verified drafts and the emitted
+        tokens), before the result is applied (the states still hold the verified drafts)."""
+        run = self.runner
+        src, dst = [], []
+        for row in np.flatnonzero(idx_mapping >= 0).tolist():
+            slot, n = int(idx_mapping[row]), int(result.num_sampled[row])
+            k = n + int(result.num_rejected[row]) - 1
+            if n == 0 or k <= 0:
+                continue
+            drafts = states.draft_tokens[slot, :k]
+            path = path_from_result(drafts, self._slot_parents(slot, k), result.sampled[row, :n])
+            root_pos = int(states.num_computed[slot]) - k - 1
+            s, d = path_slots(states.block_table[slot], run.block_size, root_pos, path)
+            src.append(s)
+            dst.append(d)
+        if src:
+            num_slots = run.num_blocks * run.block_size
+            compact_kv(run.kv_caches, num_slots, np.concatenate(src), np.concatenate(dst))
 
     def __call__(self, input_batch, target_tokens):
         b, run = input_batch, self.runner
