@@ -174,7 +174,7 @@ class SpeculativeConfig:
                     f"{d['method']!r}"
                 )
             d = {**{k: v for k, v in d.items() if k != "model"}, "method": "ngram"}
-        d = fill_tree_k(_with_speculators_defaults(d))
+        d = _with_speculators_defaults(fill_tree_k(d))
         if d.get("method") == "suffix" and d.get("num_speculative_tokens") is None:
             # K is the most a match can draft: the tree depth (vLLM's default for suffix).
             d = {**d, "num_speculative_tokens": d.get("suffix_decoding_max_tree_depth", 24)}
