@@ -53,9 +53,41 @@ def draft_tree(
     want = N if num_steps is None else max(0, min(N, num_steps))
     R = db.num_reqs
     dev = spec.device
+    drafts = np.full((R, N), PAD_TOKEN_ID, dtype=np.int64)
+    logits_h, feedback, lti = first_pass(spec, db, hidden_states)
+    if want == 0:
+        return drafts
+    depth, parents, ranks = tree.depth[:want], tree.parents[:want], tree.ranks[:want]
+    root_fb = feedback[lti]  # [R, H] what the depth-1 nodes read
+    node_fb: torch.Tensor | None = None  # [R, n, H] each computed node's output hidden state
+    tokens = torch.zeros(R, want, dtype=torch.int64, device=dev)
+    with decode_rows():
+        top = _top_tokens(spec, spec._compute_logits(logits_h[lti], 0), int(ranks.max()) + 1)
+    level = np.flatnonzero(depth == 1)
+    tokens[:, level] = top[:, ranks[level]]
+    for d in range(1, int(depth.max())):
+        n = int(np.searchsorted(depth, d, side="right"))  # nodes of depth <= d
+        nxt = np.flatnonzero(depth == d + 1)
+        par = np.broadcast_to(parents[:n], (R, n))
+        logits_h, node_fb = node_pass(spec, db, tokens[:, :n], par, depth[:n], root_fb, node_fb, d)
+        level = np.flatnonzero(depth == d)
+        k = int(ranks[nxt].max()) + 1
+        with decode_rows():
+            lg = spec._compute_logits(logits_h[:, level].reshape(R * len(level), -1), d)
+        top = _top_tokens(spec, lg, k).view(R, len(level), k)
+        where = np.searchsorted(level, parents[nxt])  # each new node's parent within `level`
+        tokens[:, nxt] = top[:, where, ranks[nxt]]
+    drafts[:, :want] = tokens.cpu().numpy()
+    return drafts
+
+
+def first_pass(spec: AutoRegressiveSpeculator, db: DraftBatch, hidden_states: torch.Tensor):
+    """The chain drafter's step 0 (writes the draft's KV at every position the target computed);
+    returns (logits hidden, feedback hidden, each request's last accepted row)."""
+    R = db.num_reqs
+    dev = spec.device
     lti = torch.from_numpy(db.last_token_indices).to(dev)
     spec.last_token_indices[:R] = lti
-    drafts = np.full((R, N), PAD_TOKEN_ID, dtype=np.int64)
     ids0 = torch.from_numpy(db.input_ids).to(dev)
     embeds0 = None
     if db.mm_rows is not None and db.mm_embeds is not None and len(db.mm_rows):
@@ -69,63 +101,58 @@ def draft_tree(
         0,
         inputs_embeds=embeds0,
     )
-    if want == 0:
-        return drafts
-    depth, parents, ranks = tree.depth[:want], tree.parents[:want], tree.ranks[:want]
-    root_fb = feedback[lti]  # [R, H] what the depth-1 nodes read
-    node_fb: torch.Tensor | None = None  # [R, n, H] each computed node's output hidden state
-    tokens = torch.zeros(R, want, dtype=torch.int64, device=dev)
-    with decode_rows():
-        top = _top_tokens(spec, spec._compute_logits(logits_h[lti], 0), int(ranks.max()) + 1)
-    level = np.flatnonzero(depth == 1)
-    tokens[:, level] = top[:, ranks[level]]
+    return logits_h, feedback, lti
+
+
+def node_pass(
+    spec: AutoRegressiveSpeculator,
+    db: DraftBatch,
+    tokens: torch.Tensor,
+    parents: np.ndarray,
+    depth: np.ndarray,
+    root_fb: torch.Tensor,
+    node_fb: torch.Tensor | None,
+    step: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One tree-masked draft forward over n nodes per request: tokens [R, n], parents [R, n]
+    (-1: the root; a parent always comes before its child), depth [n] (the same for every
+    request). Node j runs at position last + depth[j], writes the slot of position
+    last + 1 + j and reads its parent's output hidden state (node_fb [R, >= n, H], the root's:
+    root_fb [R, H]). Returns (logits hidden [R, n, H], output hidden [R, n, H])."""
+    R, n = tokens.shape
+    dev = spec.device
     max_pos = spec.max_model_len - 1
-    for d in range(1, int(depth.max())):
-        n = int(np.searchsorted(depth, d, side="right"))  # nodes of depth <= d
-        nxt = np.flatnonzero(depth == d + 1)
-        pos = np.minimum(db.last[:, None] + depth[None, :n], max_pos)  # [R, n]
-        slot_pos = np.minimum(db.last[:, None] + 1 + np.arange(n)[None], max_pos)
-        bs = spec.block_size
-        blk = np.take_along_axis(
-            db.block_table, np.minimum(slot_pos // bs, db.block_table.shape[1] - 1), axis=1
-        )
-        slots = (blk * bs + slot_pos % bs).reshape(-1)
-        meta = build_attn_metadata(
-            np.arange(R + 1, dtype=np.int64) * n,
-            slot_pos[:, -1] + 1,
-            db.block_table,
-            bs,
-            dev,
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            positions=pos.reshape(-1),
-            short_query_len=n,
-        )
-        anc = torch.from_numpy(ancestor_mask(parents[:n])[1:, 1:])
-        meta.tree_mask = anc.to(dev)[None].expand(R, n, n)
-        par = parents[:n]
-        hid = root_fb[:, None, :].expand(R, n, root_fb.shape[-1]).clone()
-        inner = np.flatnonzero(par >= 0)
-        if len(inner):
-            assert node_fb is not None
-            hid[:, inner] = node_fb[:, par[inner]]
-        logits_h, fb = spec._run_model(
-            tokens[:, :n].reshape(-1),
-            torch.from_numpy(pos.reshape(-1)).to(dev),
-            hid.reshape(R * n, -1),
-            meta,
-            d,
-        )
-        node_fb = fb.view(R, n, -1)
-        if not len(nxt):
-            break
-        level = np.flatnonzero(depth == d)
-        k = int(ranks[nxt].max()) + 1
-        with decode_rows():
-            lg = spec._compute_logits(
-                logits_h.view(R, n, -1)[:, level].reshape(R * len(level), -1), d
-            )
-        top = _top_tokens(spec, lg, k).view(R, len(level), k)
-        where = np.searchsorted(level, parents[nxt])  # each new node's parent within `level`
-        tokens[:, nxt] = top[:, where, ranks[nxt]]
-    drafts[:, :want] = tokens.cpu().numpy()
-    return drafts
+    pos = np.minimum(db.last[:, None] + depth[None, :], max_pos)  # [R, n]
+    slot_pos = np.minimum(db.last[:, None] + 1 + np.arange(n)[None], max_pos)
+    bs = spec.block_size
+    blk = np.take_along_axis(
+        db.block_table, np.minimum(slot_pos // bs, db.block_table.shape[1] - 1), axis=1
+    )
+    slots = (blk * bs + slot_pos % bs).reshape(-1)
+    meta = build_attn_metadata(
+        np.arange(R + 1, dtype=np.int64) * n,
+        slot_pos[:, -1] + 1,
+        db.block_table,
+        bs,
+        dev,
+        slot_mapping=torch.from_numpy(slots).to(dev),
+        positions=pos.reshape(-1),
+        short_query_len=n,
+    )
+    masks = np.stack([ancestor_mask(parents[r])[1:, 1:] for r in range(R)]) if R else None
+    meta.tree_mask = torch.from_numpy(masks).to(dev) if masks is not None else None
+    hid = root_fb[:, None, :].expand(R, n, root_fb.shape[-1]).clone()
+    rr, jj = np.nonzero(parents >= 0)
+    if len(rr):
+        assert node_fb is not None
+        hid[torch.from_numpy(rr), torch.from_numpy(jj)] = node_fb[
+            torch.from_numpy(rr), torch.from_numpy(parents[rr, jj])
+        ]
+    logits_h, fb = spec._run_model(
+        tokens.reshape(-1),
+        torch.from_numpy(pos.reshape(-1)).to(dev),
+        hid.reshape(R * n, -1),
+        meta,
+        step,
+    )
+    return logits_h.view(R, n, -1), fb.view(R, n, -1)
