@@ -188,3 +188,36 @@ def test_tree_pipeline_and_tensor_parallel(near_bigram_dir, eagle_self_dir, prom
     got, m = _run(near_bigram_dir, prompts, sps, _tree_spec("eagle", eagle_self_dir), **par)
     assert got == ref
     assert _counts(m)[1] > 0
+
+
+def _dynamic_spec(method: str, draft: str) -> dict:
+    return {
+        "method": method,
+        "model": draft,
+        "num_tree_nodes": 6,
+        "tree_top_k": 2,
+        "tree_max_depth": 4,
+        "adaptive_num_speculative_tokens": False,
+    }
+
+
+@pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_dynamic_tree_equals_no_speculation(near_bigram_dir, eagle_self_dir, prompts, sp):
+    """EAGLE-2 style trees (each request's own shape every step): the text is unchanged and
+    drafts are accepted at several depths."""
+    ref, _ = _run(near_bigram_dir, prompts, sp)
+    got, m = _run(near_bigram_dir, prompts, sp, _dynamic_spec("eagle", eagle_self_dir))
+    assert got == ref
+    drafts, accepted, per_depth = _counts(m)
+    assert accepted > 0 and per_depth[1] > 0 and sum(per_depth) == accepted
+
+
+def test_dynamic_tree_eagle3_and_tp2(llama_dir, eagle3_dir, prompts):
+    sps = [GREEDY if i % 2 else SEEDED for i in range(len(prompts))]
+    ref, _ = _run(llama_dir, prompts, sps)
+    got, _ = _run(llama_dir, prompts, sps, _dynamic_spec("eagle3", eagle3_dir))
+    assert got == ref
+    got, _ = _run(
+        llama_dir, prompts, sps, _dynamic_spec("eagle3", eagle3_dir), tensor_parallel_size=2
+    )
+    assert got == ref

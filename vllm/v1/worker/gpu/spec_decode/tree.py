@@ -233,19 +233,31 @@ class TreeVerifier(RejectionSampler):
     (every stage) and, on the last stage, acceptance, KV compaction (__call__) and the draft's
     chain view of the step (draft_view)."""
 
-    def __init__(self, tree: StaticTree, runner) -> None:
-        super().__init__(tree.num_nodes)
+    def __init__(self, tree: StaticTree | None, num_nodes: int, runner) -> None:
+        super().__init__(num_nodes)
         self.tree = tree
         self.runner = runner
         self._path: TreePath | None = None
+        # A dynamic tree (tree None): each request's node parents, from the draft's last
+        # propose (rows of the batch in _proposed_slots, taken up before the next forward).
+        self.slot_parents = np.full((runner.max_num_reqs, num_nodes), -1, dtype=np.int64)
+        self._proposed_slots: np.ndarray | None = None
 
     @classmethod
     def make(cls, runner) -> TreeVerifier | None:
         vllm_config = runner.vllm_config
+        spec = vllm_config.speculative_config
         tree = StaticTree.from_config(vllm_config)
-        if tree is None:
+        if tree is not None:
+            return cls(tree, tree.num_nodes, runner)
+        if spec is None or spec.num_tree_nodes is None:
             return None
-        return cls(tree, runner)
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError(
+                "speculative_config.num_tree_nodes (a dynamic tree) is not supported with "
+                "pipeline_parallel_size > 1 yet (use speculative_token_tree)"
+            )
+        return cls(None, spec.num_tree_nodes, runner)
 
     def _slot_parents(self, slot: int, k: int) -> np.ndarray:
         """The parents of a request's first k nodes. A request with logit controls or a
@@ -254,6 +266,8 @@ class TreeVerifier(RejectionSampler):
         p = self.runner.states.params[slot]
         if p is not None and (needs_controls(p) or p.structured_outputs is not None):
             return np.arange(k, dtype=np.int64) - 1
+        if self.tree is None:
+            return self.slot_parents[slot, :k]
         return self.tree.parents[:k]
 
     def _parents(self, batch):
@@ -261,6 +275,10 @@ class TreeVerifier(RejectionSampler):
         return lambda row, k: self._slot_parents(int(slots[row]), k)
 
     def layout(self, input_batch):
+        slots, self._proposed_slots = self._proposed_slots, None
+        parents = getattr(self.runner.speculator, "tree_parents", None)
+        if slots is not None and parents is not None:
+            self.slot_parents[slots] = parents[: len(slots)]
         h = self.runner.pp_handler
         if h is not None and h.before_apply is None and not self.runner.pp.is_last_rank:
             h.before_apply = self._compact_from_result
@@ -305,6 +323,7 @@ class TreeVerifier(RejectionSampler):
 
     def draft_view(self, input_batch, hidden, aux, logits):
         tp, self._path = self._path, None
+        self._proposed_slots = input_batch.idx_mapping_np
         if tp is None:
             return input_batch, hidden, aux, logits
         b = input_batch

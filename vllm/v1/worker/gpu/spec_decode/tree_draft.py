@@ -156,3 +156,104 @@ def node_pass(
         step,
     )
     return logits_h.view(R, n, -1), fb.view(R, n, -1)
+
+
+def draft_dynamic(
+    spec: AutoRegressiveSpeculator,
+    db: DraftBatch,
+    hidden_states: torch.Tensor,
+    num_nodes: int,
+    top_k: int,
+    max_depth: int,
+    num_steps: int | None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """A dynamic tree (EAGLE-2): (drafts [R, num_nodes], parents [R, num_nodes]).
+
+    Depth 1: the draft's top_k tokens after the root. At each depth the top_k candidates with
+    the highest path probability (the product of the draft's probabilities along the path)
+    are expanded - run through the draft, their top_k children become candidates - within a
+    budget of num_nodes expanded nodes (their draft KV must fit the slots after the root).
+    Then the num_nodes most probable candidates of all depths are kept (a child is never more
+    probable than its parent, so every kept node's parent is kept), ordered by depth, then
+    probability. TP: rank 0's choices (spec.agree)."""
+    N = num_nodes
+    want = N if num_steps is None else max(0, min(N, num_steps))
+    R = db.num_reqs
+    dev = spec.device
+    drafts = np.full((R, N), PAD_TOKEN_ID, dtype=np.int64)
+    parents_out = np.full((R, N), -1, dtype=np.int64)
+    parents_out[:, 1:] = np.arange(N - 1)  # unused columns: a chain (never verified)
+    logits_h, feedback, lti = first_pass(spec, db, hidden_states)
+    if want == 0:
+        return drafts, parents_out
+    root_fb = feedback[lti]
+    k = min(top_k, want)
+    with decode_rows():
+        lp = torch.log_softmax(spec._compute_logits(logits_h[lti], 0).float(), -1)
+    score, idx = lp.topk(k, dim=-1)
+    # Candidates (per request, same count): token, parent candidate (-1: root), score, depth.
+    c_tok = _to_target(spec, idx)
+    c_par = torch.full((R, k), -1, dtype=torch.int64, device=dev)
+    c_score, c_depth = score, torch.ones(R, k, dtype=torch.int64, device=dev)
+    run: torch.Tensor | None = None  # [R, n] candidate index of each expanded node
+    node_fb: torch.Tensor | None = None
+    level_lo = 0  # first candidate index of the current depth
+    for d in range(1, max_depth):
+        n_run = 0 if run is None else run.shape[1]
+        e = min(top_k, want - n_run, c_tok.shape[1] - level_lo)
+        if e <= 0:
+            break
+        # The e best candidates of depth d, expanded.
+        best = c_score[:, level_lo:].topk(e, dim=-1).indices + level_lo
+        best = spec.agree(best)
+        run = best if run is None else torch.cat([run, best], 1)
+        n = run.shape[1]
+        # Expanded nodes' parents as indices into `run` (their parent was expanded before).
+        cand_par = torch.gather(c_par, 1, run)
+        pos_of = torch.full((R, c_tok.shape[1] + 1), -1, dtype=torch.int64, device=dev)
+        pos_of.scatter_(1, run, torch.arange(n, device=dev).expand(R, n))
+        run_par = torch.where(cand_par >= 0, torch.gather(pos_of, 1, cand_par.clamp(min=0)), -1)
+        depth = torch.gather(c_depth, 1, run)[0].cpu().numpy()
+        logits_h, node_fb = node_pass(
+            spec,
+            db,
+            torch.gather(c_tok, 1, run),
+            run_par.cpu().numpy(),
+            depth,
+            root_fb,
+            node_fb,
+            d,
+        )
+        with decode_rows():
+            lg = spec._compute_logits(logits_h[:, n - e :].reshape(R * e, -1), d)
+        lp = torch.log_softmax(lg.float(), -1).view(R, e, -1)
+        s, i = lp.topk(k, dim=-1)  # [R, e, k]
+        s = s + torch.gather(c_score, 1, best)[:, :, None]
+        level_lo = c_tok.shape[1]
+        c_tok = torch.cat([c_tok, _to_target(spec, i).reshape(R, e * k)], 1)
+        c_par = torch.cat([c_par, best[:, :, None].expand(R, e, k).reshape(R, e * k)], 1)
+        c_score = torch.cat([c_score, s.reshape(R, e * k)], 1)
+        c_depth = torch.cat([c_depth, torch.full((R, e * k), d + 1, device=dev)], 1)
+    # The `want` most probable candidates (ties: the shallower first), by depth then score.
+    m = min(want, c_tok.shape[1])
+    key = c_score - 1e-4 * c_depth.float()
+    keep = spec.agree(key.topk(m, dim=-1).indices)
+    keep_np, depth_np = keep.cpu().numpy(), c_depth.cpu().numpy()
+    score_np, par_np, tok_np = c_score.cpu().numpy(), c_par.cpu().numpy(), c_tok.cpu().numpy()
+    for r in range(R):
+        sel = keep_np[r]
+        order = sel[np.lexsort((-score_np[r, sel], depth_np[r, sel]))]
+        new_index = {int(c): j for j, c in enumerate(order)}
+        drafts[r, :m] = tok_np[r, order]
+        parents_out[r, :m] = [new_index.get(int(par_np[r, c]), -1) for c in order]
+    # One tree on every TP rank: the order above read each rank's own scores.
+    both = spec.agree(torch.from_numpy(np.stack([drafts, parents_out])))
+    both_np = both.cpu().numpy()
+    return both_np[0], both_np[1]
+
+
+def _to_target(spec: AutoRegressiveSpeculator, idx: torch.Tensor) -> torch.Tensor:
+    vocab = getattr(spec, "draft_vocab", None)
+    if vocab is not None and vocab.draft_to_target is not None:
+        idx = vocab.draft_to_target[idx]
+    return spec.agree(idx)
