@@ -221,3 +221,31 @@ def test_dynamic_tree_eagle3_and_tp2(llama_dir, eagle3_dir, prompts):
         llama_dir, prompts, sps, _dynamic_spec("eagle3", eagle3_dir), tensor_parallel_size=2
     )
     assert got == ref
+
+
+@pytest.fixture(scope="module")
+def mtp_near_dir(deepseek_v3_mtp1_dir, tmp_path_factory):
+    from vllm.testing.spec_checkpoints import make_mtp_self_draft
+
+    return make_mtp_self_draft(
+        tmp_path_factory.mktemp("tree_mtp_near"), deepseek_v3_mtp1_dir, target_scale=0.2
+    )
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+def test_mtp_tree_mla_equals_no_speculation(mtp_near_dir, prompts, kind):
+    """MTP (one layer) on DeepSeek-V3 (MLA: the latent cache is compacted, the tree mask runs
+    in the MLA backend): greedy and seeded text equal to no speculation."""
+    sps = [GREEDY if i % 2 else SEEDED for i in range(len(prompts))]
+    spec = {"method": "mtp", "adaptive_num_speculative_tokens": False}
+    if kind == "static":
+        spec["speculative_token_tree"] = TREE
+    else:
+        spec.update(num_tree_nodes=6, tree_top_k=2, tree_max_depth=4)
+    # Prompts of >= 2 tokens: at position 0 the MTP layer sees no embedding by design.
+    ps = [p if len(p) > 1 else p + [5] for p in prompts]
+    ref, _ = _run(mtp_near_dir, ps, sps)
+    got, m = _run(mtp_near_dir, ps, sps, spec)
+    assert got == ref
+    drafts, accepted, per_depth = _counts(m)
+    assert accepted > 0 and per_depth[1] > 0

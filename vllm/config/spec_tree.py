@@ -23,7 +23,7 @@ from typing import Any
 
 WHERE = "speculative_config.speculative_token_tree"
 # Methods whose draft model proposes token by token from the target's hidden states.
-TREE_METHODS = ("eagle", "eagle3")
+TREE_METHODS = ("eagle", "eagle3", "mtp")
 DEFAULT_TREE_TOP_K = 4
 DEFAULT_TREE_MAX_DEPTH = 5
 
@@ -118,10 +118,26 @@ def fill_tree_k(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def refuse_tree_for_hybrid(spec: Any, target: Any) -> None:
-    """Trees need attention over the draft rows; a linear-attention state cannot branch."""
-    if (spec.speculative_token_tree or spec.num_tree_nodes) and target.is_hybrid:
+    """Refuse a tree the target cannot verify: a linear-attention state cannot branch; a DSA
+    indexer selects among causal keys, not a tree's; MTP trees run one MTP layer."""
+    if not (spec.speculative_token_tree or spec.num_tree_nodes):
+        return
+    if target.is_hybrid:
         raise ValueError(
             f"{WHERE} / num_tree_nodes: draft trees are not supported for the hybrid model "
             f"{target.architecture} (its linear-attention layers keep one recurrent state per "
             "request, which cannot branch); use a chain (num_speculative_tokens)"
         )
+    if getattr(target.hf_text_config, "index_topk", None) is not None:
+        raise ValueError(
+            f"{WHERE} / num_tree_nodes: draft trees are not supported for the sparse-attention "
+            f"(DSA) model {target.architecture} yet; use a chain (num_speculative_tokens)"
+        )
+    if spec.method == "mtp":
+        from vllm.config.spec_methods import num_mtp_layers
+
+        if num_mtp_layers(target.hf_text_config) != 1:
+            raise ValueError(
+                f"{WHERE} / num_tree_nodes with method 'mtp' needs a target with one MTP "
+                f"layer; {target.model!r} has {num_mtp_layers(target.hf_text_config)}"
+            )

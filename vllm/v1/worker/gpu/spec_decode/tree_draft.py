@@ -257,3 +257,31 @@ def _to_target(spec: AutoRegressiveSpeculator, idx: torch.Tensor) -> torch.Tenso
     if vocab is not None and vocab.draft_to_target is not None:
         idx = vocab.draft_to_target[idx]
     return spec.agree(idx)
+
+
+def propose_tree(
+    spec: AutoRegressiveSpeculator,
+    db: DraftBatch,
+    hidden_states: torch.Tensor,
+    tree: StaticTree | None,
+    num_steps: int | None,
+) -> np.ndarray | None:
+    """The drafts of a configured tree (static, or dynamic: the parents are left in
+    spec.tree_parents for the verifier), or None without one."""
+    cfg = spec.speculative_config
+    if cfg.num_tree_nodes is not None:
+        assert cfg.tree_top_k is not None and cfg.tree_max_depth is not None
+        drafts, parents = draft_dynamic(
+            spec,
+            db,
+            hidden_states,
+            cfg.num_tree_nodes,
+            cfg.tree_top_k,
+            cfg.tree_max_depth,
+            num_steps,
+        )
+        spec.tree_parents = parents
+        return drafts
+    if tree is None:
+        return None
+    return draft_tree(spec, db, hidden_states, tree, num_steps)

@@ -15,7 +15,7 @@ from vllm.v1.worker.gpu.spec_decode.autoregressive.speculator import (
     DraftBatch,
 )
 from vllm.v1.worker.gpu.spec_decode.tree import StaticTree
-from vllm.v1.worker.gpu.spec_decode.tree_draft import draft_dynamic, draft_tree
+from vllm.v1.worker.gpu.spec_decode.tree_draft import propose_tree
 
 
 class EagleSpeculator(AutoRegressiveSpeculator):
@@ -27,8 +27,6 @@ class EagleSpeculator(AutoRegressiveSpeculator):
 
     # speculative_token_tree: the drafts are that tree's nodes (spec_decode/tree_draft.py).
     tree: StaticTree | None = None
-    # num_tree_nodes (a dynamic tree): the parents [R, K] of the last propose's rows' nodes.
-    tree_parents: np.ndarray | None = None
 
     def on_draft_bound(self, draft: DraftModel, shares: TargetShares) -> None:
         super().on_draft_bound(draft, shares)
@@ -57,19 +55,5 @@ class EagleSpeculator(AutoRegressiveSpeculator):
     def _draft(
         self, db: DraftBatch, hidden_states: torch.Tensor, num_steps: int | None = None
     ) -> np.ndarray:
-        spec = self.speculative_config
-        if spec.num_tree_nodes is not None:
-            assert spec.tree_top_k is not None and spec.tree_max_depth is not None
-            drafts, self.tree_parents = draft_dynamic(
-                self,
-                db,
-                hidden_states,
-                spec.num_tree_nodes,
-                spec.tree_top_k,
-                spec.tree_max_depth,
-                num_steps,
-            )
-            return drafts
-        if self.tree is None:
-            return super()._draft(db, hidden_states, num_steps)
-        return draft_tree(self, db, hidden_states, self.tree, num_steps)
+        drafts = propose_tree(self, db, hidden_states, self.tree, num_steps)
+        return super()._draft(db, hidden_states, num_steps) if drafts is None else drafts
