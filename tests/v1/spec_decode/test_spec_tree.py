@@ -214,3 +214,18 @@ def test_tree_refused_for_hybrid_model(tmp_path):
     args = EngineArgs(model=str(model), max_model_len=128, speculative_config=spec)
     with pytest.raises(ValueError, match="speculative_token_tree.*hybrid model"):
         args.create_engine_config()
+
+
+def test_tree_refused_for_dsa_and_multi_layer_mtp(tmp_path, deepseek_v3_mtp2_dir):
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.testing.dsa_checkpoints import make_deepseek_v32
+
+    dsa = make_deepseek_v32(tmp_path / "v32", num_nextn_predict_layers=1)
+    for model, match in (
+        (dsa, "sparse-attention \\(DSA\\)"),
+        (deepseek_v3_mtp2_dir, "one MTP layer"),
+    ):
+        spec = {"method": "mtp", "speculative_token_tree": "[(0,), (1,)]"}
+        args = EngineArgs(model=str(model), max_model_len=128, speculative_config=spec)
+        with pytest.raises(ValueError, match="speculative_token_tree.*" + match):
+            args.create_engine_config()
