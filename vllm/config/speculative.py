@@ -21,11 +21,13 @@ from vllm.config.spec_methods import (
     SpecMethod,
     num_mtp_layers,
 )
+from vllm.config.spec_tree import check_tree, fill_tree_k, refuse_tree_for_hybrid
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
 
+_TREE_KEYS = ("speculative_token_tree", "tree_top_k", "num_tree_nodes", "tree_max_depth")
 _SPEC_KEYS = {
     "method",
     "num_speculative_tokens",
@@ -47,6 +49,7 @@ _SPEC_KEYS = {
     "hybrid_method",
     "hybrid_min_match_length",
     "hybrid_model_num_speculative_tokens",
+    *_TREE_KEYS,
 }
 _HYBRID_KEYS = ("hybrid_method", "hybrid_min_match_length", "hybrid_model_num_speculative_tokens")
 _SUFFIX_KEYS = (
@@ -143,6 +146,13 @@ class SpeculativeConfig:
     """Choose each request's K every step from its measured acceptance per position and the
     step cost measured at start-up, down to 0 when drafting does not pay (probed again
     later); never above the batch-size schedule. Output does not depend on it."""
+    speculative_token_tree: str | None = None
+    """A static draft tree: vLLM's list of paths of child ranks (config/spec_tree.py)."""
+    tree_top_k: int | None = None
+    tree_max_depth: int | None = None
+    num_tree_nodes: int | None = None
+    """A dynamic tree (EAGLE-2): nodes per step (= K), expanding tree_top_k (default 4)
+    children per depth, at most tree_max_depth (default 5) deep; None: none (spec_tree.py)."""
     draft_model_config: Any = field(default=None, repr=False)
     """The draft's ModelConfig (filled by VllmConfig; None for ngram)."""
 
@@ -164,7 +174,7 @@ class SpeculativeConfig:
                     f"{d['method']!r}"
                 )
             d = {**{k: v for k, v in d.items() if k != "model"}, "method": "ngram"}
-        d = _with_speculators_defaults(d)
+        d = _with_speculators_defaults(fill_tree_k(d))
         if d.get("method") == "suffix" and d.get("num_speculative_tokens") is None:
             # K is the most a match can draft: the tree depth (vLLM's default for suffix).
             d = {**d, "num_speculative_tokens": d.get("suffix_decoding_max_tree_depth", 24)}
@@ -183,6 +193,7 @@ class SpeculativeConfig:
             *_SUFFIX_KEYS,
             "grammar_aware_drafting",
             *_HYBRID_KEYS,
+            *_TREE_KEYS,
         )
         keep: dict[str, Any] = {k: d[k] for k in names if d.get(k) is not None}
         return cls(**keep)
@@ -212,6 +223,7 @@ class SpeculativeConfig:
         self._check_suffix()
         self._check_batch_size_schedule()
         self._check_hybrid()
+        check_tree(self)
         if not isinstance(self.grammar_aware_drafting, bool):
             raise ValueError(
                 "speculative_config.grammar_aware_drafting must be true or false, got "
@@ -385,6 +397,7 @@ class SpeculativeConfig:
         architecture (the MTP head of the target checkpoint, or the EAGLE head class)."""
         draft = self.draft_model_config
         k = self.num_speculative_tokens
+        refuse_tree_for_hybrid(self, target)
         if self.method_info.family == "mtp":
             n = num_mtp_layers(target.hf_text_config)
             if n <= 0:

@@ -338,6 +338,13 @@ def extra_mask(meta: AttentionMetadata, sliding_window: int | None):
         return None
 
     def mask_fn(g: PaddedGroup) -> torch.Tensor:
+        # The same for every layer of the step: built once per group (meta._cache).
+        key = ("extra_mask", id(g), window)
+        if key not in meta._cache:
+            meta._cache[key] = build(g)
+        return meta._cache[key]
+
+    def build(g: PaddedGroup) -> torch.Tensor:
         q_pos = g.q_positions[:, :, None]  # [Rg, Qg, 1]
         k_pos = g.kv_positions[:, None, :]  # [Rg, 1, Sg]
         allowed = torch.ones(

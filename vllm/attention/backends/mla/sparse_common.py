@@ -78,6 +78,8 @@ class SparseMLACommonImpl(TorchMLAImpl, SharedTopkIndicesBuffer):
             raise ValueError(f"{type(self).__name__} takes its mask from the top-k indices")
         if self.dense_when_short and int(np.max(meta.seq_lens_np, initial=0)) <= self.topk_tokens:
             return super().attend_latent(q, latent, meta)
+        if meta.tree_mask is not None:  # the indexer selects among causal keys, not a tree's
+            raise ValueError("speculative_token_tree: draft trees do not run on sparse MLA yet")
         slots = self.topk_slots(meta)
         return self.sparse_attend(q, latent, slots)
 

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import configure_target_aux_taps
 from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
 from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator, ProposeInputs
+from vllm.v1.worker.gpu.spec_decode.tree import TreeVerifier
 from vllm.v1.worker.gpu.states import RequestStates, StepResult, apply_step_result
 
 logger = init_logger(__name__)
@@ -70,7 +71,7 @@ class ModelRunner:
         # Non-first stages: what the previous stage's tensors are received into (load_model).
         self.recv_buffers: dict[str, torch.Tensor] | None = None
         # Verifies drafts (or, without any, takes each request's one sampled token).
-        self.rejection_sampler = RejectionSampler(self.num_spec)
+        self.rejection_sampler = TreeVerifier.make(self) or RejectionSampler(self.num_spec)
         self.kv_caches: dict[str, torch.Tensor] = {}
         # Hybrid models: per-request linear-attention states in the KV manager's state slots.
         self.linear_attn_states: LinearAttnStates | None = None
@@ -234,7 +235,7 @@ class ModelRunner:
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {}, []) if self.pp.is_last_rank else None
-        batch = self.prepare(so)
+        batch = self.rejection_sampler.layout(self.prepare(so))  # draft trees: positions, mask
         assert self.model is not None, "load_model() must run first"
         if intermediate_tensors is not None:
             rows = intermediate_tensors["hidden_states"].shape[0]
@@ -356,6 +357,9 @@ class ModelRunner:
             if self.tp.world_size > 1:
                 tokens = self._tp_agree(tokens)
         sampled, num_sampled = self.rejection_sampler(batch, tokens)
+        vb, hidden, aux, lp_logits = self.rejection_sampler.draft_view(
+            batch, hidden, aux, lp_logits
+        )
         num_rejected = np.where(num_sampled > 0, batch.num_draft_tokens_np + 1 - num_sampled, 0)
         result = StepResult(sampled, num_sampled, num_rejected, None)  # drafts: proposed below
         proposers = None
@@ -368,7 +372,7 @@ class ModelRunner:
         if self.speculator is not None:
             result.drafts = drafts = self.speculator.propose(
                 ProposeInputs(
-                    input_batch=batch,
+                    input_batch=vb,
                     states=st,
                     step=result,
                     last_hidden_states=hidden,

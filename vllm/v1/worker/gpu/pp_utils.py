@@ -103,6 +103,9 @@ class PPHandler:
         # Bumped when a slot is freed: results addressed to its previous owner are dropped.
         self.req_idx_gen_np = np.zeros(max_num_reqs, dtype=np.int64)
         self.recv_wait_s = 0.0  # time spent blocked on broadcasts not yet arrived (benchmarks)
+        # Called with (states, result, idx_mapping) before a result is applied (draft trees
+        # compact this stage's KV from it); None: nothing.
+        self.before_apply: Any = None
 
     # ---- both sides ------------------------------------------------------------------------
     def on_req_idx_freed(self, req_idx: int) -> None:
@@ -252,4 +255,6 @@ class PPHandler:
     def _apply_next(self, states: RequestStates) -> None:
         out = self.get_prev_sampled_outputs()
         if out is not None:
+            if self.before_apply is not None:
+                self.before_apply(states, out[1], out[0])
             apply_step_result(states, out[1], out[0])

@@ -91,3 +91,12 @@ class RejectionSampler:
         return rejection_sample_tokens(
             target_tokens, b.cu_num_logits_np, drafts, self.max_sample_len
         )
+
+    def layout(self, input_batch: InputBatch) -> InputBatch:
+        """The batch as the target runs it (draft trees change positions and the mask)."""
+        return input_batch
+
+    def draft_view(self, input_batch: InputBatch, hidden, aux, logits):
+        """(batch, hidden, aux hidden, logits) as the draft and the logprobs read them after
+        the last __call__ (draft trees reorder the accepted path into a chain)."""
+        return input_batch, hidden, aux, logits

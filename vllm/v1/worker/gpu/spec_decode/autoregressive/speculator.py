@@ -184,6 +184,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         hidden = feedback[torch.from_numpy(np.asarray(src)).to(self.device)]
         return StepInputs(drafts[:, step - 1], end, hidden, meta, rows)
 
+    # A dynamic draft tree (num_tree_nodes): each row's node parents from the last propose.
+    tree_parents: np.ndarray | None = None
     # Structured-output rows' grammar forks for the propose() in progress (None: none).
     draft_grammar: DraftGrammar | None = None
     # At most this many draft steps (a hybrid's draft model within wider drafts; None: K).

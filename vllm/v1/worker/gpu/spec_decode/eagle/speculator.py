@@ -10,7 +10,12 @@ import torch
 from vllm.model_executor.models.draft import DraftModel
 from vllm.model_executor.models.interfaces import HasDraftVocab, TargetShares
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
-from vllm.v1.worker.gpu.spec_decode.autoregressive.speculator import AutoRegressiveSpeculator
+from vllm.v1.worker.gpu.spec_decode.autoregressive.speculator import (
+    AutoRegressiveSpeculator,
+    DraftBatch,
+)
+from vllm.v1.worker.gpu.spec_decode.tree import StaticTree
+from vllm.v1.worker.gpu.spec_decode.tree_draft import propose_tree
 
 
 class EagleSpeculator(AutoRegressiveSpeculator):
@@ -20,8 +25,12 @@ class EagleSpeculator(AutoRegressiveSpeculator):
     # id, needs that). None: the draft's logits are over the target vocabulary.
     draft_vocab: HasDraftVocab | None = None
 
+    # speculative_token_tree: the drafts are that tree's nodes (spec_decode/tree_draft.py).
+    tree: StaticTree | None = None
+
     def on_draft_bound(self, draft: DraftModel, shares: TargetShares) -> None:
         super().on_draft_bound(draft, shares)
+        self.tree = StaticTree.from_config(self.vllm_config)
         if (
             self.draft_sample_method != "probabilistic"
             and isinstance(draft, HasDraftVocab)
@@ -42,3 +51,9 @@ class EagleSpeculator(AutoRegressiveSpeculator):
             assert d2t is not None  # draft_vocab is only set with one
             return d2t[logits.argmax(-1)]
         return super().sample_draft(logits, positions, sampling)
+
+    def _draft(
+        self, db: DraftBatch, hidden_states: torch.Tensor, num_steps: int | None = None
+    ) -> np.ndarray:
+        drafts = propose_tree(self, db, hidden_states, self.tree, num_steps)
+        return super()._draft(db, hidden_states, num_steps) if drafts is None else drafts

@@ -30,6 +30,8 @@ from vllm.v1.worker.gpu.spec_decode.autoregressive.speculator import (
     DraftBatch,
     StepInputs,
 )
+from vllm.v1.worker.gpu.spec_decode.tree import StaticTree
+from vllm.v1.worker.gpu.spec_decode.tree_draft import propose_tree
 
 if TYPE_CHECKING:
     from vllm.model_executor.models.base import CausalLMBase
@@ -157,6 +159,20 @@ class MTPSpeculator(AutoRegressiveSpeculator):
         if K > 1:
             src, found = prev.find(rows_by_step[1].req, rows_by_step[1].t)
             self._set_topk_src_rows(prev, rows_by_step[1], src, found)
+
+    def _draft(
+        self, db: DraftBatch, hidden_states: torch.Tensor, num_steps: int | None = None
+    ) -> np.ndarray:
+        """A draft tree (one MTP layer, no top-k sharing: config/spec_tree.py refuses the
+        rest) runs every node through that layer; else the chained drafts."""
+        tree = StaticTree.from_config(self.vllm_config)
+        if tree is None and self.speculative_config.num_tree_nodes is None:
+            return super()._draft(db, hidden_states, num_steps)
+        self._begin_draft(db)
+        drafts = propose_tree(self, db, hidden_states, tree, num_steps)
+        assert drafts is not None
+        self._end_draft(db)
+        return drafts
 
     def _end_draft(self, db: DraftBatch) -> None:
         assert self._plan is not None

@@ -1,0 +1,143 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""Draft trees vs a chain vs no speculation: SmolLM2-135M-Instruct + the bundled EAGLE3 head.
+
+Engines: no speculation, a chain of K drafts (fixed K), static trees (speculative_token_tree)
+and, where given, a dynamic tree (num_tree_nodes / tree_top_k). Held-out chat prompts, batch 1
+(requests one after another) and larger batches (requests together), temperature 0 and a
+seeded temperature. All engines are built first; every repeat times each (batch, temperature,
+engine) once in an order that rotates between repeats; medians are reported. Prints tokens/s,
+the ratio to no speculation, mean accepted tokens per step (1 + accepted drafts per step), the
+acceptance per depth, and whether the text equals no speculation's.
+
+    python benchmarks/tree_smollm2.py [--engines none chain3 tree6 tree10 dyn10]
+        [--batch 1 8] [--temperature 0 0.7] [--repeats 3] [--output-len 64] [--prompts 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import cpu_flags, smollm2
+from benchmarks.eagle3_smollm2 import heldout_chats
+
+TREES = {
+    "tree6": "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 0, 0)]",
+    "tree10": "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), "
+    "(0, 0, 0, 0)]",
+    "tree16": "[(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), "
+    "(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)]",
+}
+
+
+def spec_of(name: str) -> dict | None:
+    from vllm.model_zoo import SMOLLM2_EAGLE3_DIR
+
+    base = {"method": "eagle3", "model": str(SMOLLM2_EAGLE3_DIR)}
+    base["adaptive_num_speculative_tokens"] = False
+    if name == "none":
+        return None
+    if name.startswith("chain"):
+        return {**base, "num_speculative_tokens": int(name[5:])}
+    if name in TREES:
+        return {**base, "speculative_token_tree": TREES[name]}
+    if name.startswith("dyn"):
+        return {**base, "num_tree_nodes": int(name[3:])}
+    raise SystemExit(f"unknown engine {name!r}")
+
+
+def counters(llm) -> tuple[float, float, list[float]]:
+    m = {x.name: x for x in llm.get_metrics()}
+    d = m.get("vllm:spec_decode_num_drafts")
+    a = m.get("vllm:spec_decode_num_accepted_tokens")
+    p = m.get("vllm:spec_decode_num_accepted_tokens_per_pos")
+    return (d.value if d else 0, a.value if a else 0, list(p.values) if p else [])
+
+
+def timed(llm, chats, batch: int, temperature: float, out_len: int):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=temperature, seed=7, max_tokens=out_len, ignore_eos=True)
+    d0, a0, p0 = counters(llm)
+    t = time.perf_counter()
+    outs = []
+    for i in range(0, len(chats), batch):
+        outs += llm.chat(chats[i : i + batch], sp, use_tqdm=False)
+    dt = time.perf_counter() - t
+    d1, a1, p1 = counters(llm)
+    p0 = p0 + [0] * (len(p1) - len(p0))
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    ids = [list(o.outputs[0].token_ids) for o in outs]
+    return toks / dt, d1 - d0, a1 - a0, [b - a for a, b in zip(p0, p1)], ids
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engines", nargs="+", default=["none", "chain3", "tree6", "tree10"])
+    ap.add_argument("--batch", nargs="+", type=int, default=[1])
+    ap.add_argument("--temperature", nargs="+", type=float, default=[0.0, 0.7])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per batch-1 run")
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+    from vllm import LLM, SamplingParams
+
+    model = smollm2()
+    llms = {
+        e: LLM(
+            model=model,
+            dtype=args.dtype,
+            speculative_config=spec_of(e),
+            max_model_len=1024,
+            max_num_seqs=max(args.batch),
+            disable_log_stats=False,
+        )
+        for e in args.engines
+    }
+    try:
+        for llm in llms.values():
+            llm.chat(heldout_chats(1), SamplingParams(max_tokens=8), use_tqdm=False)
+        order = [(b, t, e) for b in args.batch for t in args.temperature for e in args.engines]
+        samples = defaultdict(list)
+        for r in range(args.repeats):
+            for b, t, e in order[r % len(order) :] + order[: r % len(order)]:
+                chats = heldout_chats(args.prompts if b == 1 else b)
+                samples[(b, t, e)].append(timed(llms[e], chats, b, t, args.output_len))
+                print(f"  batch {b} T={t} {e} rep {r}: {samples[(b, t, e)][-1][0]:.1f} tok/s")
+    finally:
+        for llm in llms.values():
+            llm.shutdown()
+    print("---")
+    print(f"CPU: {cpu_flags()}; {args.dtype}; output {args.output_len} tokens")
+    for b in args.batch:
+        for t in args.temperature:
+            base = (
+                statistics.median(x[0] for x in samples[(b, t, "none")])
+                if ((b, t, "none") in samples)
+                else None
+            )
+            for e in args.engines:
+                runs = samples[(b, t, e)]
+                tps = statistics.median(x[0] for x in runs)
+                drafts, acc = sum(x[1] for x in runs), sum(x[2] for x in runs)
+                depth = [sum(x[3][i] for x in runs) for i in range(len(runs[0][3]))]
+                rates = " ".join(f"{v / drafts:.2f}" for v in depth if v) if drafts else ""
+                same = (b, t, "none") in samples and runs[0][4] == samples[(b, t, "none")][0][4]
+                ratio = f"{tps / base:.2f}x" if base else "-"
+                mal = 1 + acc / drafts if drafts else 1.0
+                print(
+                    f"batch {b:2d} T={t:.1f} {e:7s}: {tps:7.1f} tok/s  {ratio:>6s} of none  "
+                    f"accepted/step {mal:.2f}  per depth [{rates}]  text == none: {same}"
+                )
+
+
+if __name__ == "__main__":
+    main()
