@@ -10,7 +10,8 @@ order (RunnerFeatures.ORDER). A step, with the hooks where they run:
 
     begin_step        before anything: PP applies the last stage's earlier results
     remove_request    each finished request, right after its request state is freed
-    add_requests      the step's new requests, right after they got request-state slots
+    add_requests      the step's new requests (every step, maybe none), right after they got
+                      request-state slots
     prepare_step      before the forward: may replace positions, set inputs_embeds and the
                       linear-attention metadata, set per-row adapter slots
     -- forward --
@@ -72,7 +73,7 @@ class RunnerFeature:
     def add_requests(
         self, new_reqs: list[NewRequestData], slots: list[int], states: RequestStates
     ) -> None:
-        """The step's new (or resumed) requests and their request-state slots."""
+        """The step's new (or resumed) requests, maybe none, and their request-state slots."""
 
     def prepare_step(self, step: StepInputs) -> None:
         """Before the forward; may change the step's positions and inputs."""
