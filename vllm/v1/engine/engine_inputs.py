@@ -120,7 +120,11 @@ class EngineInputs:
         return self.inputs.encode(text, add_special_tokens)
 
     def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        return self.inputs.process_prompt(prompt)
+        """Validate a prompt and return (text, token ids); errors name what is wrong.
+
+        Reads only the tokenizer and fixed limits, so it may run off the engine thread."""
+        text, ids, _ = self.process_prompt_mm(prompt)
+        return text, ids
 
     def process_prompt_mm(
         self, prompt: PromptType
@@ -130,7 +134,11 @@ class EngineInputs:
     def preprocess(
         self, prompt: PromptType
     ) -> tuple[str | None, list[int], str | None, MultiModalInputs | None]:
-        return self.inputs.preprocess(prompt)
+        """(text, checked token ids, cache_salt, images) of a prompt; thread-safe like
+        process_prompt."""
+        cache_salt = InputProcessor.cache_salt(prompt)
+        text, ids, mm = self.process_prompt_mm(prompt)
+        return text, ids, cache_salt, mm
 
     @property
     def image_placeholder(self) -> str | None:

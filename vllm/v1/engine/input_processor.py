@@ -137,13 +137,6 @@ class InputProcessor:
         self.check_prompt_text(text)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    def process_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """Validate a prompt and return (text, token ids); errors name what is wrong.
-
-        Reads only the tokenizer and fixed limits, so it may run off the engine thread."""
-        text, ids, _ = self.process_prompt_mm(prompt)
-        return text, ids
-
     @property
     def image_placeholder(self) -> str | None:
         """The prompt text of one image (a chat message's image part), or None when the model
@@ -158,8 +151,9 @@ class InputProcessor:
     def process_prompt_mm(
         self, prompt: PromptType
     ) -> tuple[str | None, list[int], MultiModalInputs | None]:
-        """process_prompt plus the prompt's images: a dict prompt's multi_modal_data
-        ({"image": image or list}) expands each <|image_pad|> to the image's tokens."""
+        """Validate a prompt: (text, token ids, images); errors name what is wrong. A dict
+        prompt's multi_modal_data ({"image": image or list}) expands each <|image_pad|> to
+        the image's tokens."""
         text: str | None
         if isinstance(prompt, str):
             text, ids = prompt, self.encode(prompt)
@@ -209,7 +203,7 @@ class InputProcessor:
 
     def check_lora(self, lora_request: LoRARequest | None) -> None:
         """Refuse, naming the problem, an adapter the engine cannot run (reads its folder
-        once per adapter id; thread-safe like preprocess)."""
+        once per adapter id; thread-safe like process_prompt_mm)."""
         if lora_request is not None:
             self.lora_checker.check(lora_request)
 
@@ -286,17 +280,8 @@ class InputProcessor:
                 value=priority,
             )
 
-    def preprocess(
-        self, prompt: PromptType
-    ) -> tuple[str | None, list[int], str | None, MultiModalInputs | None]:
-        """(text, checked token ids, cache_salt, images) of a prompt; thread-safe like
-        process_prompt."""
-        cache_salt = self._cache_salt(prompt)
-        text, ids, mm = self.process_prompt_mm(prompt)
-        return text, ids, cache_salt, mm
-
     @staticmethod
-    def _cache_salt(prompt: PromptType) -> str | None:
+    def cache_salt(prompt: PromptType) -> str | None:
         """A dict prompt's optional cache_salt: only requests with the same salt share cached
         prefix blocks (what keeps tenants from probing each other's prompts)."""
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
