@@ -33,9 +33,6 @@ class EngineInputs:
         t_phase = time.perf_counter()
         self.inputs = InputProcessor(vllm_config, self._check_fits)
         self._t_phase = self._phase("tokenizer", t_phase)
-        self.tokenizer = self.inputs.tokenizer
-        self.eos_token_id = self.inputs.eos_token_id
-        self.max_prompt_bytes = self.inputs.max_prompt_bytes
         self._req_counter = 0
 
     def _phase(self, name: str, since: float) -> float:
@@ -113,6 +110,24 @@ class EngineInputs:
         """Make a step() that waits for work return early (nothing to do for one engine)."""
 
     # ---- inputs (the InputProcessor's) ------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.inputs.tokenizer
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        return self.inputs.max_prompt_bytes
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The token that ends a completion (unless ignore_eos); set here, it applies to the
+        requests made from then on."""
+        return self.inputs.eos_token_id
+
+    @eos_token_id.setter
+    def eos_token_id(self, token_id: int | None) -> None:
+        self.inputs.eos_token_id = token_id
+
     def draw_seeds(self, n: int) -> list[int]:
         return self.inputs.draw_seeds(n)
 
