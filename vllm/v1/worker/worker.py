@@ -227,6 +227,7 @@ class Worker:
         """Seconds this stage spent on pipeline communication so far."""
         handler = self.model_runner.pp_handler if self.model_runner else None
         bcast = handler.recv_wait_s if handler is not None else 0.0
+        mm = self.model_runner.mm if self.model_runner else None
         tp = get_tp_group()
         return dict(
             self._comm,
@@ -234,7 +235,7 @@ class Worker:
             broadcast_wait_s=bcast,
             tp_comm_s=tp.comm_s,
             tp_collectives=tp.num_collectives,
-            mm_pixel_bytes=(self.model_runner.mm.pixel_bytes_received if self.model_runner else 0),
+            mm_pixel_bytes=(mm.pixel_bytes_received if mm is not None else 0),
         )
 
     def record_drafts(self) -> None:

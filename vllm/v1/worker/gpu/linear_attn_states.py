@@ -32,10 +32,15 @@ from torch import nn
 from vllm.attention.backends.gdn_attn import GDNAttentionMetadata, build_gdn_metadata
 from vllm.model_executor.layers.mamba import MambaBase
 from vllm.v1.core.sched.output import NewRequestData
+from vllm.v1.worker.gpu.features import RunnerFeature, StepInputs
 from vllm.v1.worker.gpu.states import RequestStates
 
 
-class LinearAttnStates:
+class LinearAttnStates(RunnerFeature):
+    """A runner feature: its memory counts against the KV budget (bytes, allocate), a request
+    resumed after a cache hit starts from a checkpoint (add_requests), and every step gets its
+    metadata (prepare_step)."""
+
     def __init__(
         self,
         layers: dict[str, MambaBase],
@@ -102,6 +107,23 @@ class LinearAttnStates:
             ]
             layer.checkpoints = ckpts if self.num_checkpoints else None
             self.checkpoints[name] = ckpts
+
+    # ---- runner hooks -----------------------------------------------------------------------
+    def add_requests(
+        self, new_reqs: list[NewRequestData], slots: list[int], states: RequestStates
+    ) -> None:
+        self.restore_hits(new_reqs, states)  # prefix-cache hits resume from checkpoints
+
+    def prepare_step(self, step: StepInputs) -> None:
+        batch = step.batch
+        step.linear_attn_metadata = self.prepare(
+            batch.query_start_loc_np,
+            batch.num_computed_tokens_np,
+            batch.num_draft_tokens_np,
+            step.states.state_slot[batch.idx_mapping_np],
+            short_query_len=self.num_positions,
+            saves=[step.so.state_checkpoint_saves.get(r, []) for r in batch.req_ids],
+        )
 
     def restore_hits(self, new_reqs: list[NewRequestData], states: RequestStates) -> None:
         """New requests starting after a prefix-cache hit: their states from its checkpoint."""

@@ -3,7 +3,9 @@
 """The runner's multimodal state: each request's images and M-RoPE positions (every stage),
 the encoder outputs (first stage: the encoder runs once per image, its output kept while a
 request needing it lives), and the merge of those outputs into a step's input embeddings over
-whatever part of an image's placeholder run the step's chunk covers."""
+whatever part of an image's placeholder run the step's chunk covers. A runner feature: the
+runner keeps one per multimodal model and calls nothing of it but its hooks (and the gather of
+encoder outputs for a draft's first pass)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,17 @@ import numpy as np
 import torch
 
 from vllm.multimodal.inputs import MultiModalFeature, MultiModalInputs
+from vllm.v1.core.sched.output import NewRequestData
+from vllm.v1.worker.gpu.features import RunnerFeature, StepInputs
 from vllm.v1.worker.gpu.input_batch import InputBatch
+from vllm.v1.worker.gpu.states import RequestStates, StepResult
 
 
-class MultiModalRunnerState:
-    def __init__(self, device: torch.device) -> None:
+class MultiModalRunnerState(RunnerFeature):
+    def __init__(self, model: Any, device: torch.device, first_stage: bool = True) -> None:
+        self.model = model  # the target: its embedding and (first stage) its encoder
         self.device = device
+        self.first_stage = first_stage
         self.inputs: dict[str, MultiModalInputs] = {}
         # Encoder outputs by image content hash, and the requests holding each.
         self.encoder_cache: dict[str, torch.Tensor] = {}
@@ -26,6 +33,50 @@ class MultiModalRunnerState:
         # Pixel-value bytes this stage received (stages after the first receive none).
         self.pixel_bytes_received = 0
 
+    # ---- runner hooks -----------------------------------------------------------------------
+    def add_requests(
+        self, new_reqs: list[NewRequestData], slots: list[int], states: RequestStates
+    ) -> None:
+        for d in new_reqs:
+            self.add(d.req_id, d.mm_inputs)
+
+    def remove_request(self, req_id: str, slot: int | None) -> None:
+        self.remove(req_id)
+
+    def prepare_step(self, step: StepInputs) -> None:
+        """Steps with a multimodal request: M-RoPE positions, and on the first stage the input
+        embeddings with the encoder outputs over the image placeholders."""
+        batch = step.batch
+        if not self.any_in(batch):
+            return
+        step.positions = self.mrope_positions(batch, batch.positions)
+        if self.first_stage:
+            embeds = self.model.embed_input_ids(batch.input_ids)
+            self.merge_embeds(self.model, batch, embeds)
+            step.inputs_embeds = embeds
+
+    def after_step(self, batch: InputBatch, result: StepResult | None) -> None:
+        # After the draft's gather (which may read the image right after a chunk).
+        self.release_computed(batch)
+
+    def draft_embeds(self, batch: InputBatch) -> tuple[np.ndarray, torch.Tensor] | None:
+        """The encoder outputs a draft's first pass reads at image-placeholder inputs (row r
+        reads the token at position r + 1): (rows, embeddings), or None."""
+        if not self.any_in(batch):
+            return None
+        rows: list[int] = []
+        embeds: list[torch.Tensor] = []
+        qsl = batch.query_start_loc_np
+        for i, rid in enumerate(batch.req_ids):
+            lo, hi = int(qsl[i]), int(qsl[i + 1])
+            for k, row in self.embeds_at(self.model, rid, batch.positions_np[lo:hi] + 1):
+                rows.append(lo + k)
+                embeds.append(row)
+        if not rows:
+            return None
+        return np.array(rows, dtype=np.int64), torch.stack(embeds)
+
+    # ---- state ------------------------------------------------------------------------------
     def add(self, req_id: str, mm: MultiModalInputs | None) -> None:
         if mm is not None:
             self.inputs[req_id] = mm

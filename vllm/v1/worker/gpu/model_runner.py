@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
 """ModelRunner: turns a SchedulerOutput into tensors, runs this stage's slice of the model, and
-on the last stage samples (or verifies drafts) and proposes the next drafts."""
+on the last stage samples (or verifies drafts) and proposes the next drafts. What multimodal
+inputs, LoRA, linear-attention states, structured outputs, the logit controls and pipeline
+parallelism add to a step are runner features (features.py), called through their hooks."""
 
 from __future__ import annotations
 
@@ -11,7 +13,6 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 
-from vllm.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.forward_context import decode_rows, set_forward_context
@@ -27,12 +28,13 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 from vllm.v1.worker.cpu_memory import reserve_step_activations
 from vllm.v1.worker.gpu import cuda_graph
+from vllm.v1.worker.gpu.features import LogitRows, RunnerFeature, RunnerFeatures, StepInputs
 from vllm.v1.worker.gpu.input_batch import InputBatch, prepare_inputs
 from vllm.v1.worker.gpu.kv_block_copy import copy_kv_blocks
 from vllm.v1.worker.gpu.linear_attn_states import LinearAttnStates
 from vllm.v1.worker.gpu.mm_utils import MultiModalRunnerState
 from vllm.v1.worker.gpu.pp_utils import PPHandler
-from vllm.v1.worker.gpu.sample.logit_controls import apply_logit_controls
+from vllm.v1.worker.gpu.sample.logit_controls import LogitControls
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays, compute_logprobs
 from vllm.v1.worker.gpu.sample.structured_outputs import StructuredOutputStates
 from vllm.v1.worker.gpu.spec_decode import init_speculator
@@ -73,25 +75,22 @@ class ModelRunner:
         # Verifies drafts (or, without any, takes each request's one sampled token).
         self.rejection_sampler = TreeVerifier.make(self) or RejectionSampler(self.num_spec)
         self.kv_caches: dict[str, torch.Tensor] = {}
-        # Hybrid models: per-request linear-attention states in the KV manager's state slots.
-        self.linear_attn_states: LinearAttnStates | None = None
+        # The runner's features (features.py), each also kept by name; set by load_model.
         # P > 1: the last stage broadcasts each batch's StepResult; the others apply it.
         self.pp_handler: PPHandler | None = None
-        if self.pp.world_size > 1:
-            self.pp_handler = PPHandler(self.max_num_reqs, self.num_spec, self.device)
-        # Multimodal requests: images, M-RoPE positions, encoder outputs (first stage).
-        self.mm = MultiModalRunnerState(self.device)
+        # Multimodal models: images, M-RoPE positions, encoder outputs (first stage).
+        self.mm: MultiModalRunnerState | None = None
+        # enable_lora: the adapters of this stage's layers, each row's slot set per step.
+        self.lora: LoRAWorkerManager | None = None
+        # Hybrid models: per-request linear-attention states in the KV manager's state slots.
+        self.linear_attn_states: LinearAttnStates | None = None
         # Last stage: the grammar matchers of requests with structured outputs.
         self.structured: StructuredOutputStates | None = None
-        if self.pp.is_last_rank:
-            assert mc.tokenizer is not None  # ModelConfig resolves it
-            self.structured = StructuredOutputStates(mc.tokenizer, mc.vocab_size)
+        self.features = RunnerFeatures({})
         # Slots whose request entered this step (the speculator keeps nothing from before).
         self._new_slots = np.zeros(0, dtype=np.int64)
         # Captured forwards of decode / verify steps (CUDA graphs), set up after the KV cache.
         self.cuda_graphs: cuda_graph.CudaGraphRunner | None = None
-        # enable_lora: the adapters of this stage's layers, each row's slot set per step.
-        self.lora: LoRAWorkerManager | None = None
 
     # ---- setup --------------------------------------------------------------------------
     def load_model(self) -> None:
@@ -113,19 +112,37 @@ class ModelRunner:
                 rows = self.vllm_config.scheduler_config.max_num_batched_tokens
                 made = self.model.make_empty_intermediate_tensors(rows, self.dtype, self.device)
                 self.recv_buffers = dict(made.tensors)
-        if self.vllm_config.lora_config is not None:
-            self.lora = LoRAWorkerManager(self.model, self.vllm_config.lora_config, self.dtype)
         self.attn_layers = {
             name: m for name, m in self._all_modules() if isinstance(m, AttentionLayerBase)
         }
-        self.linear_attn_states = LinearAttnStates.from_modules(
+        self.features = self._build_features()
+
+    def _build_features(self) -> RunnerFeatures:
+        """The features this stage's model and configuration need (once, at load)."""
+        assert self.model is not None
+        cfg, mc = self.vllm_config, self.vllm_config.model_config
+        found: dict[str, RunnerFeature | None] = {}
+        if self.pp.world_size > 1:
+            found["pp"] = self.pp_handler = PPHandler(self.max_num_reqs, self.num_spec, self.device)
+        if self.model.supports_multimodal:
+            self.mm = MultiModalRunnerState(self.model, self.device, self.pp.is_first_rank)
+            found["multimodal"] = self.mm
+        if cfg.lora_config is not None:
+            found["lora"] = self.lora = LoRAWorkerManager(self.model, cfg.lora_config, self.dtype)
+        found["linear_attn"] = self.linear_attn_states = LinearAttnStates.from_modules(
             self._all_modules(),
             self.max_num_reqs,
             self.num_spec,
             self.dtype,
             self.device,
-            self.vllm_config.num_state_checkpoints(),
+            cfg.num_state_checkpoints(),
         )
+        if self.pp.is_last_rank:
+            assert mc.tokenizer is not None  # ModelConfig resolves it
+            self.structured = StructuredOutputStates(mc.tokenizer, mc.vocab_size)
+            found["structured_outputs"] = self.structured
+            found["logit_controls"] = LogitControls()
+        return RunnerFeatures({k: f for k, f in found.items() if f is not None})
 
     def _all_modules(self) -> Iterator[tuple[str, torch.nn.Module]]:
         assert self.model is not None
@@ -141,8 +158,8 @@ class ModelRunner:
         )
 
     def state_cache_bytes(self) -> int:
-        """Memory of this stage's linear-attention states (taken from the KV budget)."""
-        return self.linear_attn_states.bytes() if self.linear_attn_states is not None else 0
+        """Memory of this stage's features (linear-attention states; taken from the KV budget)."""
+        return self.features.bytes()
 
     def max_useful_blocks(self) -> int:
         return self.max_num_reqs * self.max_blocks_per_req
@@ -157,8 +174,8 @@ class ModelRunner:
             layer.kv_cache = cache
             self.kv_caches[name] = cache
         self.num_blocks = num_blocks
-        if self.linear_attn_states is not None:
-            self.linear_attn_states.allocate()
+        for f in self.features.allocate:
+            f.allocate()
         # torch.zeros writes every page: the pools are resident from here on.
         kv_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches.values())
         logger.info(
@@ -189,19 +206,13 @@ class ModelRunner:
                     slot, st.token_ids[slot, st.num_prompt[slot] : st.num_tokens[slot]].copy()
                 )
             s = st.remove(rid)
-            if s is not None and self.structured is not None:
-                self.structured.remove(s)
-            self.mm.remove(rid)
-        for d in so.scheduled_new_reqs:
-            self.mm.add(d.req_id, d.mm_inputs)
+            for f in self.features.remove_request:
+                f.remove_request(rid, s)
         self._new_slots = np.array([st.add(d) for d in so.scheduled_new_reqs], dtype=np.int64)
         copy_kv_blocks(self.kv_caches, so.kv_block_copies, self.block_size, self.num_blocks)
-        if self.linear_attn_states is not None:  # prefix-cache hits resume from checkpoints
-            self.linear_attn_states.restore_hits(so.scheduled_new_reqs, st)
-        if self.structured is not None:
-            for d, s in zip(so.scheduled_new_reqs, self._new_slots.tolist()):
-                outputs = d.prefill_token_ids[d.num_prompt_tokens :]
-                self.structured.add(s, d.sampling_params, outputs)
+        slots = self._new_slots.tolist()
+        for f in self.features.add_requests:
+            f.add_requests(so.scheduled_new_reqs, slots, st)
         cr = so.scheduled_cached_reqs
         for rid, blocks, nc in zip(cr.req_ids, cr.new_block_ids, cr.num_computed_tokens):
             s = st.slot(rid)
@@ -230,8 +241,8 @@ class ModelRunner:
     def execute_model(
         self, so: SchedulerOutput, intermediate_tensors: IntermediateTensors | None = None
     ) -> ModelRunnerOutput | IntermediateTensors | None:
-        if self.pp_handler is not None and not self.pp.is_last_rank:
-            self._pp_apply_prev_results(so)
+        for f in self.features.begin_step:
+            f.begin_step(so, self.states)
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput([], {}, []) if self.pp.is_last_rank else None
@@ -244,42 +255,32 @@ class ModelRunner:
                     f"stage {self.pp.rank} received {rows} rows of hidden states for a step of "
                     f"{batch.num_tokens_after_padding} (padded) tokens"
                 )
-        positions = batch.positions
-        inputs_embeds = None
-        if self.model.supports_multimodal and self.mm.any_in(batch):
-            positions = self.mm.mrope_positions(batch, batch.positions)
-            if self.pp.is_first_rank:
-                inputs_embeds = self.model.embed_input_ids(batch.input_ids)
-                self.mm.merge_embeds(self.model, batch, inputs_embeds)
-        if self.lora is not None:
-            self.lora.begin_step(so, batch.num_tokens_after_padding)
+        step = StepInputs(so, batch, self.states, batch.positions)
+        for f in self.features.prepare_step:
+            f.prepare_step(step)
         graphs = self.cuda_graphs
         if (
             graphs is not None
-            and inputs_embeds is None
-            and positions.dim() == 1
+            and step.inputs_embeds is None
+            and step.positions.dim() == 1
             and graphs.can_run(batch, batch.attn_metadata)
         ):
             out = graphs.run(batch, batch.attn_metadata)
         else:
-            with set_forward_context(batch.attn_metadata, self._linear_attn_metadata(batch, so)):
+            with set_forward_context(batch.attn_metadata, step.linear_attn_metadata):
                 out = self.model(
                     batch.input_ids if self.pp.is_first_rank else None,
-                    positions,
+                    step.positions,
                     intermediate_tensors,
-                    inputs_embeds,
+                    step.inputs_embeds,
                 )
         # Optimistic advance; the last stage's accept/reject result rolls it back.
         self.states.num_computed[batch.idx_mapping_np] += batch.num_scheduled_tokens
         if not self.pp.is_last_rank:
-            if self.pp_handler is not None:
-                self.pp_handler.receive(batch)
-            self.mm.release_computed(batch)
+            for f in self.features.after_step:
+                f.after_step(batch, None)
             return self._not_in_recv_buffers(out)
-        result = self._sample_and_propose(batch, out, so.num_draft_steps)
-        # After the draft's gather (which may read the image right after a chunk).
-        self.mm.release_computed(batch)
-        return result
+        return self._sample_and_propose(batch, out, so.num_draft_steps)
 
     def _not_in_recv_buffers(self, out: IntermediateTensors) -> IntermediateTensors:
         """What a middle stage sends on, none of it a view of its receive buffers: the send
@@ -292,30 +293,6 @@ class ModelRunner:
             if t.untyped_storage().data_ptr() in held:
                 out[key] = t.clone()
         return out
-
-    def _linear_attn_metadata(
-        self, batch: InputBatch, so: SchedulerOutput
-    ) -> GDNAttentionMetadata | None:
-        if self.linear_attn_states is None:
-            return None
-        return self.linear_attn_states.prepare(
-            batch.query_start_loc_np,
-            batch.num_computed_tokens_np,
-            batch.num_draft_tokens_np,
-            self.states.state_slot[batch.idx_mapping_np],
-            short_query_len=self.num_spec + 1,
-            saves=[so.state_checkpoint_saves.get(r, []) for r in batch.req_ids],
-        )
-
-    def _pp_apply_prev_results(self, so: SchedulerOutput) -> None:
-        """Non-last stages: apply the last stage's results that this step's requests need."""
-        st, h = self.states, self.pp_handler
-        assert h is not None
-        for rid in so.finished_req_ids:
-            if rid in st.req_id_to_slot:
-                h.on_req_idx_freed(st.slot(rid))
-        cached = so.scheduled_cached_reqs.req_ids
-        h.apply_pending(st, [st.slot(r) for r in cached if r in st.req_id_to_slot])
 
     def _sample_and_propose(
         self,
@@ -347,9 +324,9 @@ class ModelRunner:
             row_inputs = batch.input_ids_np[batch.logits_indices_np]
             # The grammar's bitmask, then penalties, bias, allowed ids, bad words, min_tokens:
             # per verify position, each seeing the drafts before it as accepted.
-            if self.structured is not None:
-                logits = self.structured.apply_bitmasks(logits, rslots, row_inputs)
-            logits = apply_logit_controls(logits, st, rslots, positions, row_inputs)
+            rows = LogitRows(st, rslots, positions, row_inputs)
+            for f in self.features.adjust_logits:
+                logits = f.adjust_logits(logits, rows)
             sampling = SamplingArrays.of(st, rslots)
             if want_lp and mode.startswith("processed"):
                 lp_logits = sampling.processed(logits)
@@ -363,9 +340,9 @@ class ModelRunner:
         num_rejected = np.where(num_sampled > 0, batch.num_draft_tokens_np + 1 - num_sampled, 0)
         result = StepResult(sampled, num_sampled, num_rejected, None)  # drafts: proposed below
         proposers = None
-        if self.structured is not None:
+        for f in self.features.after_accept:
             # Before drafting: the drafts follow the step's tokens in the grammar too.
-            self.structured.accept(slots, sampled, num_sampled)
+            f.after_accept(slots, sampled, num_sampled)
         spec_cfg = self.vllm_config.speculative_config
         grammar = self.structured if spec_cfg and spec_cfg.grammar_aware_drafting else None
         forks = grammar.draft_grammar(slots) if grammar is not None else None
@@ -388,8 +365,8 @@ class ModelRunner:
                 grammar.constrain_drafts(drafts, slots, jump_forward=True, proposers=proposers)
                 grammar.num_masked_draft_rows += forks.num_masked_rows if forks else 0
         apply_step_result(st, result, np.where(batch.need_sample_np, slots, -1))
-        if self.pp_handler is not None:
-            self.pp_handler.broadcast(result, batch)
+        for f in self.features.after_step:  # PP's broadcast, multimodal's release
+            f.after_step(batch, result)
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
@@ -401,24 +378,13 @@ class ModelRunner:
         )
 
     def _draft_mm_embeds(self, batch: InputBatch) -> tuple[np.ndarray, torch.Tensor] | None:
-        """The encoder outputs the draft's first pass reads at image-placeholder inputs (row r
-        reads the token at position r + 1), or None. Only where the draft's binding decided to
-        gather them: a draft on a stage without the encoder's outputs (the last of several
-        stages) embeds the placeholder tokens as they are."""
-        assert self.speculator is not None and self.model is not None
-        if not (self.speculator.gathers_mm_embeds and self.mm.any_in(batch)):
+        """The encoder outputs the draft's first pass reads at image-placeholder inputs, or
+        None. Only where the draft's binding decided to gather them: a draft on a stage without
+        the encoder's outputs (the last of several stages) embeds the placeholders as they are."""
+        assert self.speculator is not None
+        if self.mm is None or not self.speculator.gathers_mm_embeds:
             return None
-        rows: list[int] = []
-        embeds: list[torch.Tensor] = []
-        qsl = batch.query_start_loc_np
-        for i, rid in enumerate(batch.req_ids):
-            lo, hi = int(qsl[i]), int(qsl[i + 1])
-            for k, row in self.mm.embeds_at(self.model, rid, batch.positions_np[lo:hi] + 1):
-                rows.append(lo + k)
-                embeds.append(row)
-        if not rows:
-            return None
-        return np.array(rows, dtype=np.int64), torch.stack(embeds)
+        return self.mm.draft_embeds(batch)
 
     def _tp_agree(self, tokens: np.ndarray) -> np.ndarray:
         """TP rank 0's sampled tokens on every TP rank of this stage: the ranks sampled from

@@ -16,6 +16,9 @@ again. Both sides skip a batch with no row needing a sample (only non-final pref
 from CPU state they share, so collectives always pair one-to-one, in the same order. A
 separate process group (broadcast_group) carries them so they never queue behind the
 stage-to-stage tensors.
+
+A runner feature: begin_step applies the results a step's requests need (non-last stages),
+after_step broadcasts (last stage) or posts the receives (the others).
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from vllm.v1.worker.gpu.features import RunnerFeature
 from vllm.v1.worker.gpu.states import RequestStates, StepResult, apply_step_result
 
 if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.worker.gpu.input_batch import InputBatch
 
 SENDS_PER_BATCH = 3  # sampled tokens, counts, drafts
@@ -73,7 +78,7 @@ class PendingRecv:
         self.works = []
 
 
-class PPHandler:
+class PPHandler(RunnerFeature):
     """Broadcast of the last stage's sampling results and their application elsewhere."""
 
     def __init__(
@@ -106,6 +111,24 @@ class PPHandler:
         # Called with (states, result, idx_mapping) before a result is applied (draft trees
         # compact this stage's KV from it); None: nothing.
         self.before_apply: Any = None
+
+    # ---- runner hooks -----------------------------------------------------------------------
+    def begin_step(self, so: SchedulerOutput, states: RequestStates) -> None:
+        """Non-last stages: apply the last stage's results that this step's requests need
+        (before the finished requests' slots are freed and the new ones taken)."""
+        if self.is_last_rank:
+            return
+        for rid in so.finished_req_ids:
+            if rid in states.req_id_to_slot:
+                self.on_req_idx_freed(states.slot(rid))
+        cached = so.scheduled_cached_reqs.req_ids
+        self.apply_pending(states, [states.slot(r) for r in cached if r in states.req_id_to_slot])
+
+    def after_step(self, batch: InputBatch, result: StepResult | None) -> None:
+        if result is not None:
+            self.broadcast(result, batch)
+        else:
+            self.receive(batch)
 
     # ---- both sides ------------------------------------------------------------------------
     def on_req_idx_freed(self, req_idx: int) -> None:

@@ -18,9 +18,18 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from vllm.v1.worker.gpu.features import LogitRows, RunnerFeature
+
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.worker.gpu.states import RequestStates
+
+
+class LogitControls(RunnerFeature):
+    """The logit controls as a runner feature (last stage, after the grammar's bitmasks)."""
+
+    def adjust_logits(self, logits: torch.Tensor, rows: LogitRows) -> torch.Tensor:
+        return apply_logit_controls(logits, rows.states, rows.slots, rows.positions, rows.inputs)
 
 
 def needs_controls(p: SamplingParams | None) -> bool:

@@ -33,9 +33,12 @@ import numpy as np
 import torch
 
 from vllm.v1.structured_output import XgrammarBackend, get_backend
+from vllm.v1.worker.gpu.features import LogitRows, RunnerFeature
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.output import NewRequestData
+    from vllm.v1.worker.gpu.states import RequestStates
 
 
 def _unpack_bitmask(bitmask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -95,7 +98,10 @@ class DraftGrammar:
                 self.forks[i] = None
 
 
-class StructuredOutputStates:
+class StructuredOutputStates(RunnerFeature):
+    """A runner feature (last stage): a matcher per request with a grammar, the bitmasks of
+    its logits rows, its matcher advanced over the tokens each step emits."""
+
     def __init__(self, tokenizer_path: str, vocab_size: int) -> None:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
@@ -115,6 +121,24 @@ class StructuredOutputStates:
             self._backend = get_backend(self.tokenizer_path, self.vocab_size)
         return self._backend
 
+    # ---- runner hooks -----------------------------------------------------------------------
+    def add_requests(
+        self, new_reqs: list[NewRequestData], slots: list[int], states: RequestStates
+    ) -> None:
+        for d, s in zip(new_reqs, slots):
+            self.add(s, d.sampling_params, d.prefill_token_ids[d.num_prompt_tokens :])
+
+    def remove_request(self, req_id: str, slot: int | None) -> None:
+        if slot is not None:
+            self.remove(slot)
+
+    def adjust_logits(self, logits: torch.Tensor, rows: LogitRows) -> torch.Tensor:
+        return self.apply_bitmasks(logits, rows.slots, rows.inputs)
+
+    def after_accept(self, slots: np.ndarray, sampled: np.ndarray, num_sampled: np.ndarray) -> None:
+        self.accept(slots, sampled, num_sampled)
+
+    # ---- state ------------------------------------------------------------------------------
     def add(self, slot: int, params: SamplingParams, output_token_ids: list[int]) -> None:
         """A request entering the batch; a resumed one replays the outputs it already has."""
         self.remove(slot)
