@@ -122,3 +122,24 @@ def test_float16_on_cpu_runs_as_bfloat16(llama_dir, caplog):
     finally:
         llm.shutdown()
     assert any("running the model in bfloat16" in r.message for r in caplog.records)
+
+
+def test_watchdog_generate_returns_when_blocks_leak(llama_dir):
+    """No generate call can hang on blocks that will never come back: with most of the pool
+    held outside any request (a leak), a request that fits the pool but not what is left
+    finishes with finish_reason "error" while nothing runs, the other requests of the call
+    finish normally, and the engine serves again once the blocks are back."""
+    llm = LLM(model=llama_dir, block_size=4, num_gpu_blocks_override=64, **COMMON)
+    try:
+        pool = llm.llm_engine.scheduler.kv_cache_manager.pool
+        leaked = pool.take(pool.num_free_blocks - 3)  # 3 blocks = 12 tokens left
+        sp = SamplingParams(temperature=0, max_tokens=4)
+        big, small = make_prompts(512, [20, 4], seed=5)
+        outs = llm.generate([{"prompt_token_ids": big}, {"prompt_token_ids": small}], sp)
+        assert outs[0].outputs[0].finish_reason == "error"
+        assert outs[1].outputs[0].finish_reason == "length"
+        pool.give_back(leaked)
+        again = llm.generate([{"prompt_token_ids": big}], sp)
+        assert again[0].outputs[0].finish_reason == "length"
+    finally:
+        llm.shutdown()

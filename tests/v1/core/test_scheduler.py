@@ -185,3 +185,39 @@ def test_a_prompt_longer_than_the_pool_is_refused_when_waiting():
     res = s.update_from_output(so, _answer(so))
     assert res.outputs["long"].finish_reason == "error"
     assert not s.has_unfinished_requests()
+
+
+def _run_until_done(s: Scheduler, steps: int = 20) -> dict:
+    outputs: dict = {}
+    for _ in range(steps):
+        if not s.has_unfinished_requests():
+            return outputs
+        so = s.schedule()
+        outputs.update(s.update_from_output(so, _answer(so)).outputs)
+    raise AssertionError("the scheduler never finished the requests (a hang)")
+
+
+def test_watchdog_finishes_a_request_that_waits_with_nothing_running():
+    """The watchdog: blocks held by something that is not a running request (here taken from
+    the pool behind the scheduler's back, as a leak would) leave a request that fits the pool
+    unschedulable while nothing runs. No later step can free them, so instead of waiting
+    forever it finishes with an error naming the free and needed blocks."""
+    s = Scheduler(_config(budget=64, block_size=4), num_blocks=10)
+    leaked = s.kv_cache_manager.pool.take(8)
+    s.add_request(_req("r", 8, max_tokens=4))
+    out = _run_until_done(s)
+    assert out["r"].finish_reason == "error"
+    assert "nothing else is running" in out["r"].error and "2 of 10 free" in out["r"].error
+    # Once the blocks are back, the same request runs.
+    s.kv_cache_manager.pool.give_back(leaked)
+    s.add_request(_req("again", 8, max_tokens=4))
+    assert _run_until_done(s)["again"].finish_reason == "length"
+
+
+def test_watchdog_waits_while_a_running_request_can_still_free_blocks():
+    """Not a stall: the second request waits for blocks the first one frees when it ends."""
+    s = Scheduler(_config(budget=64, block_size=4), num_blocks=6)
+    s.add_request(_req("first", 12, max_tokens=8))
+    s.add_request(_req("second", 12, max_tokens=8))
+    out = _run_until_done(s, steps=60)
+    assert out["first"].finish_reason == "length" and out["second"].finish_reason == "length"

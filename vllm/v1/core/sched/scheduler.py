@@ -169,6 +169,32 @@ class Scheduler:
         self._free(req)
         return True
 
+    def _fail_stalled(self, req: Request) -> None:
+        """The watchdog: nothing runs, yet the first waiting request could not be scheduled.
+        No later step can free anything for it (blocks are freed only by running requests),
+        so waiting would never end: finish it with an error that says what it lacked."""
+        kvm = self.kv_cache_manager
+        _, num_hit = kvm.get_computed_blocks(req)
+        n = req.num_tokens - req.num_computed_tokens - num_hit
+        need = kvm.blocks_needed(req.num_computed_tokens + num_hit + n + self.num_spec_tokens)
+        lacks = (
+            f"a prefill of {n} tokens without chunked prefill, more than "
+            f"max_num_batched_tokens={self.max_num_batched_tokens}"
+            if n > self.max_num_batched_tokens and not self.enable_chunked_prefill
+            else f"{need} KV blocks, with {kvm.pool.num_free_blocks} of {kvm.num_blocks} free"
+        )
+        msg = (
+            f"request {req.request_id!r} cannot be scheduled although nothing else is running "
+            f"(it needs {lacks}); it would wait forever, so it is finished with an error"
+        )
+        logger.error("%s", msg)
+        self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED_ERROR
+        self._failed[req.request_id] = EngineCoreOutput(
+            req.request_id, [], finish_reason="error", error=msg
+        )
+        self._free(req)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -318,6 +344,8 @@ class Scheduler:
             num_scheduled[req.request_id] = n
             budget -= n
 
+        if not num_scheduled and not preempted and self.waiting and not self.running:
+            self._fail_stalled(self.waiting[0])
         num_prompt = 0
         saves: dict[str, list[tuple[int, int]]] = {}
         for rid, n in num_scheduled.items():
