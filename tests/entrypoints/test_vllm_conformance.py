@@ -707,3 +707,17 @@ def test_chat_template_flag_takes_a_file_or_the_template_itself(template_file):
     assert load_chat_template(inline) == inline.replace("\\n", "\n")
     with pytest.raises(ValueError, match="looks like a file path"):
         load_chat_template("/no/such/chat_template.jinja")
+
+
+def test_dtype_half_serves_in_bfloat16(tmp_path):
+    """vLLM's harness starts a CPU server with --dtype half: it becomes ready, answers through
+    the openai client, and says in its log that the model runs in bfloat16 (no fast fp16
+    kernels on a CPU), as vLLM's CPU platform does."""
+    log = tmp_path / "server.log"
+    args = ["--dtype", "half", "--max-model-len", "128", "--served-model-name", NAME]
+    with RemoteServer(str(DEFAULT_MODEL_DIR), args, log) as srv:
+        srv.wait_ready()
+        client = openai.OpenAI(base_url=srv.url("/v1"), api_key="x", max_retries=0, timeout=120)
+        out = client.completions.create(model=NAME, prompt="hello", max_tokens=4, temperature=0)
+        assert out.usage.completion_tokens == 4
+        assert "running the model in bfloat16" in log.read_text(errors="replace")
