@@ -247,6 +247,7 @@ def paged_attention(
     block_size: int,
     scale: float,
     blocks_per_split: int = 0,
+    tree_mask: torch.Tensor | None = None,
 ) -> None:
     """out[t] = causal attention of q[t] over its request's paged keys/values, for the tokens
     of the requests in `rows` (other rows of out are left alone).
@@ -255,7 +256,11 @@ def paged_attention(
     head dim contiguous), out [T, H, Dv]; block_table [R, max_blocks], seq_lens [R],
     query_start_loc [R + 1], rows [n]: int64. The query of request r is the last
     q_len = qsl[r+1] - qsl[r] positions of its seq_lens[r] tokens. blocks_per_split <= 0 picks
-    the key split that keeps every thread busy."""
+    the key split that keeps every thread busy. tree_mask (draft trees): a contiguous bool /
+    int8 [R, M, M], M >= every q_len in rows; query token i of request r then sees the step's
+    token j (position ctx + j, ctx = seq_lens[r] - q_len) iff tree_mask[r, i, j], instead of
+    iff j <= i; the cached context stays visible. Rows must be in topological order (the mask
+    lower-triangular). A row that sees nothing gets zeros."""
     torch.ops.vllm_cpu.paged_attention(
         out,
         q,
@@ -268,6 +273,7 @@ def paged_attention(
         block_size,
         scale,
         blocks_per_split,
+        tree_mask,
     )
 
 

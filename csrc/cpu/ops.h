@@ -14,7 +14,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
                      const at::Tensor& v_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                      const at::Tensor& rows, int64_t block_size, double scale,
-                     int64_t blocks_per_split);
+                     int64_t blocks_per_split, const c10::optional<at::Tensor>& tree_mask);
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 

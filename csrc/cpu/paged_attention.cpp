@@ -73,7 +73,7 @@ template <typename scalar_t>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
          const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
          const at::Tensor& query_start_loc, const at::Tensor& rows, int64_t block_size,
-         double scale_d, int64_t blocks_per_split) {
+         double scale_d, int64_t blocks_per_split, const uint8_t* tree, int64_t tree_m) {
   const int64_t H = q.size(1), Dk = q.size(2);
   const int64_t Hkv = k_cache.size(1), Dv = v_cache.size(2);
   const int64_t G = H / Hkv;
@@ -182,9 +182,21 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
             const int64_t row = i * G + g;
             const float* qr = &qbuf[row * Dk];
             float bmax = kNegInf;
-            for (int64_t j = 0; j < visible; ++j) {
-              scores[j] = dot(qr, kb + j * kstride, Dk);
-              bmax = std::max(bmax, scores[j]);
+            if (tree == nullptr) {
+              for (int64_t j = 0; j < visible; ++j) {
+                scores[j] = dot(qr, kb + j * kstride, Dk);
+                bmax = std::max(bmax, scores[j]);
+              }
+            } else {
+              // Tree: of the step's keys (positions >= ctx) only row i's ancestors and itself;
+              // rows are in topological order, so none lies past `visible`.
+              const uint8_t* bits = tree + (r * tree_m + i) * tree_m;
+              for (int64_t j = 0; j < visible; ++j) {
+                const int64_t p = first + j;
+                scores[j] = p < ctx || bits[p - ctx] ? dot(qr, kb + j * kstride, Dk) : kNegInf;
+                bmax = std::max(bmax, scores[j]);
+              }
+              if (bmax == kNegInf) continue;  // nothing visible in this block
             }
             const float m_new = std::max(m[row], bmax);
             const float alpha = m[row] == kNegInf ? 0.f : std::exp(m[row] - m_new);
@@ -199,7 +211,12 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
             // acc = alpha * acc + P V, with each output channel kept in a register over keys.
             float* a = &acc[row * Dv];
             if (alpha != 1.f) scale_in_place(a, alpha, Dv);
-            for (int64_t j = 0; j < visible; ++j) axpy(a, vb + j * vstride, scores[j], Dv);
+            if (tree == nullptr) {
+              for (int64_t j = 0; j < visible; ++j) axpy(a, vb + j * vstride, scores[j], Dv);
+            } else {
+              for (int64_t j = 0; j < visible; ++j)
+                if (scores[j] != 0.f) axpy(a, vb + j * vstride, scores[j], Dv);
+            }
           }
         }
       }
@@ -207,7 +224,9 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
         for (int64_t g = 0; g < G; ++g) {
           const int64_t row = i * G + g, h = hk * G + g;
           if (sp.part < 0) {
-            store_row(op + (t0 + i) * os0 + h * os1, &acc[row * Dv], 1.f / l[row], Dv);
+            // l == 0: a tree row that sees nothing (no context) gets zeros, not NaN.
+            store_row(op + (t0 + i) * os0 + h * os1, &acc[row * Dv],
+                      l[row] > 0.f ? 1.f / l[row] : 0.f, Dv);
           } else {
             const int64_t pr = (sp.part + i) * H + h;
             std::copy_n(&acc[row * Dv], Dv, &part_acc[pr * Dv]);
@@ -245,7 +264,8 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
           total += part_l[pr] * w_s;
           axpy(merged.data(), &part_acc[pr * Dv], w_s, Dv);
         }
-        store_row(op + (t0 + i) * os0 + h * os1, merged.data(), 1.f / total, Dv);
+        store_row(op + (t0 + i) * os0 + h * os1, merged.data(), total > 0.f ? 1.f / total : 0.f,
+                  Dv);
       }
     }
   });
@@ -257,7 +277,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
                      const at::Tensor& v_cache, const at::Tensor& block_table,
                      const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                      const at::Tensor& rows, int64_t block_size, double scale,
-                     int64_t blocks_per_split) {
+                     int64_t blocks_per_split, const c10::optional<at::Tensor>& tree_mask) {
   TORCH_CHECK(q.device().is_cpu(), "paged_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3 && out.dim() == 3,
               "paged_attention: q [T, H, Dk], k_cache [slots, Hkv, Dk], v_cache [slots, Hkv, Dv],"
@@ -276,18 +296,37 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
                 "paged_attention: metadata must be contiguous int64");
   TORCH_CHECK(block_size > 0, "paged_attention: block_size must be positive");
+  const uint8_t* tree = nullptr;
+  int64_t tree_m = 0;
+  if (tree_mask.has_value()) {
+    const at::Tensor& tm = *tree_mask;
+    TORCH_CHECK((tm.scalar_type() == at::kBool || tm.scalar_type() == at::kChar ||
+                 tm.scalar_type() == at::kByte) &&
+                    tm.dim() == 3 && tm.size(1) == tm.size(2) && tm.is_contiguous(),
+                "paged_attention: tree_mask must be a contiguous bool / int8 [R, M, M]");
+    tree_m = tm.size(1);
+    const int64_t* qsl = query_start_loc.const_data_ptr<int64_t>();
+    const int64_t* rp = rows.const_data_ptr<int64_t>();
+    for (int64_t i = 0; i < rows.numel(); ++i) {
+      TORCH_CHECK(rp[i] < tm.size(0), "paged_attention: tree_mask has ", tm.size(0),
+                  " requests, no entry for request ", rp[i]);
+      TORCH_CHECK(qsl[rp[i] + 1] - qsl[rp[i]] <= tree_m, "paged_attention: request ", rp[i],
+                  " has more query tokens than the tree mask's ", tree_m, " rows");
+    }
+    tree = static_cast<const uint8_t*>(tm.const_data_ptr());
+  }
   switch (q.scalar_type()) {
     case at::kFloat:
       run<float>(out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, rows,
-                 block_size, scale, blocks_per_split);
+                 block_size, scale, blocks_per_split, tree, tree_m);
       break;
     case at::kBFloat16:
       run<c10::BFloat16>(out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, rows,
-                         block_size, scale, blocks_per_split);
+                         block_size, scale, blocks_per_split, tree, tree_m);
       break;
     case at::kHalf:
       run<c10::Half>(out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, rows,
-                     block_size, scale, blocks_per_split);
+                     block_size, scale, blocks_per_split, tree, tree_m);
       break;
     default:
       TORCH_CHECK(false, "paged_attention: unsupported dtype ", q.scalar_type());

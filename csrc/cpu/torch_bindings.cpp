@@ -19,7 +19,7 @@ TORCH_LIBRARY(vllm_cpu, m) {
   m.def(
       "paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
       "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, Tensor rows, "
-      "int block_size, float scale, int blocks_per_split) -> ()");
+      "int block_size, float scale, int blocks_per_split, Tensor? tree_mask=None) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def(

@@ -165,8 +165,31 @@ def _dense_reference(q, k_cache, v_cache, slots_of, allowed, scale):
     return out
 
 
-@pytest.mark.parametrize("decode_too", [False, True])
-def test_tree_mask_matches_dense_reference(decode_too):
+@pytest.mark.parametrize(
+    "decode_too, path",
+    [(False, "kernel"), (True, "kernel"), (True, "long"), (False, "sdpa"), (True, "sdpa")],
+)
+def test_tree_mask_matches_dense_reference(decode_too, path, monkeypatch):
+    """kernel: the tree rows run in the C++ decode kernel with the mask; long: the tree request
+    is a long query (the padded SDPA group with the mask), the decode row in the kernel; sdpa:
+    no kernels (the padded torch path)."""
+    from vllm import _custom_ops as ops
+    from vllm.attention.backends import torch_paged
+
+    kernel_masks: list = []
+    if path == "sdpa":
+        monkeypatch.setattr(torch_paged, "use_cpu_kernel", lambda *a: False)
+    else:
+        if not ops.cpu_kernels_available():
+            pytest.skip("CPU kernels not built")
+        real = ops.paged_attention
+
+        def spy(*args, **kwargs):
+            kernel_masks.append(kwargs.get("tree_mask"))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(ops, "paged_attention", spy)
+    short_query_len = 4 if path == "long" else 8
     torch.manual_seed(0)
     H, Hkv, D, bs = 4, 2, 8, 4
     parents = np.array([-1, -1, 0, 0, 1, 2])
@@ -177,7 +200,9 @@ def test_tree_mask_matches_dense_reference(decode_too):
     seq = np.array(ctx) + np.array(q_lens)
     table = np.array([[3, 1, 6, 0], [2, 5, 4, 7]])[:R]
     T = int(qsl[-1])
-    meta = build_attn_metadata(qsl, seq, table, bs, torch.device("cpu"), short_query_len=8)
+    meta = build_attn_metadata(
+        qsl, seq, table, bs, torch.device("cpu"), short_query_len=short_query_len
+    )
     M = max(q_lens)
     mask = np.tril(np.ones((R, M, M), dtype=bool))
     mask[0, : len(parents) + 1, : len(parents) + 1] = ancestor_mask(parents)
@@ -199,6 +224,8 @@ def test_tree_mask_matches_dense_reference(decode_too):
             allowed.append(len(seen))
     ref = _dense_reference(q.view(T, H, D), cache[0], cache[1], slots_of, allowed, 0.3)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    if path != "sdpa":  # the kernel ran, with the mask
+        assert kernel_masks and all(m is not None for m in kernel_masks)
     # Without the mask the tree rows see their siblings: the result must differ.
     meta2 = build_attn_metadata(qsl, seq, table, bs, torch.device("cpu"), short_query_len=8)
     causal = impl.forward(q, k, v, cache, meta2).view(T, H, D)

@@ -50,7 +50,7 @@ class AttentionMetadata:
     block_table_np: np.ndarray  # [R, max_blocks]
     short_query_len: int
     device: torch.device
-    # Draft trees (none are built yet): [R, M, M] ancestor-or-self mask among each request's
+    # Draft trees: [R, M, M] ancestor-or-self mask among each request's
     # query rows, on top of its whole cached context (triton_paged_attention.py's docstring).
     tree_mask: torch.Tensor | None = None
     # A captured CUDA graph's step: the device tensors of device_layout(), in the graph's
@@ -274,13 +274,18 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """padded_attention's result, without its padding where possible. On CPU with the kernels
-    built, every request reads its keys and values straight from the paged cache: short queries
-    (decode, draft verification) through the decode kernel, long ones (prefill, chunked prefill
-    over a cached context) through the prefill kernel's query x key tiles. Elsewhere, a prefill
-    with no cached context runs SDPA's mask-free causal path on its own keys (no padding to the
-    group's longest request, no mask tensor); the rest keep the padded groups."""
+    """padded_attention's result (with meta's tree mask, if any), without its padding where
+    possible. On CPU with the kernels built, every request reads its keys and values straight
+    from the paged cache: short queries (decode, draft verification, tree verification: the
+    decode kernel takes the tree mask) through the decode kernel, long ones (prefill, chunked
+    prefill over a cached context) through the prefill kernel's query x key tiles - or, in a
+    step with a tree mask, the padded group with the mask. Elsewhere, a prefill with no cached
+    context runs SDPA's mask-free causal path on its own keys (no padding to the group's longest
+    request, no mask tensor); the rest keep the padded groups."""
+    tree = meta.tree_mask
     if not use_cpu_kernel(q, k_src, v_src):
+        if tree is not None:
+            return padded_attention(q, k_src, v_src, meta, scale, extra_mask(meta, None))
         return _sdpa_attention(q, k_src, v_src, meta, scale)
     from vllm import _custom_ops as ops
 
@@ -288,14 +293,33 @@ def paged_attention(
     out = q.new_empty(T, H, v_src.shape[-1])
     block_table, seq_lens, qsl, short_rows = meta.kernel_inputs()
     if short_rows.numel():
+        if tree is not None and "tree_u8" not in meta._cache:
+            # One contiguous byte mask for every layer of the step.
+            meta._cache["tree_u8"] = tree.to(torch.bool).contiguous()
         ops.paged_attention(
-            out, q, k_src, v_src, block_table, seq_lens, qsl, short_rows, meta.block_size, scale
+            out,
+            q,
+            k_src,
+            v_src,
+            block_table,
+            seq_lens,
+            qsl,
+            short_rows,
+            meta.block_size,
+            scale,
+            tree_mask=None if tree is None else meta._cache["tree_u8"],
         )
     long_rows = meta.long_rows()
     if long_rows.numel():
-        ops.prefill_attention(
-            out, q, k_src, v_src, block_table, seq_lens, qsl, long_rows, meta.block_size, scale
-        )
+        if tree is not None:
+            long_group = meta.group(False)
+            assert long_group is not None
+            mask_fn = extra_mask(meta, None)
+            padded_attention(q, k_src, v_src, meta, scale, mask_fn, [long_group], out)
+        else:
+            ops.prefill_attention(
+                out, q, k_src, v_src, block_table, seq_lens, qsl, long_rows, meta.block_size, scale
+            )
     return out
 
 
@@ -415,9 +439,9 @@ class TorchPagedAttentionImpl:
         v = v[:T].view(T, self.num_kv_heads, self.head_size)
         kv_cache[0][meta.slot_mapping] = k.to(kv_cache.dtype)
         kv_cache[1][meta.slot_mapping] = v.to(kv_cache.dtype)
-        mask_fn = extra_mask(meta, self.sliding_window)
-        if mask_fn is None:
+        if self.sliding_window is None:  # causal, or a tree mask: paged_attention takes both
             out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         else:
+            mask_fn = extra_mask(meta, self.sliding_window)
             out = padded_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, mask_fn)
         return out.reshape(T, self.num_heads * self.head_size)

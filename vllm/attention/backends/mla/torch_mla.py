@@ -15,7 +15,6 @@ import torch
 
 from vllm.attention.backends.torch_paged import (
     AttentionMetadata,
-    extra_mask,
     padded_attention,
     paged_attention,
 )
@@ -89,8 +88,6 @@ class TorchMLAImpl:
         """Single-KV-head attention of absorbed queries [T, H, rank + rope] over the latent
         cache [slots, 1, rank + rope]; returns [T, H, rank]. Sparse backends override it."""
         v = latent[..., : self.kv_lora_rank]
-        if mask_fn is None and meta.tree_mask is not None:
-            mask_fn = extra_mask(meta, None)
-        if mask_fn is None:
+        if mask_fn is None:  # causal or a tree mask: paged_attention takes both
             return paged_attention(q, latent, v, meta, self.scale)
         return padded_attention(q, latent, v, meta, self.scale, mask_fn)
