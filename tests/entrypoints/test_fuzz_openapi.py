@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import contextlib
 import io
 import json
 import math
@@ -45,12 +46,15 @@ RSS_GROWTH_MIB = 64.0
 def report(request):
     """Print past pytest's output capture (the run's counts belong in the CI log)."""
     reporter = request.config.pluginmanager.getplugin("terminalreporter")
+    capman = request.config.pluginmanager.getplugin("capturemanager")
 
     def write(text: str) -> None:
-        if reporter is not None:
-            reporter.write_line(text)
-        else:
-            sys.stdout.write(text + "\n")
+        # The test's output is captured (and dropped when it passes): write around it.
+        with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
+            if reporter is not None:
+                reporter.write_line(text)
+            else:
+                sys.stdout.write(text + "\n")
 
     return write
 
