@@ -70,19 +70,25 @@ def gemm_rate(repeats: int = 9) -> float:
     return 256 * 576 * 576 / statistics.median(times)
 
 
-def linear_macs(model: torch.nn.Module) -> int:
-    """Multiply-adds of one token's linear layers and LM head (weight_bytes' weights)."""
+def _streamed_weights(model: torch.nn.Module) -> Iterator[torch.Tensor]:
+    """Each 2-D weight one token's forward streams, once: not the embedding (one row of it is
+    read) unless it is also the LM head (tied)."""
     embed = model.get_submodule("model.embed_tokens").weight
-    head = model.get_submodule("lm_head").weight
     seen: set[int] = set()
-    total = 0
     for name, p in model.named_parameters():
         if p.dim() != 2 or p.data_ptr() in seen:
             continue
         seen.add(p.data_ptr())
         if p.data_ptr() == embed.data_ptr() and "lm_head" not in name:
             continue
-        total += p.numel()
+        yield p
+
+
+def linear_macs(model: torch.nn.Module) -> int:
+    """Multiply-adds of one token's linear layers and LM head (weight_bytes' weights)."""
+    embed = model.get_submodule("model.embed_tokens").weight
+    head = model.get_submodule("lm_head").weight
+    total = sum(p.numel() for p in _streamed_weights(model))
     return total + (head.numel() if head.data_ptr() == embed.data_ptr() else 0)
 
 
@@ -103,15 +109,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights one token's forward streams: every 2-D weight but the embedding
     (one row of it is read), the LM head counted once even when tied."""
     embed = model.get_submodule("model.embed_tokens").weight
-    seen: set[int] = set()
-    total = 0
-    for name, p in model.named_parameters():
-        if p.dim() != 2 or p.data_ptr() in seen:
-            continue
-        seen.add(p.data_ptr())
-        if p.data_ptr() == embed.data_ptr() and "lm_head" not in name:
-            continue
-        total += p.numel() * p.element_size()
+    total = sum(p.numel() * p.element_size() for p in _streamed_weights(model))
     head = model.get_submodule("lm_head").weight
     if head.data_ptr() == embed.data_ptr():
         total += head.numel() * head.element_size()

@@ -116,15 +116,21 @@ class StateCheckpointPool:
         h = hashes[idx] if idx < len(hashes) else None
         if h is not None and h in self._by_hash:
             return None
-        ckpt = self._take()
+        ckpt = self._take_for_save()
         if ckpt is None:
             return None
-        self._saved_step[ckpt] = self.step
-        self.num_saved += 1
         if h is not None and is_cached(h):
             self._register(ckpt, h)
         else:
             self._pending.setdefault(request_id, {})[idx] = ckpt
+        return ckpt
+
+    def _take_for_save(self) -> int | None:
+        """A free checkpoint id, marked as saved this step (None: none is available)."""
+        ckpt = self._take()
+        if ckpt is not None:
+            self._saved_step[ckpt] = self.step
+            self.num_saved += 1
         return ckpt
 
     def save_key(self, key: BlockHash) -> int | None:
@@ -132,11 +138,9 @@ class StateCheckpointPool:
         registered under its key at once (its KV is registered in the same step)."""
         if key in self._by_hash:
             return None
-        ckpt = self._take()
+        ckpt = self._take_for_save()
         if ckpt is None:
             return None
-        self._saved_step[ckpt] = self.step
-        self.num_saved += 1
         self._register(ckpt, key)
         self._is_tail[ckpt] = True
         return ckpt
