@@ -88,19 +88,7 @@ def first_pass(spec: AutoRegressiveSpeculator, db: DraftBatch, hidden_states: to
     dev = spec.device
     lti = torch.from_numpy(db.last_token_indices).to(dev)
     spec.last_token_indices[:R] = lti
-    ids0 = torch.from_numpy(db.input_ids).to(dev)
-    embeds0 = None
-    if db.mm_rows is not None and db.mm_embeds is not None and len(db.mm_rows):
-        embeds0 = spec.draft.embed_input_ids(ids0, 0).clone()
-        embeds0[torch.from_numpy(db.mm_rows).to(dev)] = db.mm_embeds.to(embeds0.dtype)
-    logits_h, feedback = spec._run_model(
-        ids0,
-        torch.from_numpy(db.positions).to(dev),
-        hidden_states,
-        db.attn_metadata,
-        0,
-        inputs_embeds=embeds0,
-    )
+    logits_h, feedback = spec.run_step0(db, hidden_states)
     return logits_h, feedback, lti
 
 

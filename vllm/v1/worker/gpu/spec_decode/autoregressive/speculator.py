@@ -137,6 +137,27 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         bound = self.draft.bound_shares
         return len(bound.aux_hidden_state_layers) if self.combiner and bound else 0
 
+    def run_step0(
+        self, db: DraftBatch, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's first pass over every row the target computed (writes its KV there):
+        (the hidden states the logits are read from, the ones fed back)."""
+        dev = self.device
+        ids0 = torch.from_numpy(db.input_ids).to(dev)
+        embeds0 = None
+        if db.mm_rows is not None and db.mm_embeds is not None and len(db.mm_rows):
+            # The multimodal gather: placeholder inputs take the image's encoder outputs.
+            embeds0 = self.draft.embed_input_ids(ids0, 0).clone()
+            embeds0[torch.from_numpy(db.mm_rows).to(dev)] = db.mm_embeds.to(embeds0.dtype)
+        return self._run_model(
+            ids0,
+            torch.from_numpy(db.positions).to(dev),
+            hidden_states,
+            db.attn_metadata,
+            0,
+            inputs_embeds=embeds0,
+        )
+
     def _run_model(
         self,
         input_ids: torch.Tensor,
@@ -229,20 +250,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         drafts = self.draft_tokens[:R]
         self._begin_draft(db)
         with self._hooked(self.on_prefill_begin, self.on_prefill_end, R):
-            ids0 = torch.from_numpy(db.input_ids).to(dev)
-            embeds0 = None
-            if db.mm_rows is not None and db.mm_embeds is not None and len(db.mm_rows):
-                # The multimodal gather: placeholder inputs take the image's encoder outputs.
-                embeds0 = self.draft.embed_input_ids(ids0, 0).clone()
-                embeds0[torch.from_numpy(db.mm_rows).to(dev)] = db.mm_embeds.to(embeds0.dtype)
-            logits_h, feedback = self._run_model(
-                ids0,
-                torch.from_numpy(db.positions).to(dev),
-                hidden_states,
-                db.attn_metadata,
-                0,
-                inputs_embeds=embeds0,
-            )
+            logits_h, feedback = self.run_step0(db, hidden_states)
             if want > 0 or steps > 1:
                 with decode_rows():
                     logits = self._compute_logits(logits_h[lti], 0)
