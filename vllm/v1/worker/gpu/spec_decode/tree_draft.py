@@ -34,11 +34,7 @@ if TYPE_CHECKING:
 
 def _top_tokens(spec: AutoRegressiveSpeculator, logits: torch.Tensor, k: int) -> torch.Tensor:
     """[..., k] the draft's k most likely target token ids (through a draft vocabulary's map)."""
-    idx = logits.topk(k, dim=-1).indices
-    vocab = getattr(spec, "draft_vocab", None)
-    if vocab is not None and vocab.draft_to_target is not None:
-        idx = vocab.draft_to_target[idx]
-    return spec.agree(idx)
+    return _to_target(spec, logits.topk(k, dim=-1).indices)
 
 
 def draft_tree(
@@ -241,6 +237,7 @@ def draft_dynamic(
 
 
 def _to_target(spec: AutoRegressiveSpeculator, idx: torch.Tensor) -> torch.Tensor:
+    """Draft-vocabulary ids as target ids (TP ranks agreeing on them)."""
     vocab = getattr(spec, "draft_vocab", None)
     if vocab is not None and vocab.draft_to_target is not None:
         idx = vocab.draft_to_target[idx]
