@@ -30,7 +30,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -92,19 +91,6 @@ def linear_macs(model: torch.nn.Module) -> int:
     return total + (head.numel() if head.data_ptr() == embed.data_ptr() else 0)
 
 
-@contextmanager
-def blas_rows() -> Iterator[None]:
-    """Every row through BLAS (what the linear layers did before the small-M kernel)."""
-    from vllm.model_executor.layers import gemm as linear_mod
-
-    real = linear_mod.current_row_kinds
-    linear_mod.current_row_kinds = lambda: None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        linear_mod.current_row_kinds = real  # type: ignore[assignment]
-
-
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights one token's forward streams: every 2-D weight but the embedding
     (one row of it is read), the LM head counted once even when tied."""
@@ -146,9 +132,11 @@ def linear_only(model: torch.nn.Module, ms: list[int], repeats: int) -> dict[int
     return {m: statistics.median(v) * 1e3 for m, v in times.items()}
 
 
-def make_step(runner, context: int, m: int) -> Callable[[], torch.Tensor]:
+def make_step(runner, context: int, m: int, route: str) -> Callable[[], torch.Tensor]:
+    """One forward (+ LM head) of m new tokens; route "blas" sends every row to BLAS (the
+    forward context's rows fixed to ALL_LONG), "kernel" routes them by kind (all decode rows)."""
     from vllm.attention.backends.torch_paged import build_attn_metadata
-    from vllm.forward_context import decode_rows, set_forward_context
+    from vllm.forward_context import ALL_LONG, ALL_SHORT, ForwardContext
 
     model, bs = runner.model, runner.block_size
     seq = context + m
@@ -165,13 +153,15 @@ def make_step(runner, context: int, m: int) -> Callable[[], torch.Tensor]:
     )
     ids = torch.randint(0, 1000, (m,))
     pos = torch.from_numpy(positions)
+    ctx = ForwardContext(meta)
+    head_rows = ALL_SHORT
+    if route == "blas":
+        ctx, head_rows = ctx.with_rows(ALL_LONG), ALL_LONG
 
     def step() -> torch.Tensor:
         with torch.inference_mode():
-            with set_forward_context(meta):
-                hidden = model(ids, pos, None)
-            with decode_rows():
-                return model.compute_logits(hidden)
+            hidden = model(ids, pos, None, ctx=ctx)
+            return model.compute_logits(hidden, head_rows)
 
     return step
 
@@ -221,11 +211,11 @@ def main() -> None:
             print(f"\n== {dtype}: {_linear_line(lin, ms, macs, wbytes)}")
             del llm, runner
             continue
-        steps = {m: make_step(runner, args.context, m) for m in ms}
+        steps = {
+            (r, m): make_step(runner, args.context, m, r) for r in ("kernel", "blas") for m in ms
+        }
         for f in steps.values():  # warm-up
             f()
-            with blas_rows():
-                f()
         times: dict[tuple[str, int], list[float]] = {(r, m): [] for r in args.routes for m in ms}
         bws: list[float] = []
         rates: list[float] = []
@@ -235,10 +225,9 @@ def main() -> None:
             if rep % 2:
                 order.reverse()
             for r, m in order:
-                with blas_rows() if r == "blas" else _nothing():
-                    t0 = time.perf_counter()
-                    steps[m]()
-                    times[(r, m)].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                steps[(r, m)]()
+                times[(r, m)].append(time.perf_counter() - t0)
             rates.append(gemm_rate())
         bw = statistics.median(bws)
         rate = statistics.median(rates)
@@ -304,11 +293,6 @@ def _linear_line(lin: dict[int, float], ms: list[int], macs: int, wbytes: int) -
         )
         + f"; M=1 streams {wbytes / lin[1] / 1e6:.1f} GB/s"
     )
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 if __name__ == "__main__":

@@ -2,16 +2,16 @@
 # Copyright 2026 The vllm-pp-spec contributors
 """The per-forward context: one immutable object with everything a forward's layers read (the
 attention metadata, the linear-attention metadata, and the kinds of its rows, which route each
-linear layer's rows to the small-M kernel or BLAS). The runner builds it from the step's
-metadata and sets it around the model call; the layers read it, none writes it."""
+linear layer's rows to the small-M kernel or BLAS). The runner (or a speculator, or the CUDA
+graph capture) builds it from the step's metadata and passes it explicitly: the model's forward
+takes it as `ctx` and hands it down to every decoder layer, attention block, MLP and MoE; every
+linear product is given its rows' kinds as an argument (`ctx.rows`; ALL_SHORT for the rows
+being sampled; None outside any forward: BLAS). There is no ambient (thread-local / context
+variable) state: what routes a product is visible at its call."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -67,8 +67,11 @@ class RowKinds:
 
 
 ALL_SHORT = RowKinds(num_rows=0, all_short=True, all_long=False)
-"""Every row is a decode / verify / draft row: the LM head and the draft heads over the rows
-being sampled."""
+"""Every row is a decode / verify / draft row: the kinds the LM head and the draft heads pass
+for the rows being sampled."""
+
+ALL_LONG = RowKinds(num_rows=0, all_short=False, all_long=True)
+"""Every row is a prefill row (BLAS), whatever the forward's layout."""
 
 
 def row_kinds_of(attn_metadata: Any) -> RowKinds | None:
@@ -84,7 +87,8 @@ def row_kinds_of(attn_metadata: Any) -> RowKinds | None:
 
 @dataclass(frozen=True)
 class ForwardContext:
-    """What one forward's layers read; built once per forward, never changed."""
+    """What one forward's layers read; built once per forward, never changed, and passed down
+    the call tree as an argument (the model's forward takes it as `ctx`)."""
 
     attn_metadata: Any = None
     """Metadata every attention layer of this forward reads (slot mapping, sequence layout)."""
@@ -98,61 +102,21 @@ class ForwardContext:
     """Row kinds that hold whatever the layout (ALL_SHORT: the rows being sampled)."""
 
     @functools.cached_property
-    def row_kinds(self) -> RowKinds | None:
-        """Which rows the linear layers send to the small-M kernel and which to BLAS (None:
-        all to BLAS); derived once, on first use, from the request layout."""
+    def rows(self) -> RowKinds | None:
+        """The kinds of this forward's rows, which every linear layer is given: which rows go
+        to the small-M kernel and which to BLAS (None: all to BLAS); derived once, on first
+        use, from the request layout."""
         if self.fixed_row_kinds is not None:
             return self.fixed_row_kinds
         kinds = row_kinds_of(self.rows_layout) if self.rows_layout is not None else None
         return kinds if kinds is not None else row_kinds_of(self.attn_metadata)
 
+    @classmethod
+    def laid_out_as(cls, attn_metadata: Any) -> ForwardContext:
+        """Products outside any forward over rows laid out as attn_metadata's requests (e.g.
+        EAGLE3's fc over the target's hidden states): no attention to run, rows by kind."""
+        return cls(rows_layout=attn_metadata)
 
-_CURRENT: ContextVar[ForwardContext | None] = ContextVar("vllm_forward_context", default=None)
-
-
-@contextmanager
-def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
-    """Run the forward inside with ctx (restored on exit, so contexts nest)."""
-    token = _CURRENT.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _CURRENT.reset(token)
-
-
-def set_forward_context(
-    attn_metadata: Any, linear_attn_metadata: Any = None
-) -> contextlib.AbstractContextManager[ForwardContext]:
-    """forward_context(ForwardContext(attn_metadata, linear_attn_metadata))."""
-    return forward_context(ForwardContext(attn_metadata, linear_attn_metadata))
-
-
-def get_forward_context() -> ForwardContext:
-    ctx = _CURRENT.get()
-    if ctx is None:
-        raise RuntimeError("attention layer called outside a forward context")
-    return ctx
-
-
-def _current_or_empty() -> ForwardContext:
-    ctx = _CURRENT.get()
-    return ctx if ctx is not None else ForwardContext()
-
-
-def decode_rows() -> contextlib.AbstractContextManager[ForwardContext]:
-    """The products inside are over the rows being sampled (the LM head, the draft heads):
-    every row a decode row, whatever forward they came from."""
-    return forward_context(replace(_current_or_empty(), fixed_row_kinds=ALL_SHORT))
-
-
-def rows_of(attn_metadata: Any) -> contextlib.AbstractContextManager[ForwardContext]:
-    """The products inside are over rows laid out as attn_metadata's requests (e.g. the EAGLE3
-    combination of the target's hidden states, outside the draft's forward)."""
-    ctx = replace(_current_or_empty(), rows_layout=attn_metadata, fixed_row_kinds=None)
-    return forward_context(ctx)
-
-
-def current_row_kinds() -> RowKinds | None:
-    """The kinds of the rows the linear layers multiply now (None outside a forward: BLAS)."""
-    ctx = _CURRENT.get()
-    return None if ctx is None else ctx.row_kinds
+    def with_rows(self, kinds: RowKinds) -> ForwardContext:
+        """This forward with its rows' kinds fixed (ALL_SHORT / ALL_LONG) whatever its layout."""
+        return replace(self, fixed_row_kinds=kinds)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm import _custom_ops as ops
-from vllm.forward_context import decode_rows, set_forward_context
+from vllm.forward_context import ALL_SHORT, ForwardContext
 from vllm.model_executor.layers import gemm as linear_mod
 
 
@@ -186,15 +186,13 @@ def test_linear_routes_rows_by_kind(monkeypatch, dtype):
     ]:
         calls.clear()
         x = torch.randn(sum(q_lens), 40, generator=g).to(dtype)
-        with set_forward_context(_meta(q_lens, short_len)):
-            y = linear_mod.linear(x, w)
+        y = linear_mod.linear(x, w, None, ForwardContext(_meta(q_lens, short_len)).rows)
         assert calls == kernel_rows, (q_lens, calls)
         torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), **tol)
     calls.clear()
-    linear_mod.linear(torch.randn(3, 40).to(dtype), w)
+    linear_mod.linear(torch.randn(3, 40).to(dtype), w, None, None)
     assert calls == []
-    with decode_rows():
-        linear_mod.linear(torch.randn(3, 40).to(dtype), w)
+    linear_mod.linear(torch.randn(3, 40).to(dtype), w, None, ALL_SHORT)
     assert calls == [3]
 
 
@@ -206,19 +204,18 @@ def test_decode_row_is_bit_identical_whatever_the_step_holds(dtype):
     w = torch.randn(300, 128, generator=g).to(dtype)
     b = torch.randn(300, generator=g).to(dtype)
     row = torch.randn(1, 128, generator=g).to(dtype)
-    with set_forward_context(_meta([1], 1)):
-        alone = linear_mod.linear(row, w, b)
+    alone = linear_mod.linear(row, w, b, ForwardContext(_meta([1], 1)).rows)
     for q_lens, at in [([1] * 9, 4), ([7, 1, 1], 8), ([1, 30], 0), ([4, 4, 1], 8)]:
         x = torch.randn(sum(q_lens), 128, generator=g).to(dtype)
         x[at] = row[0]
-        with set_forward_context(_meta(q_lens, 4 if 4 in q_lens else 1)):
-            y = linear_mod.linear(x, w, b)
+        ctx = ForwardContext(_meta(q_lens, 4 if 4 in q_lens else 1))
+        y = linear_mod.linear(x, w, b, ctx.rows)
         assert torch.equal(y[at : at + 1], alone), q_lens
     pad = torch.cat(
         [torch.randn(5, 128, generator=g).to(dtype), row, torch.zeros(2, 128).to(dtype)]
     )
-    with set_forward_context(_meta([5, 1], 1)):  # two padding rows past the batch
-        y = linear_mod.linear(pad, w, b)
+    # Two padding rows past the batch.
+    y = linear_mod.linear(pad, w, b, ForwardContext(_meta([5, 1], 1)).rows)
     assert torch.equal(y[5:6], alone)
     torch.testing.assert_close(
         y[:5].float(),
@@ -247,21 +244,21 @@ def test_prefill_gemm_routes_match_the_fp64_product(dtype, monkeypatch, clear_ge
     for route in linear_mod.prefill_gemm_candidates(dtype):
         monkeypatch.setenv("VLLM_CPU_PREFILL_GEMM", route)
         linear_mod._chosen.clear()
-        y = linear_mod.linear(x, w, b)  # outside a forward: prefill-kind rows
+        y = linear_mod.linear(x, w, b, None)  # outside a forward: prefill-kind rows
         assert linear_mod.prefill_gemm_route(dtype) == route
         torch.testing.assert_close(y.double(), ref, **_tol(dtype))
         if route == "fp32":
             assert torch.equal(y, F.linear(x.float(), w.float(), b.float()).bfloat16())
     monkeypatch.setenv("VLLM_CPU_PREFILL_GEMM", "auto")
     linear_mod._chosen.clear()
-    torch.testing.assert_close(linear_mod.linear(x, w, b).double(), ref, **_tol(dtype))
+    torch.testing.assert_close(linear_mod.linear(x, w, b, None).double(), ref, **_tol(dtype))
     assert linear_mod.prefill_gemm_route(dtype) in linear_mod.prefill_gemm_candidates(dtype)
 
 
 def test_prefill_gemm_route_not_for_the_dtype_is_a_value_error(monkeypatch, clear_gemm_route):
     monkeypatch.setenv("VLLM_CPU_PREFILL_GEMM", "fp32")
     with pytest.raises(ValueError, match="VLLM_CPU_PREFILL_GEMM"):
-        linear_mod.linear(torch.randn(4, 8), torch.randn(3, 8))
+        linear_mod.linear(torch.randn(4, 8), torch.randn(3, 8), None, None)
 
 
 @pytest.mark.slow

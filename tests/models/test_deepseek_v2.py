@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from vllm.attention.backends.torch_paged import build_attn_metadata
 from vllm.config import ModelConfig, VllmConfig
 from vllm.distributed.parallel_state import PPGroup, get_pp_group, set_pp_group
-from vllm.forward_context import set_forward_context
+from vllm.forward_context import ForwardContext
 from vllm.model_executor.layers.attention import AttentionLayerBase
 from vllm.model_executor.model_loader import get_model
 from vllm.model_executor.models.deepseek_v2 import get_spec_layer_idx_from_weight_name
@@ -87,8 +87,8 @@ def _step(model, ids: torch.Tensor, start: int, intermediate=None):
         device="cpu",
     )
     positions = torch.arange(start, start + t)
-    with torch.no_grad(), set_forward_context(meta):
-        return model(ids, positions, intermediate)
+    with torch.no_grad():
+        return model(ids, positions, intermediate, ctx=ForwardContext(meta))
 
 
 def _prompt(vocab: int) -> torch.Tensor:
@@ -99,7 +99,7 @@ def _check_prefill_and_decode(path: Path) -> None:
     model, hf = _load(path), _hf_model(path)
     ids = _prompt(model.config.vocab_size)
     ref = _hf_logits(hf, ids)
-    logits = model.compute_logits(_step(model, ids, 0))
+    logits = model.compute_logits(_step(model, ids, 0), None)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
     for _ in range(DECODE_STEPS):
@@ -107,7 +107,7 @@ def _check_prefill_and_decode(path: Path) -> None:
         start = len(ids)
         ids = torch.cat([ids, nxt])
         ref = _hf_logits(hf, ids)
-        out = model.compute_logits(_step(model, nxt, start))
+        out = model.compute_logits(_step(model, nxt, start), None)
         torch.testing.assert_close(out[0], ref[-1], atol=1e-4, rtol=1e-4)
 
 
@@ -152,7 +152,7 @@ def test_fused_expert_checkpoint_names(tmp_path: Path) -> None:
     assert "model.layers.1.mlp.experts.gate_up_proj" in names
     model = _load(path)
     ids = _prompt(model.config.vocab_size)
-    logits = model.compute_logits(_step(model, ids, 0))
+    logits = model.compute_logits(_step(model, ids, 0), None)
     torch.testing.assert_close(logits, _hf_logits(path, ids), atol=1e-4, rtol=1e-4)
 
 
@@ -236,7 +236,7 @@ def test_pipeline_stages_match_hf(tmp_path: Path) -> None:
         empty = first.make_empty_intermediate_tensors(len(ids), torch.float32, "cpu")
         assert empty["hidden_states"].shape == out["hidden_states"].shape
         set_pp_group(PPGroup(rank=1, world_size=2))
-        logits = last.compute_logits(_step(last, ids, 0, out))
+        logits = last.compute_logits(_step(last, ids, 0, out), None)
     finally:
         set_pp_group(prev)
     torch.testing.assert_close(logits, _hf_logits(path, ids), atol=1e-4, rtol=1e-4)

@@ -114,20 +114,20 @@ class LoRALayer:
         batch = self.batch
         if batch is None or batch.num_slots == 0:
             return y
-        x = args[0]
+        x, rows = args  # layer(x, rows): the LoRA products take the layer's row kinds
         if x.dim() != 2 or x.shape[0] != batch.row_slots.shape[0]:
             raise RuntimeError(
                 f"LoRA layer got {tuple(x.shape)} inputs for a step of "
                 f"{batch.row_slots.shape[0]} rows"
             )
         cols = batch.num_slots * self.width
-        h = linear(x, self.a[:cols])
+        h = linear(x, self.a[:cols], None, rows)
         if self.row_parallel:
             from vllm.distributed.parallel_state import tensor_model_parallel_all_reduce
 
             h = tensor_model_parallel_all_reduce(h)
         h = h * batch.mask(self.width)
-        return y + linear(h, self._b(cols))
+        return y + linear(h, self._b(cols), None, rows)
 
     def _b(self, cols: int) -> torch.Tensor:
         if self._b_cache is None or self._b_cache[0] != cols:

@@ -47,10 +47,8 @@ def test_capture_sizes_buffers_and_metadata() -> None:
     }
     seen: list[tuple] = []
 
-    def forward(ids, pos):
-        from vllm.forward_context import get_forward_context
-
-        meta = get_forward_context().attn_metadata
+    def forward(ids, pos, ctx):
+        meta = ctx.attn_metadata
         bt, sl, qsl, max_q = meta.device_layout()
         seen.append((ids.shape[0], bt.shape[0], qsl.tolist(), max_q, meta.num_tokens))
         return ids * 10 + pos
@@ -82,7 +80,7 @@ def _batch(q_lens, seq_lens, n_pad, table):
 
 def test_replay_refills_the_same_buffers_with_padding() -> None:
     g = _runner()
-    g.capture(lambda ids, pos: ids * 10 + pos)
+    g.capture(lambda ids, pos, ctx: ids * 10 + pos)
     ptrs = {k: v.data_ptr() for k, v in g.buffers().items()}
     table = np.arange(10).reshape(2, 5)
     batch, meta, T = _batch([2, 1], [7, 5], 4, table)  # 3 real tokens padded to 4

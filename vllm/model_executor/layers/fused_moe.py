@@ -14,8 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm.forward_context import RowKinds
 from vllm.model_executor.build_context import current_build_context
 from vllm.model_executor.model_loader.weight_utils import WeightLoadError, reject_quantized_tensor
+
+# expert_linear(x, expert, "w13" | "w2", rows) -> x @ W[expert]^T: an expert's product.
+ExpertLinear = Callable[[torch.Tensor, int, str, RowKinds | None], torch.Tensor]
 
 
 def fused_moe(
@@ -24,16 +28,18 @@ def fused_moe(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    expert_linear: Callable[[torch.Tensor, int, str], torch.Tensor] | None = None,
+    rows: RowKinds | None,
+    expert_linear: ExpertLinear | None = None,
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden_states[t]) for every token t.
 
     hidden_states [T, H]; w13 [E, 2I, H] (gate rows then up rows); w2 [E, H, I];
-    topk_weights [T, k] (any float dtype); topk_ids [T, k]. Each expert is a SwiGLU MLP. Only the
-    experts that received tokens run, each once over all of its tokens. Returns [T, H] in the
-    dtype of hidden_states, accumulated in float32. expert_linear(x, e, "w13" | "w2") computes
-    x @ W[e]^T for weights stored otherwise than dense (quantized); by default linear()
-    (F.linear, or the CPU small-M kernel for an expert's few bf16 rows).
+    topk_weights [T, k] (any float dtype); topk_ids [T, k]; rows: the kinds of hidden_states'
+    rows (the forward context's), passed to every expert product. Each expert is a SwiGLU MLP.
+    Only the experts that received tokens run, each once over all of its tokens. Returns [T, H]
+    in the dtype of hidden_states, accumulated in float32. expert_linear(x, e, "w13" | "w2",
+    rows) computes x @ W[e]^T for weights stored otherwise than dense (quantized); by default
+    linear() (BLAS, or the CPU small-M kernel for an expert's few decode rows).
     """
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=hidden_states.device)
@@ -51,17 +57,19 @@ def fused_moe(
 
         stacks = {"w13": w13, "w2": w2}
 
-        def expert_linear(x: torch.Tensor, e: int, proj: str) -> torch.Tensor:
-            return linear(x, stacks[proj][e])
+        def expert_linear(
+            x: torch.Tensor, e: int, proj: str, rows: RowKinds | None
+        ) -> torch.Tensor:
+            return linear(x, stacks[proj][e], None, rows)
 
     start = 0
     for expert, n in enumerate(counts):
         if n == 0:
             continue
         tokens = token_of[start : start + n]
-        gate_up = expert_linear(hidden_states[tokens], expert, "w13")
+        gate_up = expert_linear(hidden_states[tokens], expert, "w13", rows)
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = expert_linear(act, expert, "w2")
+        y = expert_linear(act, expert, "w2", rows)
         out.index_add_(0, tokens, y.float() * weight_of[start : start + n, None])
         start += n
     return out.to(hidden_states.dtype)
@@ -103,8 +111,11 @@ class UnquantizedFusedMoEMethod:
         hidden_states: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
+        rows: RowKinds | None,
     ) -> torch.Tensor:
-        return fused_moe(hidden_states, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids)
+        return fused_moe(
+            hidden_states, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, rows
+        )
 
 
 class FusedMoE(nn.Module):
@@ -145,9 +156,15 @@ class FusedMoE(nn.Module):
         )
 
     def forward(
-        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        rows: RowKinds | None,
     ) -> torch.Tensor:
-        return self.quant_method.apply(self, hidden_states, topk_weights, topk_ids)
+        """rows: the kinds of hidden_states' rows (the forward context's), for every expert
+        product."""
+        return self.quant_method.apply(self, hidden_states, topk_weights, topk_ids, rows)
 
     def tp_shard_expert_tensor(
         self, proj: str, fused: bool, tensor: torch.Tensor, scale: bool = False

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""The matmul under every linear layer: a forward's rows routed by kind (its forward context's
-row kinds) to the CPU small-M kernel or to BLAS, and the prefill BLAS route measured once per
-dtype at start-up."""
+"""The matmul under every linear layer: a forward's rows routed by the kinds its caller passes
+(ForwardContext.rows, ALL_SHORT for the rows being sampled) to the CPU small-M kernel or to
+BLAS, and the prefill BLAS route measured once per dtype at start-up."""
 
 from __future__ import annotations
 
@@ -12,18 +12,19 @@ import torch
 import torch.nn.functional as F
 
 from vllm._custom_ops import cpu_op_ok, linear_small_m
-from vllm.forward_context import current_row_kinds
+from vllm.forward_context import RowKinds
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias), the rows routed by kind (forward_context.current_row_kinds()):
-    decode / verify / draft rows through the CPU small-M kernel (each weight row streamed from
-    memory once for all of them; a row's result independent of what shares the call), prefill
-    rows through BLAS. A step mixing both splits its rows; products outside a forward (no row
-    kinds) are prefill-kind."""
-    kinds = current_row_kinds()
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kinds: RowKinds | None
+) -> torch.Tensor:
+    """x @ weight^T (+ bias), the rows routed by `kinds` (the caller's, required: the forward
+    context's rows, ALL_SHORT for sampled rows): decode / verify / draft rows through the CPU
+    small-M kernel (each weight row streamed from memory once for all of them; a row's result
+    independent of what shares the call), prefill rows through BLAS. A step mixing both splits
+    its rows; kinds None (products outside a forward, e.g. weight processing) is prefill-kind."""
     if kinds is not None and not kinds.all_long and _kernel_takes(x, weight, bias):
         if kinds.all_short:
             if x.dim() == 2:

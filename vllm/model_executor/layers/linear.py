@@ -2,7 +2,9 @@
 # Copyright 2026 The vllm-pp-spec contributors
 """Linear layers whose weight storage and matmul belong to a method object (unquantized, or a
 quantization method such as block FP8), chosen from the model's build context; their tensor-
-parallel variants. The product itself (routing rows to the small-M kernel or BLAS) is gemm.py's."""
+parallel variants. Every layer's forward takes the rows' kinds as a required argument
+(`layer(x, ctx.rows)`); the product itself (routing rows by those kinds to the small-M kernel or
+BLAS) is gemm.py's."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from vllm.forward_context import RowKinds
 from vllm.model_executor.build_context import current_build_context
 from vllm.model_executor.layers.gemm import linear
 
@@ -20,8 +23,9 @@ class RoutedLinear(nn.Linear):
     whose product runs through linear(): decode / verify / draft rows on the CPU small-M
     kernel. For LM heads, draft heads and the drafts' fc layers."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    # Unlike nn.Linear's, forward requires the rows' kinds (forgetting them is a TypeError).
+    def forward(self, x: torch.Tensor, rows: RowKinds | None) -> torch.Tensor:  # type: ignore[override]
+        return linear(x, self.weight, self.bias, rows)
 
 
 class LinearLayerBase(nn.Module):
@@ -50,8 +54,14 @@ class LinearMethodBase:
         raise NotImplementedError
 
     def apply(
-        self, layer: LinearLayerBase, x: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        layer: LinearLayerBase,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        rows: RowKinds | None,
     ) -> torch.Tensor:
+        """rows: the kinds of x's rows (gemm.linear); a method whose product has no small-M
+        route ignores them."""
         raise NotImplementedError
 
     def load_weight(
@@ -81,9 +91,13 @@ class UnquantizedLinearMethod(LinearMethodBase):
         )
 
     def apply(
-        self, layer: LinearLayerBase, x: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        layer: LinearLayerBase,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        rows: RowKinds | None,
     ) -> torch.Tensor:
-        return linear(x, layer.weight, bias)
+        return linear(x, layer.weight, bias, rows)
 
 
 def _create_linear_weights(layer: LinearLayerBase, method: LinearMethodBase, bias: bool) -> None:
@@ -123,8 +137,8 @@ class ReplicatedLinear(LinearLayerBase):
         method = methods.linear() if methods is not None else UnquantizedLinearMethod()
         _create_linear_weights(self, method, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+    def forward(self, x: torch.Tensor, rows: RowKinds | None) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias, rows)
 
     def extra_repr(self) -> str:
         method = type(self.quant_method).__name__
@@ -184,10 +198,10 @@ class MergedReplicatedLinear(LinearLayerBase):
         """(first output row, number of rows) of shard `shard` in the packed weight."""
         return self.offsets[shard], self.output_sizes[shard]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: RowKinds | None) -> torch.Tensor:
         if self.shards is None:
-            return linear(x, self.weight, self.bias)
-        return torch.cat([s(x) for s in self.shards], dim=-1)
+            return linear(x, self.weight, self.bias, rows)
+        return torch.cat([s(x, rows) for s in self.shards], dim=-1)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The packed output's per-shard parts (views)."""
@@ -328,8 +342,8 @@ class ColumnParallelLinear(ReplicatedLinear, TPSharded):
             return shard_packed_rows(tensor, self.packed_sizes, self.tp_rank, self.tp_size)
         return _narrow_rows(tensor, 0, self.tp_rank, n, leaf)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
+    def forward(self, x: torch.Tensor, rows: RowKinds | None) -> torch.Tensor:
+        y = super().forward(x, rows)
         if self.gather_output and self.tp_size > 1:
             y = self.tp.all_gather(y, dim=-1)
         return y
@@ -364,10 +378,10 @@ class RowParallelLinear(ReplicatedLinear, TPSharded):
             return tensor  # the bias is whole on every rank
         return _narrow_rows(tensor, 1, self.tp_rank, k, leaf)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: RowKinds | None) -> torch.Tensor:
         if self.tp_size == 1:
-            return super().forward(x)
-        y = self.quant_method.apply(self, x, None)
+            return super().forward(x, rows)
+        y = self.quant_method.apply(self, x, None, rows)
         if self.reduce_results:
             y = self.tp.all_reduce(y)
         if self.bias is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vllm.forward_context import RowKinds
 from vllm.model_executor.build_context import current_build_context
 from vllm.model_executor.layers.linear import RoutedLinear, TPSharded, divide
 
@@ -42,7 +43,8 @@ class VocabParallelEmbedding(nn.Embedding, TPSharded):
 
 class LMHead(RoutedLinear):
     """The vocabulary projection: an nn.Linear (never quantized) whose product runs through
-    the shared linear() (the CPU small-M kernel for the rows being sampled)."""
+    the shared linear(); its callers pass ALL_SHORT for the rows being sampled (the CPU small-M
+    kernel)."""
 
 
 class ParallelLMHead(LMHead, TPSharded):
@@ -61,8 +63,8 @@ class ParallelLMHead(LMHead, TPSharded):
     def tp_shard_checkpoint_tensor(self, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
         return _vocab_rows(self, tensor)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = super().forward(x)
+    def forward(self, x: torch.Tensor, rows: RowKinds | None) -> torch.Tensor:  # type: ignore[override]
+        logits = super().forward(x, rows)
         if self.tp_size == 1:
             return logits
         return self.tp.all_gather(logits, dim=-1)

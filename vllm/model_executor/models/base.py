@@ -14,6 +14,7 @@ from torch import nn
 
 from vllm.config import ModelConfig, VllmConfig
 from vllm.distributed.parallel_state import get_pp_group
+from vllm.forward_context import ForwardContext, RowKinds
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     ParallelLMHead,
@@ -58,30 +59,37 @@ def build_lm_head(config: Any, tie_to: nn.Module | None = None) -> nn.Linear:
 
 class DecoderLayerBase(nn.Module):
     """A pre-norm decoder block on the fused residual stream: input_layernorm, the token mixer
-    (attention), post_attention_layernorm, the MLP. forward(positions, hidden_states, residual)
-    returns (mlp output, residual); their sum is the stream after the block. Subclasses build
-    the norms and the MLP, and self_attn or their own mix()."""
+    (attention), post_attention_layernorm, the MLP. forward(positions, hidden_states, residual,
+    ctx) returns (mlp output, residual); their sum is the stream after the block. ctx (the
+    forward's ForwardContext) goes to the mixer and the MLP. Subclasses build the norms and the
+    MLP, and self_attn or their own mix()."""
 
     input_layernorm: nn.Module
     post_attention_layernorm: nn.Module
     mlp: nn.Module
     self_attn: nn.Module
 
-    def mix(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def mix(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         """The block's token mixer over the normed stream (default: self_attn)."""
-        return self.self_attn(positions, hidden_states)
+        return self.self_attn(positions, hidden_states, ctx)
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.mix(positions, hidden_states)
+        hidden_states = self.mix(positions, hidden_states, ctx)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
+        return self.mlp(hidden_states, ctx), residual
 
 
 class DecoderModelBase(nn.Module, EagleModelMixin):
@@ -97,7 +105,8 @@ class DecoderModelBase(nn.Module, EagleModelMixin):
     collected by the last one, and reserved in every receiving stage's buffer.
 
     Subclasses build one layer in make_layer; a layer is called as
-    layer(positions, hidden_states, residual) -> (hidden_states, residual).
+    layer(positions, hidden_states, residual, ctx) -> (hidden_states, residual), ctx being the
+    forward's ForwardContext (forward's required keyword argument).
     """
 
     norm_cls: ClassVar[type[RMSNorm]] = RMSNorm
@@ -163,6 +172,8 @@ class DecoderModelBase(nn.Module, EagleModelMixin):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        *,
+        ctx: ForwardContext,
     ) -> DecoderOutput:
         aux: list[torch.Tensor] = []
         layout = self.aux_layout
@@ -178,7 +189,7 @@ class DecoderModelBase(nn.Module, EagleModelMixin):
             hidden = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
         for idx in range(self.start_layer, self.end_layer):
-            hidden, residual = self.layers[idx](positions, hidden, residual)
+            hidden, residual = self.layers[idx](positions, hidden, residual, ctx)
             layout.tap(aux, idx + 1, hidden, residual)
         if not get_pp_group().is_last_rank:
             assert residual is not None, "a stage with no layers cannot send a residual"
@@ -278,11 +289,15 @@ class CausalLMBase(ModelBase, SupportsPP):
         positions: torch.Tensor,
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
+        *,
+        ctx: ForwardContext,
     ) -> DecoderOutput:
-        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds, ctx=ctx)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()
+    def compute_logits(self, hidden_states: torch.Tensor, rows: RowKinds | None) -> torch.Tensor:
+        """Logits of hidden_states' rows; rows: their kinds (ALL_SHORT for the rows being
+        sampled; None for prefill-kind rows, e.g. prompt logprobs)."""
+        return self.lm_head(hidden_states, rows).float()
 
     def draft_shares(self) -> TargetShares:
         """What a draft running next to this stage of the model may take from it (after the

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from vllm.config import ModelConfig, VllmConfig, num_mtp_layers
+from vllm.forward_context import ForwardContext, RowKinds
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.models.base import build_lm_head
@@ -71,13 +72,15 @@ class DeepSeekMultiTokenPredictorLayer(nn.Module):
         positions: torch.Tensor,
         inputs_embeds: torch.Tensor,
         previous_hidden_states: torch.Tensor,
+        ctx: ForwardContext,
     ) -> torch.Tensor:
         # Position 0 has no previous token whose hidden state could pair with this embedding.
         inputs_embeds = inputs_embeds.masked_fill((positions == 0).unsqueeze(-1), 0)
         x = self.eh_proj(
-            torch.cat([self.enorm(inputs_embeds), self.hnorm(previous_hidden_states)], dim=-1)
+            torch.cat([self.enorm(inputs_embeds), self.hnorm(previous_hidden_states)], dim=-1),
+            ctx.rows,
         )
-        hidden, residual = self.mtp_block(positions, x, None)
+        hidden, residual = self.mtp_block(positions, x, None, ctx)
         return hidden + residual
 
 
@@ -117,9 +120,11 @@ class DeepSeekMultiTokenPredictor(nn.Module):
         assert isinstance(layer, DeepSeekMultiTokenPredictorLayer)
         return layer
 
-    def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+    def compute_logits(
+        self, hidden_states: torch.Tensor, rows: RowKinds | None, spec_step_idx: int = 0
+    ) -> torch.Tensor:
         head = self.layer_for_step(spec_step_idx).shared_head
-        return head.head(head(hidden_states)).float()
+        return head.head(head(hidden_states), rows).float()
 
 
 class DeepSeekMTP(DraftModel):
@@ -148,8 +153,10 @@ class DeepSeekMTP(DraftModel):
     def step_network(self, spec_step_idx: int) -> DeepSeekMultiTokenPredictorLayer:
         return self.model.layer_for_step(spec_step_idx)
 
-    def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
-        return self.model.compute_logits(hidden_states, spec_step_idx)
+    def compute_logits(
+        self, hidden_states: torch.Tensor, rows: RowKinds | None, spec_step_idx: int = 0
+    ) -> torch.Tensor:
+        return self.model.compute_logits(hidden_states, rows, spec_step_idx)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load `model.layers.{N+i}.*` from the target checkpoint; everything else is the

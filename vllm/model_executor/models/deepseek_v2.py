@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from vllm.attention.backends.mla.torch_mla import MLADims
+from vllm.forward_context import ForwardContext
 from vllm.model_executor.build_context import current_build_context
 from vllm.model_executor.layers.attention import MLAAttention
 from vllm.model_executor.layers.fused_moe import FusedMoE, select_experts
@@ -129,7 +130,7 @@ class DeepseekV2MoE(nn.Module):
                 reduce_results=False,
             )
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(
             self.gate(hidden_states),
             self.top_k,
@@ -140,9 +141,9 @@ class DeepseekV2MoE(nn.Module):
             renormalize=self.renormalize,
             routed_scaling_factor=self.routed_scaling_factor,
         )
-        out = self.experts(hidden_states, topk_weights, topk_ids)
+        out = self.experts(hidden_states, topk_weights, topk_ids, ctx.rows)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden_states)
+            out = out + self.shared_experts(hidden_states, ctx)
         return self.tp.all_reduce(out)
 
 
@@ -223,23 +224,26 @@ class DeepseekV2MLAAttention(nn.Module):
             mla_softmax_scale(config),
         )
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q_nope, q_pe, kv_c, k_pe, _ = self.project(positions, hidden_states)
-        return self.o_proj(self.attn(q_nope, q_pe, kv_c, k_pe))
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        q_nope, q_pe, kv_c, k_pe, _ = self.project(positions, hidden_states, ctx)
+        return self.o_proj(self.attn(q_nope, q_pe, kv_c, k_pe, ctx), ctx.rows)
 
     def project(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(q_nope, rotated q_pe, normed kv_c, rotated k_pe, q latent or None without q LoRA)."""
+        rows = ctx.rows
         q_c = None
         if self.q_lora_rank is None:
-            q = self.q_proj(hidden_states)
+            q = self.q_proj(hidden_states, rows)
         else:
-            q_c = self.q_a_layernorm(self.q_a_proj(hidden_states))
-            q = self.q_b_proj(q_c)
+            q_c = self.q_a_layernorm(self.q_a_proj(hidden_states, rows))
+            q = self.q_b_proj(q_c, rows)
         q = q.view(q.shape[0], self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden_states).split(
+        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden_states, rows).split(
             [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
         )
         kv_c = self.kv_a_layernorm(kv_c)

@@ -43,6 +43,7 @@ from vllm.config.draft import (
     get_eagle3_aux_layers_from_config,
     sample_from_anchor,
 )
+from vllm.forward_context import ForwardContext, RowKinds
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.rotary_embedding import get_rope, rope_params
@@ -131,8 +132,9 @@ class DFlashAttention(nn.Module):
         cache[1][slot_mapping] = v.to(cache.dtype)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: BlockAttentionMetadata
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
+        meta: BlockAttentionMetadata = ctx.attn_metadata
         n = x.shape[0]
         R, Q = meta.num_blocks, meta.query_len
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
@@ -175,10 +177,10 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, meta: BlockAttentionMetadata
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x), ctx)
 
 
 class DFlashModel(nn.Module):
@@ -265,9 +267,11 @@ class DFlashDraftModel(DraftVocabModel, CombinesHiddenStates):
         super().bind_target(shares)
         check_combined_taps(self, self.model.fc, shares)
 
-    def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def combine_hidden_states(
+        self, hidden_states: torch.Tensor, rows: RowKinds | None
+    ) -> torch.Tensor:
         """[T, num_taps * target_hidden] -> the context features [T, hidden] every layer's
-        keys and values are computed from."""
+        keys and values are computed from (fc is a plain nn.Linear: rows go unused)."""
         m = self.model
         return m.hidden_norm(m.fc(hidden_states.to(m.fc.weight.dtype)))
 
@@ -283,14 +287,17 @@ class DFlashDraftModel(DraftVocabModel, CombinesHiddenStates):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: BlockAttentionMetadata,
         intermediate_tensors: IntermediateTensors | None = None,
+        *,
+        ctx: ForwardContext,
     ) -> torch.Tensor:
         """The normed hidden states [R * Q, hidden] of R blocks of Q slots (one block-parallel
-        pass, not the autoregressive draft step of the other drafts)."""
+        pass, not the autoregressive draft step of the other drafts); ctx.attn_metadata is the
+        blocks' BlockAttentionMetadata (which has no request layout: every linear row is
+        prefill-kind, BLAS)."""
         x = self.embed_input_ids(input_ids)
         for layer in self.model.layers:
-            x = layer(positions, x, meta)
+            x = layer(positions, x, ctx)
         return self.model.norm(x)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

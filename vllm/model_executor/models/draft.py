@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from vllm.config import ModelConfig, VllmConfig
+from vllm.forward_context import ForwardContext, RowKinds
 from vllm.model_executor.layers.linear import RoutedLinear
 from vllm.model_executor.models.base import INTERMEDIATE_KEYS, ModelBase
 from vllm.model_executor.models.interfaces import HasDraftVocab, SupportsPP, TargetShares
@@ -75,7 +76,8 @@ class DraftModel(ModelBase, SupportsPP):
     Subclasses build `model` (the draft network) and what sits next to it (the LM head) in
     build_model. The forward of every draft embeds its input ids (embed_input_ids, per draft
     step), runs the step's network (step_network: `model` unless the steps differ) on
-    (positions, inputs_embeds, hidden_states) and returns (hidden for the logits, hidden fed
+    (positions, inputs_embeds, hidden_states, ctx) - ctx the draft forward's ForwardContext,
+    forward's required keyword argument - and returns (hidden for the logits, hidden fed
     back to the next draft step); a network returning one tensor gives both."""
 
     supports_pp: ClassVar[bool] = True
@@ -156,8 +158,8 @@ class DraftModel(ModelBase, SupportsPP):
         return self.model.get_submodule("embed_tokens")(input_ids)
 
     def step_network(self, spec_step_idx: int) -> Callable[..., DraftStepOutput]:
-        """What runs draft step spec_step_idx: (positions, inputs_embeds, hidden_states) ->
-        its output (MTP: the step's layer)."""
+        """What runs draft step spec_step_idx: (positions, inputs_embeds, hidden_states, ctx)
+        -> its output (MTP: the step's layer)."""
         return self.model
 
     def forward(
@@ -168,16 +170,21 @@ class DraftModel(ModelBase, SupportsPP):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
         spec_step_idx: int = 0,
+        *,
+        ctx: ForwardContext,
     ) -> DraftOutput:
         if inputs_embeds is None:
             assert input_ids is not None, "the draft embeds input_ids"
             inputs_embeds = self.embed_input_ids(input_ids, spec_step_idx)
-        out = self.step_network(spec_step_idx)(positions, inputs_embeds, hidden_states)
+        out = self.step_network(spec_step_idx)(positions, inputs_embeds, hidden_states, ctx)
         return out if isinstance(out, tuple) else (out, out)
 
-    def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
-        """Logits over the target's vocabulary."""
-        return self.lm_head(hidden_states).float()
+    def compute_logits(
+        self, hidden_states: torch.Tensor, rows: RowKinds | None, spec_step_idx: int = 0
+    ) -> torch.Tensor:
+        """Logits over the target's vocabulary; rows: the kinds of hidden_states' rows
+        (ALL_SHORT: the rows being sampled)."""
+        return self.lm_head(hidden_states, rows).float()
 
 
 def _nothing_to_share(draft: nn.Module, kind: str) -> str:
@@ -231,8 +238,10 @@ class DraftVocabModel(DraftModel, HasDraftVocab):
         # draft id -> target id, derived from d2t once it is loaded.
         self.register_buffer("draft_to_target", None, persistent=False)
 
-    def compute_draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()
+    def compute_draft_logits(
+        self, hidden_states: torch.Tensor, rows: RowKinds | None
+    ) -> torch.Tensor:
+        return self.lm_head(hidden_states, rows).float()
 
     def scatter_to_target(self, logits: torch.Tensor) -> torch.Tensor:
         if self.draft_to_target is None:
@@ -241,9 +250,11 @@ class DraftVocabModel(DraftModel, HasDraftVocab):
         out[:, self.draft_to_target] = logits
         return out
 
-    def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor:
+    def compute_logits(
+        self, hidden_states: torch.Tensor, rows: RowKinds | None, spec_step_idx: int = 0
+    ) -> torch.Tensor:
         """Logits over the TARGET vocabulary (tokens outside the draft vocab get -inf)."""
-        return self.scatter_to_target(self.compute_draft_logits(hidden_states))
+        return self.scatter_to_target(self.compute_draft_logits(hidden_states, rows))
 
     def finish_draft_vocab_loading(self, loaded: set[str]) -> set[str]:
         """After the weights named `loaded` were loaded: whether the draft ships its own

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from vllm.forward_context import RowKinds
 from vllm.model_executor.models.aux_hidden_states import AuxSlotLayout
 from vllm.sequence import IntermediateTensors
 
@@ -113,8 +114,11 @@ class CombinesHiddenStates(ABC):
     (EAGLE3, DFlash) rather than its last hidden states."""
 
     @abstractmethod
-    def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[T, num_taps * target_hidden] concatenated taps -> [T, hidden]."""
+    def combine_hidden_states(
+        self, hidden_states: torch.Tensor, rows: RowKinds | None
+    ) -> torch.Tensor:
+        """[T, num_taps * target_hidden] concatenated taps -> [T, hidden]; rows: the kinds of
+        the T rows (the target step's layout: ForwardContext.laid_out_as)."""
 
 
 class HasDraftVocab(ABC):
@@ -124,8 +128,11 @@ class HasDraftVocab(ABC):
     draft_to_target: torch.Tensor | None
 
     @abstractmethod
-    def compute_draft_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary [T, draft_vocab_size]."""
+    def compute_draft_logits(
+        self, hidden_states: torch.Tensor, rows: RowKinds | None
+    ) -> torch.Tensor:
+        """Logits over the draft vocabulary [T, draft_vocab_size]; rows: the kinds of the T
+        rows (ALL_SHORT: the rows being sampled)."""
 
     @abstractmethod
     def scatter_to_target(self, logits: torch.Tensor) -> torch.Tensor:

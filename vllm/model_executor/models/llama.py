@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from vllm.forward_context import ForwardContext
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -44,8 +45,9 @@ class LlamaMLP(nn.Module):
         )
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        rows = ctx.rows
+        return self.down_proj(self.act_fn(self.gate_up_proj(x, rows)), rows)
 
 
 class LlamaAttention(nn.Module):
@@ -86,10 +88,13 @@ class LlamaAttention(nn.Module):
             prefix=f"{prefix}.attn",
         )
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        rows = ctx.rows
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states, rows))
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, ctx), rows)
 
 
 class LlamaDecoderLayer(DecoderLayerBase):

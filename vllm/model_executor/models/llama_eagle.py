@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from vllm.config import ModelConfig, VllmConfig
+from vllm.forward_context import ForwardContext
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import RoutedLinear
 from vllm.model_executor.model_loader.weight_utils import safetensors_weight_names
@@ -55,17 +56,21 @@ class EagleLlamaModel(nn.Module):
             self.hidden_states_layernorm = RMSNorm(h, eps)
 
     def forward(
-        self, positions: torch.Tensor, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor,
+        hidden_states: torch.Tensor,
+        ctx: ForwardContext,
     ) -> torch.Tensor:
         """The output stream (hidden + residual of the last layer): the predicted feature, for
         the LM head and fed back alike."""
         if self.add_para_norm:
             inputs_embeds = self.embedding_layernorm(inputs_embeds)
             hidden_states = self.hidden_states_layernorm(hidden_states)
-        hidden = self.fc(torch.cat([inputs_embeds, hidden_states], dim=-1))
+        hidden = self.fc(torch.cat([inputs_embeds, hidden_states], dim=-1), ctx.rows)
         residual = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = layer(positions, hidden, residual, ctx)
         return hidden + residual
 
 

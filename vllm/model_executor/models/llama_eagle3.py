@@ -32,6 +32,7 @@ from vllm.config.draft import (
     get_eagle3_aux_layers_from_config,
     get_eagle3_use_aux_hidden_state_from_config,
 )
+from vllm.forward_context import ForwardContext, RowKinds
 from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import RoutedLinear
@@ -63,7 +64,11 @@ class Eagle3DecoderLayer(nn.Module):
         self.norm_before_residual = eagle3_switch(config, "norm_before_residual")
 
     def forward(
-        self, positions: torch.Tensor, embeds: torch.Tensor, hidden_states: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        embeds: torch.Tensor,
+        hidden_states: torch.Tensor,
+        ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(mlp output, residual): their sum is the stream after this layer."""
         if self.norm_before_residual:
@@ -73,9 +78,9 @@ class Eagle3DecoderLayer(nn.Module):
             residual = hidden_states
             hidden_states = self.hidden_norm(hidden_states)
         x = torch.cat([self.input_layernorm(embeds), hidden_states], dim=-1)
-        attn = self.self_attn(positions, x)
+        attn = self.self_attn(positions, x, ctx)
         hidden_states, residual = self.post_attention_layernorm(attn, residual)
-        return self.mlp(hidden_states), residual
+        return self.mlp(hidden_states, ctx), residual
 
 
 class Eagle3LlamaModel(nn.Module):
@@ -109,7 +114,7 @@ class Eagle3LlamaModel(nn.Module):
         self.norm = RMSNorm(h, eps)
         self.norm_output = eagle3_switch(config, "norm_output")
 
-    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+    def combine(self, aux: torch.Tensor, rows: RowKinds | None) -> torch.Tensor:
         if self.fc is None:
             return aux
         aux = aux.to(self.fc.weight.dtype)
@@ -118,15 +123,19 @@ class Eagle3LlamaModel(nn.Module):
         elif self.fc_norm is not None:
             chunks = aux.chunk(len(self.fc_norm), dim=-1)
             aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks)], dim=-1)
-        return self.fc(aux)
+        return self.fc(aux, rows)
 
     def forward(
-        self, positions: torch.Tensor, inputs_embeds: torch.Tensor, hidden_states: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor,
+        hidden_states: torch.Tensor,
+        ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(normed hidden for the LM head, stream fed back to the next draft step)."""
-        hidden, residual = self.layers[0](positions, inputs_embeds, hidden_states)
+        hidden, residual = self.layers[0](positions, inputs_embeds, hidden_states, ctx)
         for layer in self.layers[1:]:
-            hidden, residual = layer(positions, hidden, residual)
+            hidden, residual = layer(positions, hidden, residual, ctx)
         normed, prenorm = self.norm(hidden, residual)
         return normed, (normed if self.norm_output else prenorm)
 
@@ -146,8 +155,10 @@ class LlamaForCausalLMEagle3(DraftVocabModel, CombinesHiddenStates):
         super().bind_target(shares)
         check_combined_taps(self, self.model.fc, shares)
 
-    def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.model.combine(hidden_states)
+    def combine_hidden_states(
+        self, hidden_states: torch.Tensor, rows: RowKinds | None
+    ) -> torch.Tensor:
+        return self.model.combine(hidden_states, rows)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         def rename(name: str) -> str | None:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.forward_context import get_forward_context
+from vllm.forward_context import ForwardContext
 from vllm.logger import init_logger
 from vllm.model_executor.build_context import current_build_context
 from vllm.model_executor.layers.attention import Attention
@@ -168,8 +168,8 @@ class Qwen3_5GatedDeltaNet(MambaBase, TPSharded):
         # sequences in half-precision models.
         return [model_dtype, torch.float32]
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        meta = get_forward_context().linear_attn_metadata
+    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        meta = ctx.linear_attn_metadata
         T = hidden_states.shape[0]
         if self.states is None or meta is None:
             # Without states (no cache bound yet) there is nothing to attend over.
@@ -178,8 +178,9 @@ class Qwen3_5GatedDeltaNet(MambaBase, TPSharded):
         n = meta.num_tokens
         conv_state, recurrent_state = self.states
         conv_ckpt, recurrent_ckpt = self.checkpoints or (None, None)
+        rows = ctx.rows
         mixed = causal_conv1d_varlen(
-            self.in_proj_qkv(x), self.conv1d.weight, None, conv_state, meta, "silu", conv_ckpt
+            self.in_proj_qkv(x, rows), self.conv1d.weight, None, conv_state, meta, "silu", conv_ckpt
         )
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2norm(q.reshape(n, self.num_k_heads, self.head_k_dim).float())
@@ -191,12 +192,13 @@ class Qwen3_5GatedDeltaNet(MambaBase, TPSharded):
             q = q.repeat_interleave(rep, dim=1)
             k = k.repeat_interleave(rep, dim=1)
         v = v.reshape(n, self.num_v_heads, self.head_v_dim).float()
-        beta = self.in_proj_b(x).float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        beta = self.in_proj_b(x, rows).float().sigmoid()
+        a = self.in_proj_a(x, rows).float()
+        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
         o = gated_delta_rule_varlen(q, k, v, g, beta, recurrent_state, meta, recurrent_ckpt)
-        z = self.in_proj_z(x).reshape(n, self.num_v_heads, self.head_v_dim)
+        z = self.in_proj_z(x, rows).reshape(n, self.num_v_heads, self.head_v_dim)
         o = self.norm(o.to(x.dtype), z).reshape(n, self.value_dim)
-        out = self.out_proj(o)
+        out = self.out_proj(o, rows)
         if n == T:
             return out
         return torch.cat([out, out.new_zeros(T - n, out.shape[1])], dim=0)
@@ -246,15 +248,18 @@ class Qwen3_5Attention(nn.Module):
             prefix=f"{prefix}.attn",
         )
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         T = hidden_states.shape[0]
-        q_gate, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states))
+        rows = ctx.rows
+        q_gate, k, v = self.qkv_proj.split(self.qkv_proj(hidden_states, rows))
         q, gate = q_gate.reshape(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q).reshape(T, -1)
         k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim)).reshape(T, -1)
         q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v) * torch.sigmoid(gate.reshape(T, -1))
-        return self.o_proj(out)
+        out = self.attn(q, k, v, ctx) * torch.sigmoid(gate.reshape(T, -1))
+        return self.o_proj(out, rows)
 
 
 class Qwen3_5MoeSparseMoeBlock(nn.Module):
@@ -276,13 +281,14 @@ class Qwen3_5MoeSparseMoeBlock(nn.Module):
         )
         self.shared_expert_gate = ReplicatedLinear(h, 1, bias=False)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        rows = ctx.rows
         topk_weights, topk_ids = select_experts(
             self.gate(hidden_states), self.top_k, scoring_func="softmax", renormalize=True
         )
-        out = self.experts(hidden_states, topk_weights.to(hidden_states.dtype), topk_ids)
-        shared = self.shared_expert(hidden_states)
-        out = out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
+        out = self.experts(hidden_states, topk_weights.to(hidden_states.dtype), topk_ids, rows)
+        shared = self.shared_expert(hidden_states, ctx)
+        out = out + torch.sigmoid(self.shared_expert_gate(hidden_states, rows)) * shared
         return self.tp.all_reduce(out)
 
 
@@ -305,10 +311,12 @@ class Qwen3_5DecoderLayer(DecoderLayerBase):
         self.input_layernorm = Qwen3_5RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = Qwen3_5RMSNorm(config.hidden_size, eps)
 
-    def mix(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    def mix(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         if self.layer_type == LINEAR_ATTENTION:
-            return self.linear_attn(hidden_states)
-        return self.self_attn(positions, hidden_states)
+            return self.linear_attn(hidden_states, ctx)
+        return self.self_attn(positions, hidden_states, ctx)
 
 
 class Qwen3_5Model(DecoderModelBase):

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from vllm.config import ModelConfig, VllmConfig, num_mtp_layers
+from vllm.forward_context import ForwardContext
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.models.base import build_lm_head, tie_word_embeddings
 from vllm.model_executor.models.draft import DraftModel
@@ -61,6 +62,7 @@ class Qwen3_5MultiTokenPredictor(nn.Module):
         positions: torch.Tensor,
         inputs_embeds: torch.Tensor,
         hidden_states: torch.Tensor,
+        ctx: ForwardContext,
         spec_step_idx: int = 0,
         intermediate_tensors: IntermediateTensors | None = None,
     ) -> torch.Tensor:
@@ -71,12 +73,12 @@ class Qwen3_5MultiTokenPredictor(nn.Module):
                 [self.pre_fc_norm_embedding(inputs_embeds), self.pre_fc_norm_hidden(hidden_states)],
                 dim=-1,
             )
-            hidden, residual = self.fc(x), None
+            hidden, residual = self.fc(x, ctx.rows), None
         else:
             hidden = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
         layer = self.layers[spec_step_idx % self.num_mtp_layers]
-        hidden, residual = layer(positions, hidden, residual)
+        hidden, residual = layer(positions, hidden, residual, ctx)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

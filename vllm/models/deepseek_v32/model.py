@@ -14,7 +14,7 @@ from torch import nn
 
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import get_pp_group
-from vllm.forward_context import get_forward_context
+from vllm.forward_context import ForwardContext
 from vllm.model_executor.layers.attention import AttentionLayerBase
 from vllm.model_executor.layers.attention.sparse_mla_attention import (
     TOPK_PAD,
@@ -141,9 +141,13 @@ class DeepseekV32Indexer(nn.Module):
         self.num_calls = 0  # forwards that computed a selection (tests, benchmarks)
 
     def forward(
-        self, hidden_states: torch.Tensor, q_c: torch.Tensor, positions: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        q_c: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
     ) -> None:
-        meta = get_forward_context().attn_metadata
+        meta = ctx.attn_metadata
         cache = self.k_cache.kv_cache
         if meta is None or cache is None:
             return  # profiling / dummy run
@@ -157,8 +161,9 @@ class DeepseekV32Indexer(nn.Module):
         if T > buf.shape[0]:
             raise RuntimeError(f"{T} tokens exceed the top-k buffer's {buf.shape[0]} rows")
         self.num_calls += 1
-        q = self.wq_b(q_c[:T]).view(T, self.n_heads, self.head_dim)
-        k = self.k_norm(self.wk(hidden_states[:T])).unsqueeze(1)
+        # Rows [:T] of the forward: its kinds still describe them (padding rows come last).
+        q = self.wq_b(q_c[:T], ctx.rows).view(T, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(hidden_states[:T], ctx.rows)).unsqueeze(1)
         q, k = self.rotary_emb(positions[:T], q, k)
         cache[meta.slot_mapping] = k[:, 0].to(cache.dtype)
         w = self.weights_proj(hidden_states[:T].to(self.weights_proj.weight.dtype)).float()
@@ -224,11 +229,13 @@ class DeepseekV32MLAAttention(DeepseekV2MLAAttention):
         else:
             self.attn.topk_indices_buffer = buffer
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        q_nope, q_pe, kv_c, k_pe, q_c = self.project(positions, hidden_states)
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        q_nope, q_pe, kv_c, k_pe, q_c = self.project(positions, hidden_states, ctx)
         if self.indexer is not None and not self.skip_topk:
-            self.indexer(hidden_states, q_c, positions)
-        return self.o_proj(self.attn(q_nope, q_pe, kv_c, k_pe))
+            self.indexer(hidden_states, q_c, positions, ctx)
+        return self.o_proj(self.attn(q_nope, q_pe, kv_c, k_pe, ctx), ctx.rows)
 
 
 class DeepseekV32DecoderLayer(DeepseekV2DecoderLayer):

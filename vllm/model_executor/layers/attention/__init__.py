@@ -15,7 +15,7 @@ from vllm.attention.backends.registry import (
     mla_backend_name,
 )
 from vllm.attention.backends.torch_paged import TorchPagedAttentionImpl
-from vllm.forward_context import get_forward_context
+from vllm.forward_context import ForwardContext
 from vllm.model_executor.layers.linear import LinearLayerBase, dequantize_linear_
 
 
@@ -68,8 +68,11 @@ class Attention(AttentionLayerBase):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return self.impl.kv_cache_shape(num_blocks, block_size, self.num_kv_heads, self.head_size)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        meta = get_forward_context().attn_metadata
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """Attention of this forward's rows (ctx.attn_metadata: None in a dummy run)."""
+        meta = ctx.attn_metadata
         if self.kv_cache is not None and meta is not None and meta.num_tokens == q.shape[0]:
             return self.impl.forward(q, k, v, self.kv_cache, meta)  # no padding rows
         out = torch.zeros(
@@ -115,9 +118,10 @@ class MLAAttention(AttentionLayerBase):
         q_pe: torch.Tensor,
         kv_c: torch.Tensor,
         k_pe: torch.Tensor,
+        ctx: ForwardContext,
         mask_fn=None,
     ) -> torch.Tensor:
-        meta = get_forward_context().attn_metadata
+        meta = ctx.attn_metadata
         out = torch.zeros(
             q_nope.shape[0],
             self.dims.num_heads * self.dims.v_head_dim,

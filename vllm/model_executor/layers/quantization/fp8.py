@@ -14,16 +14,20 @@ VLLM_FP8_DEQUANT=load|forward overrides the choice.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from vllm import envs
 from vllm.config.quantization import Fp8Config
+from vllm.forward_context import RowKinds
 from vllm.logger import init_logger
-from vllm.model_executor.layers.fused_moe import FusedMoE, UnquantizedFusedMoEMethod, fused_moe
+from vllm.model_executor.layers.fused_moe import (
+    ExpertLinear,
+    FusedMoE,
+    UnquantizedFusedMoEMethod,
+    fused_moe,
+)
 from vllm.model_executor.layers.linear import (
     LinearLayerBase,
     LinearMethodBase,
@@ -190,8 +194,13 @@ class Fp8LinearMethod(LinearMethodBase):
         layer.quant_method = UnquantizedLinearMethod()
 
     def apply(
-        self, layer: LinearLayerBase, x: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        layer: LinearLayerBase,
+        x: torch.Tensor,
+        bias: torch.Tensor | None,
+        rows: RowKinds | None,
     ) -> torch.Tensor:
+        # The FP8 GEMM and the dequantized product have no small-M route: rows go unused.
         if layer.fp8_gemm_scale is not None:
             from vllm.model_executor.layers.quantization import fp8_kernels
 
@@ -270,13 +279,13 @@ class Fp8MoEMethod:
             del layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
             layer.quant_method = UnquantizedFusedMoEMethod()
 
-    def _expert_linear(self, layer: FusedMoE) -> Callable[[torch.Tensor, int, str], torch.Tensor]:
+    def _expert_linear(self, layer: FusedMoE) -> ExpertLinear:
         if layer.fp8_gemm_scales is not None:
             from vllm.model_executor.layers.quantization import fp8_kernels
 
             return fp8_kernels.moe_expert_linear(layer)
 
-        def linear(x: torch.Tensor, expert: int, proj: str) -> torch.Tensor:
+        def linear(x: torch.Tensor, expert: int, proj: str, rows: RowKinds | None) -> torch.Tensor:
             if proj == "w13":
                 w = self._dense_w13(
                     layer.w13_weight[expert], layer.w13_weight_scale_inv[expert], x.dtype
@@ -295,6 +304,7 @@ class Fp8MoEMethod:
         hidden_states: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
+        rows: RowKinds | None,
     ) -> torch.Tensor:
         return fused_moe(
             hidden_states,
@@ -302,5 +312,6 @@ class Fp8MoEMethod:
             layer.w2_weight,
             topk_weights,
             topk_ids,
+            rows,
             expert_linear=self._expert_linear(layer),
         )

@@ -12,7 +12,6 @@ run on a GPU in this project's CI (no GPU there).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,7 +20,8 @@ import torch.nn.functional as F
 from vllm.logger import init_logger
 
 if TYPE_CHECKING:
-    from vllm.model_executor.layers.fused_moe import FusedMoE
+    from vllm.forward_context import RowKinds
+    from vllm.model_executor.layers.fused_moe import ExpertLinear, FusedMoE
 
 logger = init_logger(__name__)
 
@@ -200,12 +200,13 @@ def prepare_moe_block_fp8_gemm(
     return (s13, s2) if ok else None
 
 
-def moe_expert_linear(layer: FusedMoE) -> Callable[[torch.Tensor, int, str], torch.Tensor]:
-    """fused_moe's expert_linear over FP8 expert stacks prepared by prepare_moe_block_fp8_gemm."""
+def moe_expert_linear(layer: FusedMoE) -> ExpertLinear:
+    """fused_moe's expert_linear over FP8 expert stacks prepared by prepare_moe_block_fp8_gemm
+    (the FP8 GEMM has no small-M route: the rows' kinds go unused)."""
     assert layer.fp8_gemm_scales is not None, "prepare_moe_block_fp8_gemm did not run"
     s13, s2 = layer.fp8_gemm_scales
 
-    def linear(x: torch.Tensor, expert: int, proj: str) -> torch.Tensor:
+    def linear(x: torch.Tensor, expert: int, proj: str, rows: RowKinds | None) -> torch.Tensor:
         if proj == "w13":
             return block_fp8_linear(x, layer.w13_weight[expert], s13[expert])
         return block_fp8_linear(x, layer.w2_weight[expert], s2[expert])

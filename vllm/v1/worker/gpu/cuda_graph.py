@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from vllm.attention.backends.torch_paged import AttentionMetadata, build_attn_metadata
-from vllm.forward_context import set_forward_context
+from vllm.forward_context import ForwardContext
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -177,9 +177,10 @@ class CudaGraphRunner:
         )
         return meta
 
-    def capture(self, forward: Callable[[torch.Tensor, torch.Tensor], Any]) -> None:
-        """Capture forward(input_ids, positions) at every size, largest first (the graph pool
-        then serves the smaller ones). The buffers hold a valid dummy step meanwhile: one
+    def capture(self, forward: Callable[[torch.Tensor, torch.Tensor, ForwardContext], Any]) -> None:
+        """Capture forward(input_ids, positions, ctx) at every size, largest first (the graph
+        pool then serves the smaller ones); ctx is the ForwardContext of the size's graph
+        metadata (its rows all decode rows). The buffers hold a valid dummy step meanwhile: one
         token per request, no KV writes (slot -1)."""
         for n in sorted(self.sizes, reverse=True):
             r = self.capacity(n)
@@ -187,9 +188,8 @@ class CudaGraphRunner:
             meta = self.graph_metadata(n)
             ids, pos = self.input_ids[:n], self.positions[:n]
 
-            def run(meta=meta, ids=ids, pos=pos):
-                with set_forward_context(meta):
-                    return forward(ids, pos)
+            def run(ctx=ForwardContext(meta), ids=ids, pos=pos):
+                return forward(ids, pos, ctx)
 
             graph = self.recorder.new()
             graph.capture(run)
@@ -314,7 +314,7 @@ def capture_step_graphs(
     )
     try:
         with torch.inference_mode():
-            graphs.capture(lambda ids, pos: model(ids, pos, None, None))
+            graphs.capture(lambda ids, pos, ctx: model(ids, pos, None, None, ctx=ctx))
     except Exception as e:  # noqa: BLE001 - any capture failure means: run eagerly
         logger.warning(
             "CUDA graph capture failed (%s: %s); decode steps run eagerly",

@@ -15,7 +15,7 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-from vllm.forward_context import decode_rows, set_forward_context
+from vllm.forward_context import ALL_SHORT, ForwardContext
 from vllm.logger import init_logger
 from vllm.lora.worker_manager import LoRAWorkerManager
 from vllm.model_executor.layers.attention import AttentionLayerBase
@@ -267,13 +267,13 @@ class ModelRunner:
         ):
             out = graphs.run(batch, batch.attn_metadata)
         else:
-            with set_forward_context(batch.attn_metadata, step.linear_attn_metadata):
-                out = self.model(
-                    batch.input_ids if self.pp.is_first_rank else None,
-                    step.positions,
-                    intermediate_tensors,
-                    step.inputs_embeds,
-                )
+            out = self.model(
+                batch.input_ids if self.pp.is_first_rank else None,
+                step.positions,
+                intermediate_tensors,
+                step.inputs_embeds,
+                ctx=ForwardContext(batch.attn_metadata, step.linear_attn_metadata),
+            )
         # Optimistic advance; the last stage's accept/reject result rolls it back.
         self.states.num_computed[batch.idx_mapping_np] += batch.num_scheduled_tokens
         if not self.pp.is_last_rank:
@@ -312,8 +312,8 @@ class ModelRunner:
         lp_logits: torch.Tensor | None = None  # what logprobs report (logprobs_mode)
         tokens = np.zeros(0, dtype=np.int64)
         if len(batch.logits_indices_np):
-            with decode_rows():  # the rows being sampled: the small-M kernel
-                logits = self.model.compute_logits(hidden[batch.logits_indices])
+            # The rows being sampled: all decode rows (the small-M kernel).
+            logits = self.model.compute_logits(hidden[batch.logits_indices], ALL_SHORT)
             rslots = slots[batch.logits_req_np]
             mode = self.vllm_config.model_config.logprobs_mode
             want_lp = bool((st.num_logprobs[rslots] >= -1).any())
@@ -444,7 +444,7 @@ class ModelRunner:
             if len(pos):
                 rows = torch.from_numpy(start + pos - c).to(hidden.device)
                 assert self.model is not None  # load_model ran before any step
-                logits = self.model.compute_logits(hidden[rows])
+                logits = self.model.compute_logits(hidden[rows], None)  # prefill rows: BLAS
                 targets = torch.from_numpy(st.token_ids[s, pos + 1].copy()).to(hidden.device)
                 k = np.full(len(pos), st.num_prompt_logprobs[s])
                 entries += compute_logprobs(logits, targets, k)

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from vllm.attention.backends.torch_paged import build_attn_metadata
-from vllm.forward_context import decode_rows
 from vllm.v1.worker.gpu.spec_decode.tree import StaticTree, ancestor_mask
 from vllm.v1.worker.gpu.states import PAD_TOKEN_ID
 
@@ -57,8 +56,7 @@ def draft_tree(
     root_fb = feedback[lti]  # [R, H] what the depth-1 nodes read
     node_fb: torch.Tensor | None = None  # [R, n, H] each computed node's output hidden state
     tokens = torch.zeros(R, want, dtype=torch.int64, device=dev)
-    with decode_rows():
-        top = _top_tokens(spec, spec._compute_logits(logits_h[lti], 0), int(ranks.max()) + 1)
+    top = _top_tokens(spec, spec._compute_logits(logits_h[lti], 0), int(ranks.max()) + 1)
     level = np.flatnonzero(depth == 1)
     tokens[:, level] = top[:, ranks[level]]
     for d in range(1, int(depth.max())):
@@ -68,8 +66,7 @@ def draft_tree(
         logits_h, node_fb = node_pass(spec, db, tokens[:, :n], par, depth[:n], root_fb, node_fb, d)
         level = np.flatnonzero(depth == d)
         k = int(ranks[nxt].max()) + 1
-        with decode_rows():
-            lg = spec._compute_logits(logits_h[:, level].reshape(R * len(level), -1), d)
+        lg = spec._compute_logits(logits_h[:, level].reshape(R * len(level), -1), d)
         top = _top_tokens(spec, lg, k).view(R, len(level), k)
         where = np.searchsorted(level, parents[nxt])  # each new node's parent within `level`
         tokens[:, nxt] = top[:, where, ranks[nxt]]
@@ -172,8 +169,7 @@ def draft_dynamic(
         return drafts, parents_out
     root_fb = feedback[lti]
     k = min(top_k, want)
-    with decode_rows():
-        lp = torch.log_softmax(spec._compute_logits(logits_h[lti], 0).float(), -1)
+    lp = torch.log_softmax(spec._compute_logits(logits_h[lti], 0).float(), -1)
     score, idx = lp.topk(k, dim=-1)
     # Candidates (per request, same count): token, parent candidate (-1: root), score, depth.
     c_tok = _to_target(spec, idx)
@@ -208,8 +204,7 @@ def draft_dynamic(
             node_fb,
             d,
         )
-        with decode_rows():
-            lg = spec._compute_logits(logits_h[:, n - e :].reshape(R * e, -1), d)
+        lg = spec._compute_logits(logits_h[:, n - e :].reshape(R * e, -1), d)
         lp = torch.log_softmax(lg.float(), -1).view(R, e, -1)
         s, i = lp.topk(k, dim=-1)  # [R, e, k]
         s = s + torch.gather(c_score, 1, best)[:, :, None]

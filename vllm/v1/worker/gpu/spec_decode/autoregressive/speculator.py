@@ -22,7 +22,7 @@ import torch
 
 from vllm.attention.backends.torch_paged import AttentionMetadata, build_attn_metadata
 from vllm.config import VllmConfig
-from vllm.forward_context import decode_rows, rows_of, set_forward_context
+from vllm.forward_context import ALL_SHORT, ForwardContext, RowKinds
 from vllm.logger import init_logger
 from vllm.model_executor.models.draft import DraftModel
 from vllm.model_executor.models.interfaces import CombinesHiddenStates, TargetShares
@@ -122,15 +122,19 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
 
     # ---- the draft model ----------------------------------------------------------------------
     def _compute_logits(self, hidden: torch.Tensor, draft_step: int) -> torch.Tensor:
-        return self.draft.compute_logits(hidden, spec_step_idx=draft_step)
+        """The draft head over the rows being sampled: all decode rows (ALL_SHORT)."""
+        return self.draft.compute_logits(hidden, ALL_SHORT, spec_step_idx=draft_step)
 
     def _prefill_hidden(
-        self, last_hidden_states: torch.Tensor, aux_hidden_states: list[torch.Tensor] | None
+        self,
+        last_hidden_states: torch.Tensor,
+        aux_hidden_states: list[torch.Tensor] | None,
+        rows: RowKinds | None,
     ) -> torch.Tensor:
         """Hidden states the prefill pass reads: the target's last hidden states, or (EAGLE3)
-        the draft's combination of the target's aux hidden states."""
+        the draft's combination of the target's aux hidden states (rows: their kinds)."""
         if self.combiner is not None and aux_hidden_states:
-            return self.combiner.combine_hidden_states(torch.cat(aux_hidden_states, dim=-1))
+            return self.combiner.combine_hidden_states(torch.cat(aux_hidden_states, dim=-1), rows)
         return last_hidden_states
 
     def _num_aux_hidden_states(self) -> int:
@@ -168,14 +172,14 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         inputs_embeds: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden for the logits, hidden fed back to the next draft step)."""
-        with set_forward_context(attn_metadata):
-            return self.draft(
-                input_ids=None if inputs_embeds is not None else input_ids,
-                positions=positions,
-                hidden_states=hidden_states.to(self.dtype),
-                spec_step_idx=draft_step,
-                inputs_embeds=inputs_embeds,
-            )
+        return self.draft(
+            input_ids=None if inputs_embeds is not None else input_ids,
+            positions=positions,
+            hidden_states=hidden_states.to(self.dtype),
+            spec_step_idx=draft_step,
+            inputs_embeds=inputs_embeds,
+            ctx=ForwardContext(attn_metadata),
+        )
 
     # ---- the draft loop shared by capture() and propose() ------------------------------------
     def _begin_draft(self, db: DraftBatch) -> None:
@@ -252,8 +256,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         with self._hooked(self.on_prefill_begin, self.on_prefill_end, R):
             logits_h, feedback = self.run_step0(db, hidden_states)
             if want > 0 or steps > 1:
-                with decode_rows():
-                    logits = self._compute_logits(logits_h[lti], 0)
+                logits = self._compute_logits(logits_h[lti], 0)
                 first = self.agree(self.sample_draft(self._masked(logits), draft_pos, db.sampling))
                 drafts[:, 0] = first.cpu().numpy()
                 if self.draft_grammar is not None:
@@ -270,8 +273,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                         step,
                     )
                     rows = torch.from_numpy(np.asarray(inp.draft_rows)).to(dev)
-                    with decode_rows():
-                        logits = self._compute_logits(logits_h[rows], step)
+                    logits = self._compute_logits(logits_h[rows], step)
                     tok = self.agree(
                         self.sample_draft(self._masked(logits), draft_pos + step, db.sampling)
                     )
@@ -323,7 +325,10 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             sampling=SamplingArrays.greedy(R),
         )
         with torch.inference_mode():
-            hidden = self.stage_hidden_states(self._prefill_hidden(h, [h] * n_aux or None))
+            # The dummy verify layout: every row a decode row.
+            hidden = self.stage_hidden_states(
+                self._prefill_hidden(h, [h] * n_aux or None, ForwardContext.laid_out_as(meta).rows)
+            )
             self.last_token_indices.zero_()
             self._draft(db, hidden)
 
@@ -341,10 +346,11 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         input_ids[last_idx] = next_tokens[:, 0]
         positions = np.zeros(num_tokens_padded, dtype=np.int64)
         positions[:num_tokens] = b.positions_np
-        with rows_of(b.attn_metadata):  # EAGLE3's fc over the target's rows, by kind
-            hidden = self.stage_hidden_states(
-                self._prefill_hidden(inputs.last_hidden_states, inputs.aux_hidden_states)
-            )
+        # EAGLE3's fc over the target's rows: their kinds are the target step's layout.
+        target_rows = ForwardContext.laid_out_as(b.attn_metadata).rows
+        hidden = self.stage_hidden_states(
+            self._prefill_hidden(inputs.last_hidden_states, inputs.aux_hidden_states, target_rows)
+        )
         if hidden.shape[0] != num_tokens_padded:
             raise RuntimeError(
                 f"the target's hidden states have {hidden.shape[0]} rows but the batch has "

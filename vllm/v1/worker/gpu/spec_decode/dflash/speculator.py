@@ -20,6 +20,7 @@ import torch
 
 from vllm.config import VllmConfig
 from vllm.config.draft import block_query_len, sample_from_anchor
+from vllm.forward_context import ForwardContext
 from vllm.logger import init_logger
 from vllm.model_executor.models.dflash import (
     BlockAttentionMetadata,
@@ -116,7 +117,7 @@ class DFlashSpeculator(DraftModelSpeculator):
         hidden = m(
             torch.from_numpy(ids.reshape(-1)).to(dev),
             torch.from_numpy(pos.reshape(-1)).to(dev),
-            meta,
+            ctx=ForwardContext(meta),
         ).view(R, Q, -1)
         # Draft k is the token at anchor + 1 + k (the position the verifier keys it by).
         draft_pos = anchor_pos + 1
@@ -125,7 +126,8 @@ class DFlashSpeculator(DraftModelSpeculator):
         self.last_anchor_pos = anchor_pos
         self.last_logits, self.last_confidence = [], []
         # The backbone's logits of every drafted slot in one projection.
-        base = m.compute_draft_logits(hidden[:, first : first + K].reshape(R * K, -1))
+        # Prefill-kind rows (BLAS), as the block's own forward (its metadata has no layout).
+        base = m.compute_draft_logits(hidden[:, first : first + K].reshape(R * K, -1), None)
         base = base.view(R, K, -1)
         if not self.sequential:
             toks = []
@@ -194,7 +196,7 @@ class DFlashSpeculator(DraftModelSpeculator):
             )
         b = inputs.input_batch
         T = b.num_tokens
-        ctx = self._dflash.combine_hidden_states(torch.cat(aux, dim=-1)[:T])
+        ctx = self._dflash.combine_hidden_states(torch.cat(aux, dim=-1)[:T], None)
         positions = torch.from_numpy(np.asarray(b.positions_np[:T], dtype=np.int64))
         self._dflash.write_context(positions.to(self.device), ctx, b.attn_metadata.slot_mapping[:T])
         if inputs.num_draft_steps == 0:

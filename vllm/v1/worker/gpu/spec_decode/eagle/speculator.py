@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from vllm.forward_context import ALL_SHORT
 from vllm.model_executor.models.draft import DraftModel
 from vllm.model_executor.models.interfaces import HasDraftVocab, TargetShares
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
@@ -40,7 +41,7 @@ class EagleSpeculator(AutoRegressiveSpeculator):
 
     def _compute_logits(self, hidden: torch.Tensor, draft_step: int) -> torch.Tensor:
         if self.draft_vocab is not None:
-            return self.draft_vocab.compute_draft_logits(hidden)
+            return self.draft_vocab.compute_draft_logits(hidden, ALL_SHORT)
         return super()._compute_logits(hidden, draft_step)
 
     def sample_draft(
