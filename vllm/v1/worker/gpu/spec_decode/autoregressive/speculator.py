@@ -22,7 +22,7 @@ import torch
 
 from vllm.attention.backends.torch_paged import AttentionMetadata, build_attn_metadata
 from vllm.config import VllmConfig
-from vllm.forward_context import ALL_SHORT, ForwardContext, RowKinds
+from vllm.forward_context import ALL_SHORT, ForwardContext
 from vllm.logger import init_logger
 from vllm.model_executor.models.draft import DraftModel
 from vllm.model_executor.models.interfaces import CombinesHiddenStates, TargetShares
@@ -129,12 +129,14 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         self,
         last_hidden_states: torch.Tensor,
         aux_hidden_states: list[torch.Tensor] | None,
-        rows: RowKinds | None,
+        layout: ForwardContext,
     ) -> torch.Tensor:
         """Hidden states the prefill pass reads: the target's last hidden states, or (EAGLE3)
-        the draft's combination of the target's aux hidden states (rows: their kinds)."""
+        the draft's combination of the target's aux hidden states, whose rows' kinds are
+        layout.rows (derived only here, when there is a combination)."""
         if self.combiner is not None and aux_hidden_states:
-            return self.combiner.combine_hidden_states(torch.cat(aux_hidden_states, dim=-1), rows)
+            aux = torch.cat(aux_hidden_states, dim=-1)
+            return self.combiner.combine_hidden_states(aux, layout.rows)
         return last_hidden_states
 
     def _num_aux_hidden_states(self) -> int:
@@ -326,9 +328,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         )
         with torch.inference_mode():
             # The dummy verify layout: every row a decode row.
-            hidden = self.stage_hidden_states(
-                self._prefill_hidden(h, [h] * n_aux or None, ForwardContext.laid_out_as(meta).rows)
-            )
+            layout = ForwardContext.laid_out_as(meta)
+            hidden = self.stage_hidden_states(self._prefill_hidden(h, [h] * n_aux or None, layout))
             self.last_token_indices.zero_()
             self._draft(db, hidden)
 
@@ -347,9 +348,9 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         positions = np.zeros(num_tokens_padded, dtype=np.int64)
         positions[:num_tokens] = b.positions_np
         # EAGLE3's fc over the target's rows: their kinds are the target step's layout.
-        target_rows = ForwardContext.laid_out_as(b.attn_metadata).rows
+        target_layout = ForwardContext.laid_out_as(b.attn_metadata)
         hidden = self.stage_hidden_states(
-            self._prefill_hidden(inputs.last_hidden_states, inputs.aux_hidden_states, target_rows)
+            self._prefill_hidden(inputs.last_hidden_states, inputs.aux_hidden_states, target_layout)
         )
         if hidden.shape[0] != num_tokens_padded:
             raise RuntimeError(
