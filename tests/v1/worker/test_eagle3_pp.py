@@ -24,6 +24,7 @@ from vllm.distributed.parallel_state import (
     send_tensor_dict,
     set_pp_group,
 )
+from vllm.forward_context import ForwardContext
 from vllm.model_executor.models.interfaces import SupportsEagle3
 from vllm.model_executor.models.utils import PPMissingLayer
 from vllm.sequence import IntermediateTensors
@@ -47,7 +48,7 @@ class _StubLayer(nn.Module):
         super().__init__()
         self.idx = int(prefix.rsplit(".", 1)[1])
 
-    def forward(self, positions, hidden, residual):
+    def forward(self, positions, hidden, residual, ctx):
         if residual is None:
             residual = hidden.clone()
         else:
@@ -127,7 +128,7 @@ def _run_staged(taps, world: int, monkeypatch, drop: str | None = None):
     ids = torch.randint(0, V, (5,))
     pos = torch.arange(5)
     ref = _build(0, 1, taps, embed, monkeypatch)
-    ref_out = ref.model(ids, pos)
+    ref_out = ref.model(ids, pos, ctx=ForwardContext())  # no attention metadata: a dry run
     groups = _gloo_pair()
     it = None
     stage_keys, received = [], []
@@ -144,7 +145,7 @@ def _run_staged(taps, world: int, monkeypatch, drop: str | None = None):
                 del it.tensors[drop]
             it = _receive(groups, it, buffers)
             received.append((buffers, it))
-        out = target.model(ids if rank == 0 else None, pos, it)
+        out = target.model(ids if rank == 0 else None, pos, it, ctx=ForwardContext())
         if rank < world - 1:
             stage_keys.append(sorted(_aux_keys(out)))
             it = out
@@ -200,11 +201,11 @@ def test_missing_slot_raises(monkeypatch):
 def test_no_taps_carries_only_hidden_and_residual(monkeypatch):
     monkeypatch.setattr(llama_mod, "LlamaDecoderLayer", _StubLayer)
     set_pp_group(PPGroup(rank=0, world_size=2))
-    out = llama_mod.LlamaModel(CFG)(torch.arange(3), torch.arange(3))
+    out = llama_mod.LlamaModel(CFG)(torch.arange(3), torch.arange(3), ctx=ForwardContext())
     assert set(out.keys()) == {"hidden_states", "residual"}
     set_pp_group(PPGroup(rank=1, world_size=2))
     last = _Target(llama_mod.LlamaModel(CFG))
-    assert isinstance(last.model(None, torch.arange(3), out), torch.Tensor)
+    assert isinstance(last.model(None, torch.arange(3), out, ctx=ForwardContext()), torch.Tensor)
 
 
 def test_model_without_opt_in_is_refused():
