@@ -3,14 +3,18 @@
 """Draft trees vs a chain vs no speculation: SmolLM2-135M-Instruct + the bundled EAGLE3 head.
 
 Engines: no speculation, a chain of K drafts (fixed K), static trees (speculative_token_tree)
-and, where given, a dynamic tree (num_tree_nodes / tree_top_k). Held-out chat prompts, batch 1
-(requests one after another) and larger batches (requests together), temperature 0 and a
-seeded temperature. All engines are built first; every repeat times each (batch, temperature,
-engine) once in an order that rotates between repeats; medians are reported. Prints tokens/s,
-the ratio to no speculation, mean accepted tokens per step (1 + accepted drafts per step), the
+and, where given, a dynamic tree (num_tree_nodes / tree_top_k). A name ending in "a" (chain3a,
+tree6a, dyn10a, dyn16a) is the same engine with the adaptive shape (the step-cost model picks
+each request's chain length / tree prefix every step); without it K is fixed. Held-out chat
+prompts, batch 1 (requests one after another) and larger batches B (B requests together),
+temperature 0 and a seeded temperature. All engines are built first; every repeat times each
+(batch, temperature, engine) once in an order that rotates between repeats; medians are
+reported. Prints tokens/s, the ratio to no speculation, mean accepted tokens per verify step
+(1 + accepted drafts per step that verified drafts), tokens and verified drafts per request
+step (every decode step of every request, those that verified nothing included), the
 acceptance per depth, and whether the text equals no speculation's.
 
-    python benchmarks/tree_smollm2.py [--engines none chain3 tree6 tree10 dyn10]
+    python benchmarks/tree_smollm2.py [--engines none chain3 tree6 tree10 dyn10 chain3a dyn16a]
         [--batch 1 8] [--temperature 0 0.7] [--repeats 3] [--output-len 64] [--prompts 4]
 """
 
@@ -28,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import cpu_flags, smollm2
 from benchmarks.eagle3_smollm2 import heldout_chats
 
-TREES = {
+TREES = {  # (adaptive: the same name + "a")
     "tree6": "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 0, 0)]",
     "tree10": "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), "
     "(0, 0, 0, 0)]",
@@ -40,10 +44,12 @@ TREES = {
 def spec_of(name: str) -> dict | None:
     from vllm.model_zoo import SMOLLM2_EAGLE3_DIR
 
-    base = {"method": "eagle3", "model": str(SMOLLM2_EAGLE3_DIR)}
-    base["adaptive_num_speculative_tokens"] = False
     if name == "none":
         return None
+    adaptive = name.endswith("a")
+    name = name[:-1] if adaptive else name
+    base = {"method": "eagle3", "model": str(SMOLLM2_EAGLE3_DIR)}
+    base["adaptive_num_speculative_tokens"] = adaptive
     if name.startswith("chain"):
         return {**base, "num_speculative_tokens": int(name[5:])}
     if name in TREES:
@@ -53,29 +59,35 @@ def spec_of(name: str) -> dict | None:
     raise SystemExit(f"unknown engine {name!r}")
 
 
-def counters(llm) -> tuple[float, float, list[float]]:
+def counters(llm) -> tuple[float, float, list[float], float]:
     m = {x.name: x for x in llm.get_metrics()}
     d = m.get("vllm:spec_decode_num_drafts")
     a = m.get("vllm:spec_decode_num_accepted_tokens")
     p = m.get("vllm:spec_decode_num_accepted_tokens_per_pos")
-    return (d.value if d else 0, a.value if a else 0, list(p.values) if p else [])
+    n = m.get("vllm:spec_decode_num_draft_tokens")
+    return (
+        d.value if d else 0,
+        a.value if a else 0,
+        list(p.values) if p else [],
+        n.value if n else 0,
+    )
 
 
 def timed(llm, chats, batch: int, temperature: float, out_len: int):
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=temperature, seed=7, max_tokens=out_len, ignore_eos=True)
-    d0, a0, p0 = counters(llm)
+    d0, a0, p0, n0 = counters(llm)
     t = time.perf_counter()
     outs = []
     for i in range(0, len(chats), batch):
         outs += llm.chat(chats[i : i + batch], sp, use_tqdm=False)
     dt = time.perf_counter() - t
-    d1, a1, p1 = counters(llm)
+    d1, a1, p1, n1 = counters(llm)
     p0 = p0 + [0] * (len(p1) - len(p0))
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     ids = [list(o.outputs[0].token_ids) for o in outs]
-    return toks / dt, d1 - d0, a1 - a0, [b - a for a, b in zip(p0, p1)], ids
+    return toks / dt, d1 - d0, a1 - a0, [b - a for a, b in zip(p0, p1)], ids, n1 - n0, toks
 
 
 def main() -> None:
@@ -133,9 +145,14 @@ def main() -> None:
                 same = (b, t, "none") in samples and runs[0][4] == samples[(b, t, "none")][0][4]
                 ratio = f"{tps / base:.2f}x" if base else "-"
                 mal = 1 + acc / drafts if drafts else 1.0
+                # Request steps: each emits 1 + its accepted drafts.
+                toks, nodes = sum(x[6] for x in runs), sum(x[5] for x in runs)
+                req_steps = max(toks - acc, 1)
                 print(
                     f"batch {b:2d} T={t:.1f} {e:7s}: {tps:7.1f} tok/s  {ratio:>6s} of none  "
-                    f"accepted/step {mal:.2f}  per depth [{rates}]  text == none: {same}"
+                    f"accepted/verify step {mal:.2f}  per request step: tokens "
+                    f"{toks / req_steps:.2f} verified {nodes / req_steps:.2f}  "
+                    f"per depth [{rates}]  text == none: {same}"
                 )
 
 

@@ -75,9 +75,10 @@ def draft_passes(spec: SpeculativeConfig) -> list[int] | None:
     expanded, at most tree_max_depth - 1 times (tree_draft.draft_dynamic): the depth its
     deepest node can have, whatever shape the step's tree takes."""
     K = spec.num_speculative_tokens
-    if spec.speculative_token_tree is not None:
-        return [0] + [len(p) for p in parse_token_tree(spec.speculative_token_tree)]
-    if spec.num_tree_nodes is not None:
+    tree = getattr(spec, "speculative_token_tree", None)  # (test doubles carry only K)
+    if tree is not None:
+        return [0] + [len(p) for p in parse_token_tree(tree)]
+    if getattr(spec, "num_tree_nodes", None) is not None:
         top_k, max_depth = spec.tree_top_k or 1, spec.tree_max_depth or K
         return [0] + [1 + min(max_depth - 1, -(-k // top_k)) for k in range(1, K + 1)]
     return None
