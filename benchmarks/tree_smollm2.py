@@ -9,10 +9,10 @@ each request's chain length / tree prefix every step); without it K is fixed. He
 prompts, batch 1 (requests one after another) and larger batches B (B requests together),
 temperature 0 and a seeded temperature. All engines are built first; every repeat times each
 (batch, temperature, engine) once in an order that rotates between repeats; medians are
-reported. Prints tokens/s, the ratio to no speculation, mean accepted tokens per verify step
-(1 + accepted drafts per step that verified drafts), tokens and verified drafts per request
-step (every decode step of every request, those that verified nothing included), the
-acceptance per depth, and whether the text equals no speculation's.
+reported. Prints tokens/s, the ratio to no speculation, mean accepted tokens and verified
+drafts per verify step (a step of a request that verified drafts), tokens and verified drafts
+per request step (every scheduled step of every request, prefill and steps verifying nothing
+included), the acceptance per depth, and whether the text equals no speculation's.
 
     python benchmarks/tree_smollm2.py [--engines none chain3 tree6 tree10 dyn10 chain3a dyn16a]
         [--batch 1 8] [--temperature 0 0.7] [--repeats 3] [--output-len 64] [--prompts 4]
@@ -73,21 +73,39 @@ def counters(llm) -> tuple[float, float, list[float], float]:
     )
 
 
+def count_steps(llm) -> list[int]:
+    """[request steps, drafts verified]: every request each scheduled step (prefill chunks
+    included) and the drafts it verified, summed as the engine's scheduler runs."""
+    sched = llm.llm_engine.scheduler
+    schedule, tally = sched.schedule, [0, 0]
+
+    def counting_schedule(*a, **kw):
+        so = schedule(*a, **kw)
+        tally[0] += len(so.num_scheduled_tokens)
+        tally[1] += sum(so.num_draft_tokens.values())
+        return so
+
+    sched.schedule = counting_schedule
+    return tally
+
+
 def timed(llm, chats, batch: int, temperature: float, out_len: int):
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=temperature, seed=7, max_tokens=out_len, ignore_eos=True)
-    d0, a0, p0, n0 = counters(llm)
+    d0, a0, p0, _ = counters(llm)
+    s0, n0 = llm.bench_steps
     t = time.perf_counter()
     outs = []
     for i in range(0, len(chats), batch):
         outs += llm.chat(chats[i : i + batch], sp, use_tqdm=False)
     dt = time.perf_counter() - t
-    d1, a1, p1, n1 = counters(llm)
+    d1, a1, p1, _ = counters(llm)
+    s1, n1 = llm.bench_steps
     p0 = p0 + [0] * (len(p1) - len(p0))
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     ids = [list(o.outputs[0].token_ids) for o in outs]
-    return toks / dt, d1 - d0, a1 - a0, [b - a for a, b in zip(p0, p1)], ids, n1 - n0, toks
+    return toks / dt, d1 - d0, a1 - a0, [b - a for a, b in zip(p0, p1)], ids, n1 - n0, s1 - s0
 
 
 def main() -> None:
@@ -116,6 +134,7 @@ def main() -> None:
     }
     try:
         for llm in llms.values():
+            llm.bench_steps = count_steps(llm)
             llm.chat(heldout_chats(1), SamplingParams(max_tokens=8), use_tqdm=False)
         order = [(b, t, e) for b in args.batch for t in args.temperature for e in args.engines]
         samples = defaultdict(list)
@@ -145,14 +164,14 @@ def main() -> None:
                 same = (b, t, "none") in samples and runs[0][4] == samples[(b, t, "none")][0][4]
                 ratio = f"{tps / base:.2f}x" if base else "-"
                 mal = 1 + acc / drafts if drafts else 1.0
-                # Request steps: each emits 1 + its accepted drafts.
-                toks, nodes = sum(x[6] for x in runs), sum(x[5] for x in runs)
-                req_steps = max(toks - acc, 1)
+                toks = sum(len(i) for x in runs for i in x[4])
+                nodes, req_steps = sum(x[5] for x in runs), max(sum(x[6] for x in runs), 1)
+                per_verify = nodes / drafts if drafts else 0.0
                 print(
                     f"batch {b:2d} T={t:.1f} {e:7s}: {tps:7.1f} tok/s  {ratio:>6s} of none  "
-                    f"accepted/verify step {mal:.2f}  per request step: tokens "
-                    f"{toks / req_steps:.2f} verified {nodes / req_steps:.2f}  "
-                    f"per depth [{rates}]  text == none: {same}"
+                    f"accepted/verify step {mal:.2f}  verified/verify step {per_verify:.2f}  "
+                    f"per request step: tokens {toks / req_steps:.2f} verified "
+                    f"{nodes / req_steps:.2f}  per depth [{rates}]  text == none: {same}"
                 )
 
 
