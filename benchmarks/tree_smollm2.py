@@ -3,14 +3,18 @@
 """Draft trees vs a chain vs no speculation: SmolLM2-135M-Instruct + the bundled EAGLE3 head.
 
 Engines: no speculation, a chain of K drafts (fixed K), static trees (speculative_token_tree)
-and, where given, a dynamic tree (num_tree_nodes / tree_top_k). Held-out chat prompts, batch 1
-(requests one after another) and larger batches (requests together), temperature 0 and a
-seeded temperature. All engines are built first; every repeat times each (batch, temperature,
-engine) once in an order that rotates between repeats; medians are reported. Prints tokens/s,
-the ratio to no speculation, mean accepted tokens per step (1 + accepted drafts per step), the
-acceptance per depth, and whether the text equals no speculation's.
+and, where given, a dynamic tree (num_tree_nodes / tree_top_k). A name ending in "a" (chain3a,
+tree6a, dyn10a, dyn16a) is the same engine with the adaptive shape (the step-cost model picks
+each request's chain length / tree prefix every step); without it K is fixed. Held-out chat
+prompts, batch 1 (requests one after another) and larger batches B (B requests together),
+temperature 0 and a seeded temperature. All engines are built first; every repeat times each
+(batch, temperature, engine) once in an order that rotates between repeats; medians are
+reported. Prints tokens/s, the ratio to no speculation, mean accepted tokens and verified
+drafts per verify step (a step of a request that verified drafts), tokens and verified drafts
+per request step (every scheduled step of every request, prefill and steps verifying nothing
+included), the acceptance per depth, and whether the text equals no speculation's.
 
-    python benchmarks/tree_smollm2.py [--engines none chain3 tree6 tree10 dyn10]
+    python benchmarks/tree_smollm2.py [--engines none chain3 tree6 tree10 dyn10 chain3a dyn16a]
         [--batch 1 8] [--temperature 0 0.7] [--repeats 3] [--output-len 64] [--prompts 4]
 """
 
@@ -28,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import cpu_flags, smollm2
 from benchmarks.eagle3_smollm2 import heldout_chats
 
-TREES = {
+TREES = {  # (adaptive: the same name + "a")
     "tree6": "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 0, 0)]",
     "tree10": "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), "
     "(0, 0, 0, 0)]",
@@ -40,10 +44,12 @@ TREES = {
 def spec_of(name: str) -> dict | None:
     from vllm.model_zoo import SMOLLM2_EAGLE3_DIR
 
-    base = {"method": "eagle3", "model": str(SMOLLM2_EAGLE3_DIR)}
-    base["adaptive_num_speculative_tokens"] = False
     if name == "none":
         return None
+    adaptive = name.endswith("a")
+    name = name[:-1] if adaptive else name
+    base = {"method": "eagle3", "model": str(SMOLLM2_EAGLE3_DIR)}
+    base["adaptive_num_speculative_tokens"] = adaptive
     if name.startswith("chain"):
         return {**base, "num_speculative_tokens": int(name[5:])}
     if name in TREES:
@@ -53,29 +59,53 @@ def spec_of(name: str) -> dict | None:
     raise SystemExit(f"unknown engine {name!r}")
 
 
-def counters(llm) -> tuple[float, float, list[float]]:
+def counters(llm) -> tuple[float, float, list[float], float]:
     m = {x.name: x for x in llm.get_metrics()}
     d = m.get("vllm:spec_decode_num_drafts")
     a = m.get("vllm:spec_decode_num_accepted_tokens")
     p = m.get("vllm:spec_decode_num_accepted_tokens_per_pos")
-    return (d.value if d else 0, a.value if a else 0, list(p.values) if p else [])
+    n = m.get("vllm:spec_decode_num_draft_tokens")
+    return (
+        d.value if d else 0,
+        a.value if a else 0,
+        list(p.values) if p else [],
+        n.value if n else 0,
+    )
+
+
+def count_steps(llm) -> list[int]:
+    """[request steps, drafts verified]: every request each scheduled step (prefill chunks
+    included) and the drafts it verified, summed as the engine's scheduler runs."""
+    sched = llm.llm_engine.scheduler
+    schedule, tally = sched.schedule, [0, 0]
+
+    def counting_schedule(*a, **kw):
+        so = schedule(*a, **kw)
+        tally[0] += len(so.num_scheduled_tokens)
+        tally[1] += sum(so.num_draft_tokens.values())
+        return so
+
+    sched.schedule = counting_schedule
+    return tally
 
 
 def timed(llm, chats, batch: int, temperature: float, out_len: int):
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=temperature, seed=7, max_tokens=out_len, ignore_eos=True)
-    d0, a0, p0 = counters(llm)
+    d0, a0, p0, _ = counters(llm)
+    s0, n0 = llm.bench_steps
     t = time.perf_counter()
     outs = []
     for i in range(0, len(chats), batch):
         outs += llm.chat(chats[i : i + batch], sp, use_tqdm=False)
     dt = time.perf_counter() - t
-    d1, a1, p1 = counters(llm)
+    d1, a1, p1, _ = counters(llm)
+    s1, n1 = llm.bench_steps
     p0 = p0 + [0] * (len(p1) - len(p0))
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
     ids = [list(o.outputs[0].token_ids) for o in outs]
-    return toks / dt, d1 - d0, a1 - a0, [b - a for a, b in zip(p0, p1)], ids
+    return toks / dt, d1 - d0, a1 - a0, [b - a for a, b in zip(p0, p1)], ids, n1 - n0, s1 - s0
 
 
 def main() -> None:
@@ -104,6 +134,7 @@ def main() -> None:
     }
     try:
         for llm in llms.values():
+            llm.bench_steps = count_steps(llm)
             llm.chat(heldout_chats(1), SamplingParams(max_tokens=8), use_tqdm=False)
         order = [(b, t, e) for b in args.batch for t in args.temperature for e in args.engines]
         samples = defaultdict(list)
@@ -133,9 +164,14 @@ def main() -> None:
                 same = (b, t, "none") in samples and runs[0][4] == samples[(b, t, "none")][0][4]
                 ratio = f"{tps / base:.2f}x" if base else "-"
                 mal = 1 + acc / drafts if drafts else 1.0
+                toks = sum(len(i) for x in runs for i in x[4])
+                nodes, req_steps = sum(x[5] for x in runs), max(sum(x[6] for x in runs), 1)
+                per_verify = nodes / drafts if drafts else 0.0
                 print(
                     f"batch {b:2d} T={t:.1f} {e:7s}: {tps:7.1f} tok/s  {ratio:>6s} of none  "
-                    f"accepted/step {mal:.2f}  per depth [{rates}]  text == none: {same}"
+                    f"accepted/verify step {mal:.2f}  verified/verify step {per_verify:.2f}  "
+                    f"per request step: tokens {toks / req_steps:.2f} verified "
+                    f"{nodes / req_steps:.2f}  per depth [{rates}]  text == none: {same}"
                 )
 
 

@@ -16,6 +16,7 @@ from vllm.testing.spec_checkpoints import (
     make_eagle_draft,
     make_llama_bigram_target,
 )
+from vllm.v1.core.sched.spec_k import StepCostModel
 
 LENGTHS = [40, 23, 57, 9, 3, 30]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -249,3 +250,138 @@ def test_mtp_tree_mla_equals_no_speculation(mtp_near_dir, prompts, kind):
     assert got == ref
     drafts, accepted, per_depth = _counts(m)
     assert accepted > 0 and per_depth[1] > 0
+
+
+# ---- the adaptive shape: each request verifies a prefix of its tree, chosen per step -------
+
+# Verifying a few more rows costs little, a draft pass 2% of a step: prefixes of every length
+# pay for some request (start-up's timings of a tiny model on a busy machine are noise; the
+# measurement has its own tests).
+TREE_COSTS = StepCostModel(
+    tokens=[1, 64], verify_s=[1.0, 3.0], batch_sizes=[1], draft_step_s=[0.02]
+)
+LONG = [
+    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=40, ignore_eos=True),
+]
+
+
+def _adaptive_run(model: str, prompts, sps, spec: dict, pp: int = 1):
+    """The outputs of all prompts together through an engine whose scheduler uses TREE_COSTS,
+    with the nodes each step verified per request and the accepted paths the scheduler got
+    (checked against the emitted tokens as they arrive)."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    args = EngineArgs(model=model, speculative_config=spec, pipeline_parallel_size=pp, **COMMON)
+    eng = LLMEngine.from_engine_args(args)
+    sched = eng.scheduler
+    assert sched.spec_k is not None and sched.spec_k.adaptive
+    sched.spec_k.costs = TREE_COSTS
+    ks: dict[str, list[int]] = {}
+    paths: list[list[int]] = []
+    update = sched.update_from_output
+
+    def checking_update(so, ro):
+        for rid, k in so.num_draft_tokens.items():
+            i = ro.req_id_to_index.get(rid)
+            if not k or i is None or not ro.sampled_token_ids[i]:
+                continue
+            ks.setdefault(rid, []).append(k)
+            assert ro.accepted_tree_nodes is not None
+            path = ro.accepted_tree_nodes[i]
+            assert len(path) == len(ro.sampled_token_ids[i]) - 1
+            assert path == sorted(path) and all(0 <= j < k for j in path)
+            paths.append(path)
+        return update(so, ro)
+
+    sched.update_from_output = checking_update  # type: ignore[method-assign]
+    out: dict[str, list[int]] = {}
+    try:
+        for i, (p, sp) in enumerate(zip(prompts, sps)):
+            eng.add_request(str(i), {"prompt_token_ids": p}, sp)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    out[o.request_id] = list(o.outputs[0].token_ids)
+    finally:
+        eng.shutdown()
+    return [out[str(i)] for i in range(len(prompts))], ks, paths
+
+
+def _check_adaptive(ks: dict[str, list[int]], paths: list[list[int]], K: int) -> None:
+    """The prefix length varies within requests, and paths off the first branch (a node
+    whose index is not its depth) were accepted and reported."""
+    assert any(len(set(v)) > 1 for v in ks.values()), ks
+    every = {k for v in ks.values() for k in v}
+    assert len(every) >= 2 and min(every) < K, ks
+    assert any(p != list(range(len(p))) for p in paths)
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic"])
+def test_adaptive_tree_equals_no_speculation(near_bigram_dir, eagle_self_dir, prompts, kind):
+    """The adaptive shape (the default) on a static and a dynamic tree, greedy and seeded
+    requests together: the text equals no speculation's, while the nodes verified per
+    request vary from step to step."""
+    sps = [LONG[i % 2] for i in range(len(prompts))]
+    ref, _ = _run(near_bigram_dir, prompts, sps)
+    if kind == "static":
+        spec = {"method": "eagle", "model": eagle_self_dir, "speculative_token_tree": TREE}
+    else:
+        spec = {**_dynamic_spec("eagle", eagle_self_dir), "num_tree_nodes": 8}
+        del spec["adaptive_num_speculative_tokens"]
+    got, ks, paths = _adaptive_run(near_bigram_dir, prompts, sps, spec)
+    assert got == ref
+    _check_adaptive(ks, paths, 7 if kind == "static" else 8)
+
+
+@pytest.mark.usefixtures("pp_forkserver")
+def test_adaptive_static_tree_pipeline_parallel(near_bigram_dir, eagle_self_dir, prompts):
+    """P = 2: the accepted paths reach the scheduler from the last stage; the stage without
+    logits compacts the KV of each verified prefix; the text is unchanged."""
+    sps = [LONG[i % 2] for i in range(len(prompts))]
+    ref, _ = _run(near_bigram_dir, prompts, sps)
+    spec = {"method": "eagle", "model": eagle_self_dir, "speculative_token_tree": TREE}
+    got, ks, paths = _adaptive_run(near_bigram_dir, prompts, sps, spec, pp=2)
+    assert got == ref
+    _check_adaptive(ks, paths, 7)
+
+
+def test_dynamic_tree_nodes_most_probable_first(near_bigram_dir, eagle_self_dir, prompts):
+    """draft_dynamic keeps its nodes most probable first (path log-probabilities not
+    increasing, a parent before its child), so every prefix is the most probable subtree of
+    its size - and the order is not breadth first: a deeper node precedes a shallower one."""
+    from vllm.v1.worker.gpu.spec_decode import tree_draft
+
+    real = tree_draft.draft_dynamic
+    seen: list[tuple] = []
+
+    def recording(*a, **kw):
+        res = real(*a, **kw)
+        seen.append(res)
+        return res
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(tree_draft, "draft_dynamic", recording)
+    try:
+        ref, _ = _run(near_bigram_dir, prompts, GREEDY)
+        got, _ = _run(near_bigram_dir, prompts, GREEDY, _dynamic_spec("eagle", eagle_self_dir))
+    finally:
+        mp.undo()
+    assert got == ref
+    rows = deeper_first = 0
+    for drafts, parents, scores in seen:
+        for r in range(len(drafts)):
+            m = int((scores[r] > -float("inf")).sum())
+            if m == 0:
+                continue
+            rows += 1
+            s, par = scores[r, :m], parents[r, :m]
+            assert all(a >= b for a, b in zip(s, s[1:])), s
+            assert all(par[j] < j for j in range(m)), par
+            assert all(s[j] <= s[par[j]] for j in range(m) if par[j] >= 0)
+            depth = [0] * m
+            for j in range(m):
+                depth[j] = 1 if par[j] < 0 else depth[par[j]] + 1
+            deeper_first += depth != sorted(depth)
+    assert rows > 0 and deeper_first > 0, (rows, deeper_first)

@@ -13,7 +13,10 @@ is num_speculative_tokens.
 A dynamic tree (EAGLE-2) is grown per step from the draft's probabilities: num_tree_nodes nodes
 (= num_speculative_tokens), at most tree_max_depth deep, each depth expanding the tree_top_k
 children of the tree_top_k best nodes of the depth before (best: the product of the draft's
-probabilities along the path), then the num_tree_nodes best of all candidates are kept.
+probabilities along the path), then the num_tree_nodes best of all candidates are kept, most
+probable first (ties: the shallower first). A child is never more probable than its parent, so
+a parent still comes before its children and any prefix of k nodes is the k most probable
+connected subtree - what a request verifying only k of them (the adaptive K) checks.
 """
 
 from __future__ import annotations

@@ -28,3 +28,6 @@ class ModelRunnerOutput:
     entry); the worker keeps their values. None: no speculation."""
     draft_proposers: list[str] | None = None
     """Per request: which proposer drafted them (hybrid, jump-forward)."""
+    accepted_tree_nodes: list[list[int]] | None = None
+    """Draft trees: per request, the node indices of the accepted path this step verified
+    (increasing; empty without drafts). None without a tree."""

@@ -26,7 +26,7 @@ from vllm.config.scheduler import WARMUP_TOKENS
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.sched.spec_k import StepCostModel
+from vllm.v1.core.sched.spec_k import StepCostModel, draft_passes
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.request import Request, RequestStatus
 
@@ -110,9 +110,11 @@ def measure_step_costs(
     """The step cost model the adaptive K needs (vllm.v1.core.sched.spec_k), timed through the
     real stages after the warm-up: per batch size B (1, 2, 4, ... up to max_num_seqs and 16),
     a step verifying 0 and K dummy drafts per request without drafting, and one verifying K
-    drafting K steps (medians of 3). Bounded in time: batch sizes are measured in increasing
-    order while the next one is expected to end within VLLM_STEP_COST_BUDGET_S of the start
-    (the first two always; the model extrapolates linearly past the last one measured). None
+    drafting K steps (medians of 3); a draft step is the difference over the draft passes K
+    drafts take (a chain's K steps, a tree's depth passes: spec_k.draft_passes). Bounded in
+    time: batch sizes are measured in increasing order while the next one is expected to end
+    within VLLM_STEP_COST_BUDGET_S of the start (the first two always; the model extrapolates
+    linearly past the last one measured). None
     when speculation or the adaptive K is off or the dummy requests do not fit."""
     spec = vllm_config.speculative_config
     if spec is None or not spec.adaptive_num_speculative_tokens:
@@ -122,6 +124,8 @@ def measure_step_costs(
     max_model_len = vllm_config.model_config.max_model_len
     assert max_model_len is not None  # resolved from the checkpoint by ModelConfig
     k = spec.num_speculative_tokens
+    passes = draft_passes(spec)
+    k_passes = k if passes is None else max(passes[k], 1)
     prompt, reps = 4, 3
     configs = [(0, 0), (k, 0), (k, k)]  # (drafts verified, draft steps run)
     per_req = prompt + 1 + len(configs) * reps * (k + 1) + k + 1
@@ -172,7 +176,7 @@ def measure_step_costs(
         med = {c: sorted(v)[len(v) // 2] for c, v in times.items()}
         verify.setdefault(b, []).append(med[(0, 0)])
         verify.setdefault(b * (k + 1), []).append(med[(k, 0)])
-        draft_step[b] = max(med[(k, k)] - med[(k, 0)], 0.0) / k
+        draft_step[b] = max(med[(k, k)] - med[(k, 0)], 0.0) / k_passes
         measured.append(b)
         last_b, last_s = b, time.perf_counter() - t_size
     sizes = measured

@@ -414,7 +414,9 @@ class Scheduler:
                 req.num_computed_tokens -= drafts - num_accepted
                 out.num_draft_tokens, out.num_accepted_tokens = drafts, num_accepted
                 if self.spec_k is not None:
-                    self.spec_k.observe(rid, drafts, num_accepted)
+                    paths = runner_out.accepted_tree_nodes
+                    path = paths[idx] if paths is not None else None
+                    self.spec_k.observe(rid, drafts, num_accepted, path)
                 if spec_stats is not None:
                     proposer = req.spec_proposer or self.default_proposer
                     spec_stats.observe_draft(drafts, num_accepted, proposer)

@@ -11,11 +11,19 @@ each request's K is chosen every step so the batch's expected tokens per second 
   for that position as its prior (a new request starts from what the head does elsewhere), and
   a position not observed anywhere yet taken to be accepted like the one before it;
   draft j adds prod_{i<j} alpha_i expected tokens;
+- a draft tree (static or dynamic, config/spec_tree.py): a request verifies a prefix of its
+  nodes, so the estimate is per node index j instead - the probability that node j is on the
+  accepted path given it was verified (the same decaying counts and priors; every verified
+  node is reached, the path's nodes are accepted). Node j adds a_j expected tokens. Those gains
+  need not fall with j (a static tree's second root child may be worse than the first one's
+  child), so runs of them are pooled into blocks with their mean gain (adjacent violators)
+  until the means fall, and a block is taken whole;
 - cost: the step time measured at start-up (StepCostModel): verify time by the step's total
-  tokens, and the time of one more draft step by the batch size;
-- drafts are added in order of expected gain while gain / added cost beats the batch's current
-  tokens per second; a request left at K = 0 is probed again with the full K after a number of
-  steps that doubles after each probe that does not pay (8 up to 128).
+  tokens, and the time of one more draft step (a chain's draft, a tree's depth pass) by the
+  batch size, times the passes the batch's longest prefix needs (draft_passes);
+- drafts (blocks) are added in order of expected gain while gain / added cost beats the batch's
+  current tokens per second; a request left at K = 0 is probed again with the full K after a
+  number of steps that doubles after each probe that does not pay (8 up to 128).
 
 The output never depends on any of this: the verifier emits the target's own (keyed) sample at
 every position whatever was drafted.
@@ -27,6 +35,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from vllm.config import SpeculativeConfig
+from vllm.config.spec_tree import parse_token_tree
 
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the engine-wide estimate in a request's
 DECAY = 0.95  # weight of older observations per new one (acceptance drifts with the text)
@@ -58,6 +67,39 @@ class StepCostModel:
         return self._interp(self.batch_sizes, self.draft_step_s, batch_size)
 
 
+def draft_passes(spec: SpeculativeConfig) -> list[int] | None:
+    """passes[k] for k = 0..K: the draft passes drafting k nodes of the configured tree takes
+    (each costing about one measured draft step); None for a chain (k steps for k drafts). A
+    static tree's first k nodes (breadth first) need the depth of the k-th. A dynamic tree of k
+    nodes runs the root's pass, then expands up to tree_top_k nodes a depth until k are
+    expanded, at most tree_max_depth - 1 times (tree_draft.draft_dynamic): the depth its
+    deepest node can have, whatever shape the step's tree takes."""
+    K = spec.num_speculative_tokens
+    tree = getattr(spec, "speculative_token_tree", None)  # (test doubles carry only K)
+    if tree is not None:
+        return [0] + [len(p) for p in parse_token_tree(tree)]
+    if getattr(spec, "num_tree_nodes", None) is not None:
+        top_k, max_depth = spec.tree_top_k or 1, spec.tree_max_depth or K
+        return [0] + [1 + min(max_depth - 1, -(-k // top_k)) for k in range(1, K + 1)]
+    return None
+
+
+def pooled_blocks(gains: list[float]) -> list[tuple[float, int, int, float]]:
+    """(mean gain, first index, end index, total gain) of the runs a non-increasing fit pools
+    gains into (adjacent violators): taking blocks best first takes prefixes of the gains."""
+    blocks: list[list[float]] = []  # [total, first, end]
+    for j, g in enumerate(gains):
+        blocks.append([g, j, j + 1])
+        while len(blocks) > 1 and (
+            blocks[-2][0] / (blocks[-2][2] - blocks[-2][1])
+            < blocks[-1][0] / (blocks[-1][2] - blocks[-1][1])
+        ):
+            t, _, e = blocks.pop()
+            blocks[-1][0] += t
+            blocks[-1][2] = e
+    return [(t / (e - f), int(f), int(e), t) for t, f, e in blocks]
+
+
 @dataclass
 class _Acceptance:
     """Decaying counts per draft position: reached (verified with every draft before it
@@ -74,6 +116,13 @@ class _Acceptance:
         for i in range(min(num_drafts, num_accepted + 1)):
             self.reached[i] = self.reached[i] * DECAY + 1.0
             self.accepted[i] = self.accepted[i] * DECAY + (1.0 if i < num_accepted else 0.0)
+
+    def observe_tree(self, num_nodes: int, path: list[int]) -> None:
+        """A tree step: nodes 0..num_nodes-1 verified, the path's nodes accepted."""
+        on = set(path)
+        for j in range(num_nodes):
+            self.reached[j] = self.reached[j] * DECAY + 1.0
+            self.accepted[j] = self.accepted[j] * DECAY + (1.0 if j in on else 0.0)
 
 
 @dataclass
@@ -96,6 +145,8 @@ class SpecKPolicy:
     def __post_init__(self) -> None:
         self.K = self.spec.num_speculative_tokens
         self._global = _Acceptance.zeros(self.K)
+        self.passes = draft_passes(self.spec)
+        """Draft passes per number of tree nodes (None: a chain)."""
 
     @property
     def adaptive(self) -> bool:
@@ -117,13 +168,22 @@ class SpecKPolicy:
             r = self._reqs[req_id] = _ReqK(_Acceptance.zeros(self.K))
         return r
 
-    def observe(self, req_id: str, num_drafts: int, num_accepted: int) -> None:
-        """One verify step's outcome for a request (num_drafts > 0)."""
-        self._req(req_id).stats.observe(num_drafts, num_accepted)
-        self._global.observe(num_drafts, num_accepted)
+    def observe(
+        self, req_id: str, num_drafts: int, num_accepted: int, path: list[int] | None = None
+    ) -> None:
+        """One verify step's outcome for a request (num_drafts > 0); a tree's: the accepted
+        path's node indices (None: the first num_accepted nodes, a chain in tree order)."""
+        if self.passes is None:
+            self._req(req_id).stats.observe(num_drafts, num_accepted)
+            self._global.observe(num_drafts, num_accepted)
+            return
+        nodes = list(range(num_accepted)) if path is None else path
+        self._req(req_id).stats.observe_tree(num_drafts, nodes)
+        self._global.observe_tree(num_drafts, nodes)
 
     def alphas(self, req_id: str) -> list[float]:
-        """Estimated acceptance of draft i given the ones before it were accepted."""
+        """Estimated acceptance of draft i given the ones before it were accepted (a tree:
+        of node i given it was verified)."""
         s, g = self._req(req_id).stats, self._global
         out = []
         prev = 0.5
@@ -153,23 +213,30 @@ class SpecKPolicy:
         assert costs is not None
         B = len(req_ids)
         ks = dict.fromkeys(req_ids, 0)
-        cands: list[tuple[float, int, str]] = []
+        # (mean gain, first draft, end, total gain, request): drafts first..end-1 taken whole.
+        cands: list[tuple[float, int, int, float, str]] = []
+        passes = self.passes
         for rid in req_ids:
-            p = 1.0
-            for j, a in enumerate(self.alphas(rid)[:cap]):
-                p *= a
-                cands.append((p, j + 1, rid))
-        cands.sort(key=lambda c: (-c[0], c[1]))
+            alphas = self.alphas(rid)[:cap]
+            if passes is None:
+                p = 1.0
+                for j, a in enumerate(alphas):
+                    p *= a
+                    cands.append((p, j, j + 1, p, rid))
+            else:
+                cands += [(*b, rid) for b in pooled_blocks(alphas)]
+        cands.sort(key=lambda c: (-c[0], c[2]))
         tokens, num_tokens, steps = float(B), B, 0
         cost = costs.verify(num_tokens)
-        for p, j, rid in cands:
-            if ks[rid] != j - 1:
+        for _, first, end, gain, rid in cands:
+            if ks[rid] != first:
                 continue
-            new_steps = max(steps, j)
-            new_cost = costs.verify(num_tokens + 1) + new_steps * costs.draft_step(B)
-            if (tokens + p) * cost > tokens * new_cost:
-                ks[rid], steps, cost = j, new_steps, new_cost
-                tokens, num_tokens = tokens + p, num_tokens + 1
+            new_steps = max(steps, end if passes is None else passes[end])
+            n = num_tokens + end - first
+            new_cost = costs.verify(n) + new_steps * costs.draft_step(B)
+            if (tokens + gain) * cost > tokens * new_cost:
+                ks[rid], steps, cost = end, new_steps, new_cost
+                tokens, num_tokens = tokens + gain, n
         for rid in req_ids:
             r = self._req(rid)
             if ks[rid] > 0:

@@ -334,6 +334,7 @@ class ModelRunner:
             if self.tp.world_size > 1:
                 tokens = self._tp_agree(tokens)
         sampled, num_sampled = self.rejection_sampler(batch, tokens)
+        tree_nodes = getattr(self.rejection_sampler, "accepted_nodes", None)
         vb, hidden, aux, lp_logits = self.rejection_sampler.draft_view(
             batch, hidden, aux, lp_logits
         )
@@ -375,6 +376,7 @@ class ModelRunner:
             prompt_logprobs=prompt_lp,
             num_draft_tokens=result.num_valid_drafts(),
             draft_proposers=proposers,
+            accepted_tree_nodes=tree_nodes,
         )
 
     def _draft_mm_embeds(self, batch: InputBatch) -> tuple[np.ndarray, torch.Tensor] | None:

@@ -2,8 +2,10 @@
 # Copyright 2026 The vllm-pp-spec contributors
 """Draft trees verified in one target forward (speculative_config.speculative_token_tree).
 
-A request's K drafts are the nodes of a tree in breadth-first order (config/spec_tree.py): node
-i's parent is parents[i] (-1: the root, the request's last known token) and its depth depth[i].
+A request's K drafts are the nodes of a tree, a parent always before its children (a static
+tree breadth first, a dynamic one most probable first: config/spec_tree.py), so a request
+verifying k of them verifies the tree of its first k: node i's parent is parents[i] (-1: the
+root, the request's last known token) and its depth depth[i].
 The scheduler and the KV cache see a chain of K drafts - the same K + 1 query rows, the same
 cache slots (row j writes the slot of position start + j) - and only three things differ:
   * layout (apply_layout, every stage, before the forward): row j's position is the root's
@@ -238,6 +240,7 @@ class TreeVerifier(RejectionSampler):
         self.tree = tree
         self.runner = runner
         self._path: TreePath | None = None
+        self.accepted_nodes: list[list[int]] | None = None
         # A dynamic tree (tree None): each request's node parents, from the draft's last
         # propose (rows of the batch in _proposed_slots, taken up before the next forward).
         self.slot_parents = np.full((runner.max_num_reqs, num_nodes), -1, dtype=np.int64)
@@ -310,6 +313,10 @@ class TreeVerifier(RejectionSampler):
         b, run = input_batch, self.runner
         sampled, num_sampled, tp = accept(b, target_tokens, self._parents(b), self.max_sample_len)
         self._path = tp if len(tp.rows) else None
+        # What the scheduler's K policy learns from (per batch row; ModelRunnerOutput).
+        self.accepted_nodes = [[] for _ in range(b.num_reqs)]
+        for r, path in zip(tp.rows.tolist(), tp.paths):
+            self.accepted_nodes[r] = path
         if self._path is None:
             return sampled, num_sampled
         src, dst = [], []

@@ -147,16 +147,19 @@ def draft_dynamic(
     top_k: int,
     max_depth: int,
     num_steps: int | None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """A dynamic tree (EAGLE-2): (drafts [R, num_nodes], parents [R, num_nodes]).
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A dynamic tree (EAGLE-2): (drafts [R, num_nodes], parents [R, num_nodes], each node's
+    path log-probability [R, num_nodes], -inf where no node is kept).
 
     Depth 1: the draft's top_k tokens after the root. At each depth the top_k candidates with
     the highest path probability (the product of the draft's probabilities along the path)
     are expanded - run through the draft, their top_k children become candidates - within a
     budget of num_nodes expanded nodes (their draft KV must fit the slots after the root).
-    Then the num_nodes most probable candidates of all depths are kept (a child is never more
-    probable than its parent, so every kept node's parent is kept), ordered by depth, then
-    probability. TP: rank 0's choices (spec.agree)."""
+    Then the num_nodes most probable candidates of all depths are kept, ordered by probability
+    (ties: the shallower first). A child is never more probable than its parent, so every kept
+    node's parent is kept and comes before it, and any prefix of k nodes is the k most probable
+    connected subtree: what a request verifying k of them (the scheduler's adaptive K) checks.
+    TP: rank 0's choices (spec.agree)."""
     N = num_nodes
     want = N if num_steps is None else max(0, min(N, num_steps))
     R = db.num_reqs
@@ -164,9 +167,10 @@ def draft_dynamic(
     drafts = np.full((R, N), PAD_TOKEN_ID, dtype=np.int64)
     parents_out = np.full((R, N), -1, dtype=np.int64)
     parents_out[:, 1:] = np.arange(N - 1)  # unused columns: a chain (never verified)
+    scores = np.full((R, N), -np.inf, dtype=np.float32)
     logits_h, feedback, lti = first_pass(spec, db, hidden_states)
     if want == 0:
-        return drafts, parents_out
+        return drafts, parents_out, scores
     root_fb = feedback[lti]
     k = min(top_k, want)
     lp = torch.log_softmax(spec._compute_logits(logits_h[lti], 0).float(), -1)
@@ -213,22 +217,24 @@ def draft_dynamic(
         c_par = torch.cat([c_par, best[:, :, None].expand(R, e, k).reshape(R, e * k)], 1)
         c_score = torch.cat([c_score, s.reshape(R, e * k)], 1)
         c_depth = torch.cat([c_depth, torch.full((R, e * k), d + 1, device=dev)], 1)
-    # The `want` most probable candidates (ties: the shallower first), by depth then score.
+    # The `want` most probable candidates (ties: the shallower first), most probable first.
     m = min(want, c_tok.shape[1])
     key = c_score - 1e-4 * c_depth.float()
-    keep = spec.agree(key.topk(m, dim=-1).indices)
-    keep_np, depth_np = keep.cpu().numpy(), c_depth.cpu().numpy()
-    score_np, par_np, tok_np = c_score.cpu().numpy(), c_par.cpu().numpy(), c_tok.cpu().numpy()
+    keep = spec.agree(key.topk(m, dim=-1, sorted=True).indices)
+    keep_np = keep.cpu().numpy()
+    par_np, tok_np = c_par.cpu().numpy(), c_tok.cpu().numpy()
+    score_np = c_score.float().cpu().numpy()
     for r in range(R):
-        sel = keep_np[r]
-        order = sel[np.lexsort((-score_np[r, sel], depth_np[r, sel]))]
+        order = keep_np[r]
+        scores[r, :m] = score_np[r, order]
         new_index = {int(c): j for j, c in enumerate(order)}
         drafts[r, :m] = tok_np[r, order]
         parents_out[r, :m] = [new_index.get(int(par_np[r, c]), -1) for c in order]
+        assert (parents_out[r, :m] < np.arange(m)).all(), "a kept node before its parent"
     # One tree on every TP rank: the order above read each rank's own scores.
     both = spec.agree(torch.from_numpy(np.stack([drafts, parents_out])))
     both_np = both.cpu().numpy()
-    return both_np[0], both_np[1]
+    return both_np[0], both_np[1], scores
 
 
 def _to_target(spec: AutoRegressiveSpeculator, idx: torch.Tensor) -> torch.Tensor:
@@ -251,7 +257,7 @@ def propose_tree(
     cfg = spec.speculative_config
     if cfg.num_tree_nodes is not None:
         assert cfg.tree_top_k is not None and cfg.tree_max_depth is not None
-        drafts, parents = draft_dynamic(
+        drafts, parents, _ = draft_dynamic(
             spec,
             db,
             hidden_states,
