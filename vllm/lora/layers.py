@@ -64,7 +64,11 @@ class LoRALayer:
         self.merged = module if isinstance(module, MergedReplicatedLinear) else None
         self.num_parts = len(self.merged.output_sizes) if self.merged is not None else 1
         self.width = self.num_parts * rank
-        self.row_parallel = isinstance(module, RowParallelLinear) and module.tp_size > 1
+        # Row-parallel under TP: the shrunk product is summed over the group the base layer
+        # was built over (held here: the hook looks nothing up).
+        self.reduce_group = (
+            module.tp if isinstance(module, RowParallelLinear) and module.tp_size > 1 else None
+        )
         device = next(module.parameters()).device
         cols = max_loras * self.width
         self.a = torch.zeros(cols, module.in_features, dtype=dtype, device=device)
@@ -122,10 +126,8 @@ class LoRALayer:
             )
         cols = batch.num_slots * self.width
         h = linear(x, self.a[:cols], None, rows)
-        if self.row_parallel:
-            from vllm.distributed.parallel_state import tensor_model_parallel_all_reduce
-
-            h = tensor_model_parallel_all_reduce(h)
+        if self.reduce_group is not None:
+            h = self.reduce_group.all_reduce(h)
         h = h * batch.mask(self.width)
         return y + linear(h, self._b(cols), None, rows)
 
