@@ -179,11 +179,18 @@ def test_tree_beside_logit_controls(near_bigram_dir, eagle_self_dir, prompts):
 
 @pytest.mark.usefixtures("pp_forkserver")
 @pytest.mark.parametrize(
-    "par", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)], ids=["pp2", "tp2"]
+    "par",
+    [
+        dict(pipeline_parallel_size=2),
+        dict(pipeline_parallel_size=4),
+        dict(tensor_parallel_size=2),
+    ],
+    ids=["pp2", "pp4", "tp2"],
 )
 def test_tree_pipeline_and_tensor_parallel(near_bigram_dir, eagle_self_dir, prompts, par):
-    """P = 2 (the stage without logits compacts its KV from the broadcast result) and TP = 2
-    (rank 0's tokens decide): greedy and seeded text equal to no speculation at P = 1."""
+    """P = 2 and 4 (the stages without logits - the first, and at P = 4 two middle ones that
+    relay - compact their KV from the broadcast result) and TP = 2 (rank 0's tokens decide):
+    greedy and seeded text equal to no speculation at P = 1."""
     sps = [GREEDY if i % 2 else SEEDED for i in range(len(prompts))]
     ref, _ = _run(near_bigram_dir, prompts, sps)
     got, m = _run(near_bigram_dir, prompts, sps, _tree_spec("eagle", eagle_self_dir), **par)
@@ -250,6 +257,24 @@ def test_mtp_tree_mla_equals_no_speculation(mtp_near_dir, prompts, kind):
     assert got == ref
     drafts, accepted, per_depth = _counts(m)
     assert accepted > 0 and per_depth[1] > 0
+
+
+@pytest.mark.usefixtures("pp_forkserver")
+@pytest.mark.parametrize(
+    "par", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)], ids=["pp2", "tp2"]
+)
+def test_mtp_tree_mla_pipeline_and_tensor_parallel(mtp_near_dir, prompts, par):
+    """MTP static tree on DeepSeek-V3 (MLA + MoE) at P = 2 (the MTP layer on the last stage;
+    the first stage compacts its latent cache from the broadcast result) and TP = 2: greedy
+    and seeded text equal to no speculation at P = 1."""
+    sps = [GREEDY if i % 2 else SEEDED for i in range(len(prompts))]
+    spec = {"method": "mtp", "adaptive_num_speculative_tokens": False}
+    spec["speculative_token_tree"] = TREE
+    ps = [p if len(p) > 1 else p + [5] for p in prompts]
+    ref, _ = _run(mtp_near_dir, ps, sps)
+    got, m = _run(mtp_near_dir, ps, sps, spec, **par)
+    assert got == ref
+    assert _counts(m)[1] > 0
 
 
 # ---- the adaptive shape: each request verifies a prefix of its tree, chosen per step -------
