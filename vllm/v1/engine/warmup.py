@@ -110,12 +110,14 @@ def measure_step_costs(
     """The step cost model the adaptive K needs (vllm.v1.core.sched.spec_k), timed through the
     real stages after the warm-up: per batch size B (1, 2, 4, ... up to max_num_seqs and 16),
     a step verifying 0 and K dummy drafts per request without drafting, and one verifying K
-    drafting K steps (medians of 3); a draft step is the difference over the draft passes K
-    drafts take (a chain's K steps, a tree's depth passes: spec_k.draft_passes). Bounded in
-    time: batch sizes are measured in increasing order while the next one is expected to end
-    within VLLM_STEP_COST_BUDGET_S of the start (the first two always; the model extrapolates
-    linearly past the last one measured). None
-    when speculation or the adaptive K is off or the dummy requests do not fit."""
+    drafting K steps (the fastest of 3 interleaved repeats: on a shared CPU other work only
+    ever adds time, and a busy moment taken for a real cost would mislead every later choice);
+    a draft step is the difference over the draft passes K drafts take (a chain's K steps, a
+    tree's depth passes: spec_k.draft_passes). Bounded in time: batch sizes are measured in
+    increasing order while the next one is expected to end within VLLM_STEP_COST_BUDGET_S of
+    the start (the first two always; the model extrapolates linearly past the last one
+    measured). None when speculation or the adaptive K is off or the dummy requests do not
+    fit."""
     spec = vllm_config.speculative_config
     if spec is None or not spec.adaptive_num_speculative_tokens:
         return None
@@ -173,10 +175,10 @@ def measure_step_costs(
         sched.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         so = sched.schedule()
         executor.execute_model(so)
-        med = {c: sorted(v)[len(v) // 2] for c, v in times.items()}
-        verify.setdefault(b, []).append(med[(0, 0)])
-        verify.setdefault(b * (k + 1), []).append(med[(k, 0)])
-        draft_step[b] = max(med[(k, k)] - med[(k, 0)], 0.0) / k_passes
+        best = {c: min(v) for c, v in times.items()}
+        verify.setdefault(b, []).append(best[(0, 0)])
+        verify.setdefault(b * (k + 1), []).append(best[(k, 0)])
+        draft_step[b] = max(best[(k, k)] - best[(k, 0)], 0.0) / k_passes
         measured.append(b)
         last_b, last_s = b, time.perf_counter() - t_size
     sizes = measured
