@@ -126,8 +126,9 @@ def test_a_tree_step_updates_exactly_its_path_nodes():
         assert stats.accepted == [1.0, 0.0, 1.0, 0.0]
     p.observe("a", 2, 1, [0])
     st = p._req("a").stats
-    assert st.reached == [1.95, 1.95, 1.0, 1.0]
-    assert st.accepted == [1.95, 0.0, 1.0, 0.0]
+    # Nodes past the prefix are not observed; what was seen of them ages.
+    assert st.reached == [1.95, 1.95, 0.95, 0.95]
+    assert st.accepted == [1.95, 0.0, 0.95, 0.0]
     # Without a path (a chain verified in tree order): its first num_accepted nodes.
     p.observe("b", 3, 2, None)
     assert p._req("b").stats.accepted == [1.0, 1.0, 0.0, 0.0]
@@ -138,7 +139,8 @@ def test_a_bad_sibling_is_skipped_to_reach_the_deeper_node():
     always: with cheap rows the policy verifies 3 nodes - paying for node 1 to reach node 2 -
     and not node 3, which is never accepted."""
     ks = _run_tree(_tree_policy(), "a", 40, _first_branch)
-    assert ks[10:] == [3] * 30, ks
+    # Node 3 is tried again now and then (what was seen of it ages back to its prior).
+    assert min(ks[10:]) == 3 and ks[10:].count(3) >= 25, ks
 
 
 def test_a_dear_verify_takes_no_nodes_then_probes():
@@ -157,4 +159,22 @@ def test_dynamic_tree_prefix_follows_the_node_estimates():
     rest never: the prefix stops after them."""
     p = _tree_policy(num_tree_nodes=6, tree_top_k=2, tree_max_depth=4)
     ks = _run_tree(p, "a", 40, lambda s, k: [j for j in (0, 1, 2) if j < k and (s + j) % 4])
-    assert ks[10:] == [3] * 30, ks
+    assert min(ks[10:]) == 3 and ks[10:].count(3) >= 25, ks
+
+
+TREE6 = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 0, 0)]"
+
+
+def test_an_early_miss_does_not_keep_a_good_branch_out():
+    """tree6's first branch (nodes 0, 2, 4, 5) accepted whenever verified after one early step
+    that accepted nothing, its siblings (1, 3) never: the deeper nodes get back into the prefix
+    - their estimates age back to a prior taken from their parent and the root's child of their
+    rank, not from the weak sibling listed before them."""
+    p = _tree_policy(speculative_token_tree=TREE6)
+
+    def path(s: int, k: int) -> list[int]:
+        return [] if s == 0 else [j for j in (0, 2, 4, 5) if j < k]
+
+    ks = _run_tree(p, "a", 60, path)
+    assert ks[0] >= 3  # the first step verifies the first branch's second node
+    assert min(ks[30:]) >= 5, ks

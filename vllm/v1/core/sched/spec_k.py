@@ -14,10 +14,13 @@ each request's K is chosen every step so the batch's expected tokens per second 
 - a draft tree (static or dynamic, config/spec_tree.py): a request verifies a prefix of its
   nodes, so the estimate is per node index j instead - the probability that node j is on the
   accepted path given it was verified (the same decaying counts and priors; every verified
-  node is reached, the path's nodes are accepted). Node j adds a_j expected tokens. Those gains
-  need not fall with j (a static tree's second root child may be worse than the first one's
-  child), so runs of them are pooled into blocks with their mean gain (adjacent violators)
-  until the means fall, and a block is taken whole;
+  node is reached, the path's nodes are accepted; the nodes past the prefix age by the same
+  decay, so what one early miss taught fades back to the prior). A static tree's node never
+  observed is taken to be on the path as often as its parent times the root's child of its
+  rank (not like the node before it, often a weaker sibling). Node j adds a_j expected
+  tokens. Those gains need not fall with j (a static tree's second root child may be worse
+  than the first one's child), so runs of them are pooled into blocks with their mean gain
+  (adjacent violators) until the means fall, and a block is taken whole;
 - cost: the step time measured at start-up (StepCostModel): verify time by the step's total
   tokens, and the time of one more draft step (a chain's draft, a tree's depth pass) by the
   batch size, times the passes the batch's longest prefix needs (draft_passes);
@@ -35,7 +38,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from vllm.config import SpeculativeConfig
-from vllm.config.spec_tree import parse_token_tree
+from vllm.config.spec_tree import parse_token_tree, tree_parents
 
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the engine-wide estimate in a request's
 DECAY = 0.95  # weight of older observations per new one (acceptance drifts with the text)
@@ -84,6 +87,19 @@ def draft_passes(spec: SpeculativeConfig) -> list[int] | None:
     return None
 
 
+def static_tree_structure(spec: SpeculativeConfig) -> list[tuple[int, int]] | None:
+    """Per node of a static tree: (its parent, -1 for the root's children; the root's child of
+    the same rank, -1 when the root has none) - both come before it in breadth-first order.
+    None for a chain or a dynamic tree."""
+    tree = getattr(spec, "speculative_token_tree", None)
+    if tree is None:
+        return None
+    paths = parse_token_tree(tree)
+    parents = tree_parents(paths)
+    first_level = {p[0]: i for i, p in enumerate(paths) if len(p) == 1}
+    return [(parents[i], first_level.get(p[-1], -1)) for i, p in enumerate(paths)]
+
+
 def pooled_blocks(gains: list[float]) -> list[tuple[float, int, int, float]]:
     """(mean gain, first index, end index, total gain) of the runs a non-increasing fit pools
     gains into (adjacent violators): taking blocks best first takes prefixes of the gains."""
@@ -123,6 +139,11 @@ class _Acceptance:
         for j in range(num_nodes):
             self.reached[j] = self.reached[j] * DECAY + 1.0
             self.accepted[j] = self.accepted[j] * DECAY + (1.0 if j in on else 0.0)
+        # Nodes past the prefix age too: what was seen of them fades back to the prior, so
+        # one early miss does not keep a good node out of every later prefix.
+        for j in range(num_nodes, len(self.reached)):
+            self.reached[j] *= DECAY
+            self.accepted[j] *= DECAY
 
 
 @dataclass
@@ -147,6 +168,9 @@ class SpecKPolicy:
         self._global = _Acceptance.zeros(self.K)
         self.passes = draft_passes(self.spec)
         """Draft passes per number of tree nodes (None: a chain)."""
+        self._structure = static_tree_structure(self.spec)
+        """A static tree's (parent, same-rank root child) per node, for the prior of nodes
+        not observed yet (None: a chain or a dynamic tree)."""
 
     @property
     def adaptive(self) -> bool:
@@ -185,11 +209,18 @@ class SpecKPolicy:
         """Estimated acceptance of draft i given the ones before it were accepted (a tree:
         of node i given it was verified)."""
         s, g = self._req(req_id).stats, self._global
-        out = []
+        out: list[float] = []
         prev = 0.5
+        structure = self._structure
         for i in range(self.K):
             # A position seen nowhere yet is taken to be accepted like the one before it (so a
-            # request that keeps accepting all of its k drafts tries k + 1).
+            # request that keeps accepting all of its k drafts tries k + 1). A static tree's
+            # node is not like the node before it (often a worse sibling): it is taken to be
+            # on the path as often as its parent times the root's child of its rank.
+            if structure is not None and i > 0:
+                parent, same_rank = structure[i]
+                if parent >= 0:
+                    prev = out[parent] * out[same_rank if same_rank >= 0 else parent]
             prior = (g.accepted[i] + prev) / (g.reached[i] + 1.0)
             prev = (s.accepted[i] + PRIOR_WEIGHT * prior) / (s.reached[i] + PRIOR_WEIGHT)
             out.append(prev)
