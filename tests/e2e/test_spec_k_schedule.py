@@ -22,7 +22,7 @@ import pytest
 
 from vllm import SamplingParams
 from vllm.engine.arg_utils import EngineArgs
-from vllm.testing.engine_utils import make_prompts
+from vllm.testing.engine_utils import make_prompts, run_to_completion
 from vllm.testing.spec_checkpoints import (
     make_eagle3_draft,
     make_llama_bigram_target,
@@ -218,17 +218,7 @@ def _generate(target: str, spec: dict | None) -> list[list[int]]:
     """Two greedy and two seeded requests together."""
     eng = _engine(target, spec)
     params = [_greedy(24), _greedy(24), *SEEDED]
-    out: dict[str, list[int]] = {}
-    try:
-        for i, (p, sp) in enumerate(zip(PROMPTS, params)):
-            eng.add_request(str(i), {"prompt_token_ids": p}, sp)
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                if o.finished:
-                    out[o.request_id] = list(o.outputs[0].token_ids)
-    finally:
-        eng.shutdown()
-    return [out[str(i)] for i in range(len(PROMPTS))]
+    return run_to_completion(eng, PROMPTS, params)
 
 
 def test_output_does_not_depend_on_k_per_step(heads):

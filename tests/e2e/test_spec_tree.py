@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from vllm import LLM, SamplingParams
-from vllm.testing.engine_utils import make_prompts
+from vllm.testing.engine_utils import make_prompts, run_to_completion
 from vllm.testing.spec_checkpoints import (
     make_eagle3_draft,
     make_eagle_draft,
@@ -321,17 +321,7 @@ def _adaptive_run(model: str, prompts, sps, spec: dict, pp: int = 1):
         return update(so, ro)
 
     sched.update_from_output = checking_update  # type: ignore[method-assign]
-    out: dict[str, list[int]] = {}
-    try:
-        for i, (p, sp) in enumerate(zip(prompts, sps)):
-            eng.add_request(str(i), {"prompt_token_ids": p}, sp)
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                if o.finished:
-                    out[o.request_id] = list(o.outputs[0].token_ids)
-    finally:
-        eng.shutdown()
-    return [out[str(i)] for i in range(len(prompts))], ks, paths
+    return run_to_completion(eng, prompts, sps), ks, paths
 
 
 def _check_adaptive(ks: dict[str, list[int]], paths: list[list[int]], K: int) -> None:

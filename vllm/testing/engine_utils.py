@@ -64,6 +64,22 @@ def assert_logprobs_match_hf(model_dir: str, out, prompt: list[int]) -> torch.Te
     return ref
 
 
+def run_to_completion(engine, prompts: list[list[int]], params: list) -> list[list[int]]:
+    """Add one request per (prompt ids, sampling params) to an LLMEngine, step it until every
+    request finished, shut it down; the output token ids in prompt order."""
+    out: dict[str, list[int]] = {}
+    try:
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), {"prompt_token_ids": p}, sp)
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    out[o.request_id] = list(o.outputs[0].token_ids)
+    finally:
+        engine.shutdown()
+    return [out[str(i)] for i in range(len(prompts))]
+
+
 def make_prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab_size, (n,), generator=g).tolist() for n in lengths]
