@@ -58,6 +58,9 @@ class SchedulerOutput:
     num_draft_steps: int | None = None
     """The most drafts any request of this step verifies next step (its proposer may skip the
     draft steps after them); None: num_speculative_tokens."""
+    req_draft_steps: dict[str, int] | None = None
+    """The drafts each request of this step verifies next step (a draft model drafts only
+    those rows that deep); None: num_draft_steps for every request."""
     state_checkpoint_saves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     """Hybrid models with prefix caching: per request, (tokens, checkpoint id) of the
     linear-attention states this step saves, the state after that many of its tokens."""

@@ -359,7 +359,7 @@ class Scheduler:
             num_prompt += max(0, min(c + n, req.num_prompt_tokens) - start)
             req.num_computed_tokens += n
             req.in_flight += 1
-        num_draft_steps = None
+        num_draft_steps = ks = None
         if self.spec_k is not None and num_scheduled:
             ks = self.spec_k.decide(list(num_scheduled), len(num_scheduled))
             num_draft_steps = max(ks.values())
@@ -375,6 +375,7 @@ class Scheduler:
             step_id=self._step_id,
             num_prompt_tokens=num_prompt,
             num_draft_steps=num_draft_steps,
+            req_draft_steps=ks,
             state_checkpoint_saves=saves,
             kv_block_copies=self.kv_cache_manager.take_block_copies(),
         )

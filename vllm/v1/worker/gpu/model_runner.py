@@ -280,7 +280,10 @@ class ModelRunner:
             for f in self.features.after_step:
                 f.after_step(batch, None)
             return self._not_in_recv_buffers(out)
-        return self._sample_and_propose(batch, out, so.num_draft_steps)
+        req_steps = None
+        if so.req_draft_steps is not None:
+            req_steps = np.array([so.req_draft_steps.get(r, 0) for r in batch.req_ids], np.int64)
+        return self._sample_and_propose(batch, out, so.num_draft_steps, req_steps)
 
     def _not_in_recv_buffers(self, out: IntermediateTensors) -> IntermediateTensors:
         """What a middle stage sends on, none of it a view of its receive buffers: the send
@@ -299,10 +302,11 @@ class ModelRunner:
         batch: InputBatch,
         out: torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]],
         num_draft_steps: int | None = None,
+        req_draft_steps: np.ndarray | None = None,
     ) -> ModelRunnerOutput:
         """Last stage: sample (verifying drafts), propose the next drafts (num_draft_steps: the
-        most the scheduler verifies next step; None: K), apply the step's result to the request
-        states and send it to the other stages."""
+        most the scheduler verifies next step, None: K; req_draft_steps: per row), apply the
+        step's result to the request states and send it to the other stages."""
         assert self.model is not None
         hidden, aux = out if isinstance(out, tuple) else (out, None)
         st = self.states
@@ -358,6 +362,7 @@ class ModelRunner:
                     new_req_mask=np.isin(slots, self._new_slots),
                     mm_embeds=self._draft_mm_embeds(batch),
                     num_draft_steps=num_draft_steps,
+                    req_draft_steps=req_draft_steps,
                     draft_grammar=forks,
                 )
             )

@@ -129,6 +129,16 @@ class SamplingArrays:
             np.zeros(n, np.int64),
         )
 
+    def take(self, rows: np.ndarray) -> SamplingArrays:
+        """The parameters of these rows only (in that order)."""
+        return SamplingArrays(
+            self.temperature[rows],
+            self.top_k[rows],
+            self.top_p[rows],
+            self.min_p[rows],
+            self.seeds[rows],
+        )
+
     def processed(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits the sampler draws from: rows with temperature > 0 scaled and filtered
         (top-k / top-p / min-p: -inf outside); greedy rows as they are."""

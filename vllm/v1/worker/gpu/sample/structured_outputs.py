@@ -60,23 +60,28 @@ class DraftGrammar:
         self.num_masked_rows = 0  # (draft position, request) pairs masked, for the tests
 
     def mask(
-        self, logits: torch.Tensor, draft_to_target: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        draft_to_target: torch.Tensor | None = None,
+        rows: np.ndarray | None = None,
     ) -> torch.Tensor:
-        """logits [R, V] (target vocabulary, or the draft's with draft_to_target) with what
-        each grammar row's fork forbids at -inf (in place)."""
+        """logits [N, V] (target vocabulary, or the draft's with draft_to_target) with what
+        each grammar row's fork forbids at -inf (in place); logits row i is batch row rows[i]
+        (None: every batch row, in order)."""
         import xgrammar as xgr
 
-        live = [(i, f) for i, f in enumerate(self.forks) if f is not None]
+        batch_rows = range(len(self.forks)) if rows is None else rows.tolist()
+        live = [(i, self.forks[b]) for i, b in enumerate(batch_rows) if self.forks[b] is not None]
         if not live:
             return logits
-        rows = [i for i, _ in live]
-        bitmask = xgr.allocate_token_bitmask(len(self.forks), self.vocab_size)
+        idx = [i for i, _ in live]
+        bitmask = xgr.allocate_token_bitmask(logits.shape[0], self.vocab_size)
         for i, f in live:
             f.fill_next_token_bitmask(bitmask, i)
-        self.num_masked_rows += len(rows)
+        self.num_masked_rows += len(idx)
         if draft_to_target is None and logits.shape[-1] >= self.vocab_size:
             xgr.apply_token_bitmask_inplace(
-                logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=rows
+                logits, bitmask.to(logits.device), vocab_size=self.vocab_size, indices=idx
             )
             return logits
         ids = (
@@ -84,18 +89,21 @@ class DraftGrammar:
             if draft_to_target is not None
             else torch.arange(logits.shape[-1])
         )
-        r = torch.tensor(rows)
+        r = torch.tensor(idx)
         allowed = _unpack_bitmask(bitmask[r], ids).to(logits.device)
         sub = logits[r.to(logits.device)]
         logits[r.to(logits.device)] = sub.masked_fill(~allowed, float("-inf"))
         return logits
 
-    def advance(self, tokens: np.ndarray) -> None:
-        """Each grammar row's fork accepts its row's chosen draft (a forbidden one - only a
-        row whose every token was masked - ends that row's constraint)."""
-        for i, f in enumerate(self.forks):
+    def advance(self, tokens: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """Each grammar row's fork accepts its row's chosen draft (tokens[i] is batch row
+        rows[i]'s; None: every row in order; a forbidden one - only a row whose every token
+        was masked - ends that row's constraint)."""
+        batch_rows = range(len(self.forks)) if rows is None else rows.tolist()
+        for i, b in enumerate(batch_rows):
+            f = self.forks[b]
             if f is not None and (not f.accept_token(int(tokens[i])) or f.is_terminated()):
-                self.forks[i] = None
+                self.forks[b] = None
 
 
 class StructuredOutputStates(RunnerFeature):

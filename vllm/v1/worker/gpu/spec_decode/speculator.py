@@ -62,6 +62,8 @@ class ProposeInputs:
     rows (of the target's layout, shifted left: row r reads the token after row r's) whose
     input is an image placeholder, and that placeholder's encoder output [N, H]."""
     num_draft_steps: int | None = None
+    req_draft_steps: np.ndarray | None = None
+    """[R] the drafts each row's request verifies next step (None: num_draft_steps for all)."""
     draft_grammar: DraftGrammar | None = None
     """Structured-output rows: forks of their grammar matchers; a draft model masks its
     choice at each draft position with them (grammar-aware drafting)."""

@@ -41,17 +41,21 @@ def draft_tree(
     db: DraftBatch,
     hidden_states: torch.Tensor,
     tree: StaticTree,
-    num_steps: int | None,
+    ks: np.ndarray,
 ) -> np.ndarray:
-    """Drafts [num_reqs, num_nodes] in the tree's order (PAD_TOKEN_ID past num_steps)."""
+    """Drafts [num_reqs, num_nodes] in the tree's order: the first ks[r] nodes of request r
+    at least (the passes after the first run only requests with ks > 0, each the nodes the
+    deepest of them needs; PAD_TOKEN_ID elsewhere)."""
     N = tree.num_nodes
-    want = N if num_steps is None else max(0, min(N, num_steps))
-    R = db.num_reqs
     dev = spec.device
-    drafts = np.full((R, N), PAD_TOKEN_ID, dtype=np.int64)
+    drafts = np.full((db.num_reqs, N), PAD_TOKEN_ID, dtype=np.int64)
     logits_h, feedback, lti = first_pass(spec, db, hidden_states)
-    if want == 0:
+    out_rows = np.flatnonzero(ks > 0)
+    if not len(out_rows):
         return drafts
+    want = int(ks.max())
+    db, lti = _only(db, lti, out_rows)
+    R = db.num_reqs
     depth, parents, ranks = tree.depth[:want], tree.parents[:want], tree.ranks[:want]
     root_fb = feedback[lti]  # [R, H] what the depth-1 nodes read
     node_fb: torch.Tensor | None = None  # [R, n, H] each computed node's output hidden state
@@ -70,8 +74,15 @@ def draft_tree(
         top = _top_tokens(spec, lg, k).view(R, len(level), k)
         where = np.searchsorted(level, parents[nxt])  # each new node's parent within `level`
         tokens[:, nxt] = top[:, where, ranks[nxt]]
-    drafts[:, :want] = tokens.cpu().numpy()
+    drafts[out_rows, :want] = tokens.cpu().numpy()
     return drafts
+
+
+def _only(db: DraftBatch, lti: torch.Tensor, rows: np.ndarray) -> tuple[DraftBatch, torch.Tensor]:
+    """The batch and last-row indices of these requests only (as they are when all)."""
+    if len(rows) == db.num_reqs:
+        return db, lti
+    return db.take(rows), lti[torch.from_numpy(rows).to(lti.device)]
 
 
 def first_pass(spec: AutoRegressiveSpeculator, db: DraftBatch, hidden_states: torch.Tensor):
@@ -146,7 +157,7 @@ def draft_dynamic(
     num_nodes: int,
     top_k: int,
     max_depth: int,
-    num_steps: int | None,
+    ks: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A dynamic tree (EAGLE-2): (drafts [R, num_nodes], parents [R, num_nodes], each node's
     path log-probability [R, num_nodes], -inf where no node is kept).
@@ -159,18 +170,22 @@ def draft_dynamic(
     (ties: the shallower first). A child is never more probable than its parent, so every kept
     node's parent is kept and comes before it, and any prefix of k nodes is the k most probable
     connected subtree: what a request verifying k of them (the scheduler's adaptive K) checks.
-    TP: rank 0's choices (spec.agree)."""
+    ks [R]: the nodes each request verifies; the passes after the first run only requests
+    with ks > 0, each growing the tree the largest needs. TP: rank 0's choices (spec.agree)."""
     N = num_nodes
-    want = N if num_steps is None else max(0, min(N, num_steps))
-    R = db.num_reqs
+    R_all = db.num_reqs
     dev = spec.device
-    drafts = np.full((R, N), PAD_TOKEN_ID, dtype=np.int64)
-    parents_out = np.full((R, N), -1, dtype=np.int64)
+    drafts = np.full((R_all, N), PAD_TOKEN_ID, dtype=np.int64)
+    parents_out = np.full((R_all, N), -1, dtype=np.int64)
     parents_out[:, 1:] = np.arange(N - 1)  # unused columns: a chain (never verified)
-    scores = np.full((R, N), -np.inf, dtype=np.float32)
+    scores = np.full((R_all, N), -np.inf, dtype=np.float32)
     logits_h, feedback, lti = first_pass(spec, db, hidden_states)
-    if want == 0:
+    out_rows = np.flatnonzero(ks > 0)
+    if not len(out_rows):
         return drafts, parents_out, scores
+    want = int(ks.max())
+    db, lti = _only(db, lti, out_rows)
+    R = db.num_reqs
     root_fb = feedback[lti]
     k = min(top_k, want)
     lp = torch.log_softmax(spec._compute_logits(logits_h[lti], 0).float(), -1)
@@ -224,13 +239,13 @@ def draft_dynamic(
     keep_np = keep.cpu().numpy()
     par_np, tok_np = c_par.cpu().numpy(), c_tok.cpu().numpy()
     score_np = c_score.float().cpu().numpy()
-    for r in range(R):
+    for r, out in enumerate(out_rows.tolist()):
         order = keep_np[r]
-        scores[r, :m] = score_np[r, order]
+        scores[out, :m] = score_np[r, order]
         new_index = {int(c): j for j, c in enumerate(order)}
-        drafts[r, :m] = tok_np[r, order]
-        parents_out[r, :m] = [new_index.get(int(par_np[r, c]), -1) for c in order]
-        assert (parents_out[r, :m] < np.arange(m)).all(), "a kept node before its parent"
+        drafts[out, :m] = tok_np[r, order]
+        parents_out[out, :m] = [new_index.get(int(par_np[r, c]), -1) for c in order]
+        assert (parents_out[out, :m] < np.arange(m)).all(), "a kept node before its parent"
     # One tree on every TP rank: the order above read each rank's own scores.
     both = spec.agree(torch.from_numpy(np.stack([drafts, parents_out])))
     both_np = both.cpu().numpy()
@@ -250,24 +265,27 @@ def propose_tree(
     db: DraftBatch,
     hidden_states: torch.Tensor,
     tree: StaticTree | None,
-    num_steps: int | None,
+    num_steps: int | np.ndarray | None,
 ) -> np.ndarray | None:
     """The drafts of a configured tree (static, or dynamic: the parents are left in
-    spec.tree_parents for the verifier), or None without one."""
+    spec.tree_parents for the verifier), or None without one. num_steps: the nodes the
+    scheduler verifies next step, per request or one count for all (None: every node); a
+    request's nodes after them are PAD_TOKEN_ID."""
     cfg = spec.speculative_config
+    if cfg.num_tree_nodes is None and tree is None:
+        return None
+    N = cfg.num_tree_nodes if tree is None else tree.num_nodes
+    assert N is not None
+    R = db.num_reqs
+    ks = np.clip(np.broadcast_to(N if num_steps is None else num_steps, (R,)), 0, N)
     if cfg.num_tree_nodes is not None:
         assert cfg.tree_top_k is not None and cfg.tree_max_depth is not None
         drafts, parents, _ = draft_dynamic(
-            spec,
-            db,
-            hidden_states,
-            cfg.num_tree_nodes,
-            cfg.tree_top_k,
-            cfg.tree_max_depth,
-            num_steps,
+            spec, db, hidden_states, cfg.num_tree_nodes, cfg.tree_top_k, cfg.tree_max_depth, ks
         )
         spec.tree_parents = parents
-        return drafts
-    if tree is None:
-        return None
-    return draft_tree(spec, db, hidden_states, tree, num_steps)
+    else:
+        assert tree is not None
+        drafts = draft_tree(spec, db, hidden_states, tree, ks)
+    drafts[np.arange(N)[None, :] >= ks[:, None]] = PAD_TOKEN_ID
+    return drafts

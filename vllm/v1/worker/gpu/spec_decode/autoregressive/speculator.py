@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -63,6 +63,25 @@ class DraftBatch:
     @property
     def num_reqs(self) -> int:
         return len(self.slots)
+
+    def take(self, rows: np.ndarray) -> DraftBatch:
+        """These requests only, for the draft passes after the first: the per-request fields
+        sliced; the step's flat layout (query_start_loc, target_ids, input_ids, positions,
+        attn_metadata, the multimodal rows) stays the whole step's, and last_token_indices
+        still index it."""
+        return replace(
+            self,
+            slots=self.slots[rows],
+            new_req=self.new_req[rows],
+            start=self.start[rows],
+            last=self.last[rows],
+            last_token_indices=self.last_token_indices[rows],
+            num_scheduled=self.num_scheduled[rows],
+            next_tokens=self.next_tokens[rows],
+            num_known=self.num_known[rows],
+            block_table=self.block_table[rows],
+            sampling=self.sampling.take(rows),
+        )
 
 
 @dataclass
@@ -191,25 +210,32 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         """After every draft step of one batch succeeded."""
 
     def _decode_inputs(
-        self, db: DraftBatch, step: int, feedback: torch.Tensor, drafts: np.ndarray
+        self,
+        db: DraftBatch,
+        step: int,
+        feedback: torch.Tensor,
+        drafts: np.ndarray,
+        rows: np.ndarray,
+        prev_rows: np.ndarray,
     ) -> StepInputs:
-        """Draft step >= 1: one row per request, the previous draft token at the position after
-        the previous step's, reading that step's output at the request's row."""
-        R = db.num_reqs
-        rows = np.arange(R)
-        src = db.last_token_indices if step == 1 else rows
-        end = np.minimum(db.last + step, self.max_model_len - 1)
+        """Draft step >= 1: one row for each request of `rows` (still drafting; a subset of
+        prev_rows, the requests of the step before, whose outputs feedback holds), the
+        previous draft token at the position after the previous step's, reading that step's
+        output at the request's row."""
+        n = len(rows)
+        src = db.last_token_indices[rows] if step == 1 else np.searchsorted(prev_rows, rows)
+        end = np.minimum(db.last[rows] + step, self.max_model_len - 1)
         meta = build_attn_metadata(
-            np.arange(R + 1, dtype=np.int64),
+            np.arange(n + 1, dtype=np.int64),
             end + 1,
-            db.block_table,
+            db.block_table[rows],
             self.block_size,
             self.device,
             positions=end,
             short_query_len=self.num_speculative_steps + 1,
         )
         hidden = feedback[torch.from_numpy(np.asarray(src)).to(self.device)]
-        return StepInputs(drafts[:, step - 1], end, hidden, meta, rows)
+        return StepInputs(drafts[rows, step - 1], end, hidden, meta, np.arange(n))
 
     # A dynamic draft tree (num_tree_nodes): each row's node parents from the last propose.
     tree_parents: np.ndarray | None = None
@@ -218,14 +244,36 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
     # At most this many draft steps (a hybrid's draft model within wider drafts; None: K).
     max_draft_steps: int | None = None
 
-    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits with what each grammar row forbids at -inf (draft vocabulary: through
-        the head's draft -> target map)."""
+    # Draft steps >= 1 run only the requests still drafting at that depth (MTP: its chained
+    # layers run every request's rows, so every request drafts the batch's deepest count).
+    drafts_row_subsets = True
+
+    def _masked(self, logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """Draft logits (logits row i: batch row rows[i]) with what each grammar row forbids
+        at -inf (draft vocabulary: through the head's draft -> target map)."""
         if self.draft_grammar is None:
             return logits
         vocab = getattr(self, "draft_vocab", None)
         d2t = vocab.draft_to_target if vocab is not None else None
-        return self.draft_grammar.mask(logits, d2t)
+        return self.draft_grammar.mask(logits, d2t, rows)
+
+    def _sample_step(
+        self,
+        logits: torch.Tensor,
+        step: int,
+        rows: np.ndarray,
+        draft_pos: np.ndarray,
+        db: DraftBatch,
+        drafts: np.ndarray,
+    ) -> None:
+        """Draft column `step` of `rows` from their logits (and their grammar forks advance)."""
+        sampling = db.sampling if len(rows) == db.num_reqs else db.sampling.take(rows)
+        tok = self.agree(
+            self.sample_draft(self._masked(logits, rows), draft_pos[rows] + step, sampling)
+        )
+        drafts[rows, step] = tok.cpu().numpy()
+        if self.draft_grammar is not None:
+            self.draft_grammar.advance(drafts[rows, step], rows)
 
     @property
     def min_draft_steps(self) -> int:
@@ -234,19 +282,24 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         return 1
 
     def _draft(
-        self, db: DraftBatch, hidden_states: torch.Tensor, num_steps: int | None = None
+        self, db: DraftBatch, hidden_states: torch.Tensor, num_steps: int | np.ndarray | None = None
     ) -> np.ndarray:
         """Run the draft steps; returns drafts [num_reqs, K]. hidden_states covers the padded
         target layout (the step-0 forward runs on all of it); the hooks see the real
-        num_reqs. num_steps: the drafts the scheduler will verify next step (None: K); the
-        steps after them are skipped and their columns padded with PAD_TOKEN_ID, except the
-        min_draft_steps that keep the draft's own state (its KV) complete."""
+        num_reqs. num_steps: the drafts the scheduler will verify next step, per request or
+        one count for all (None: K); a request's columns after them are PAD_TOKEN_ID, and the
+        steps past a request's count skip it (drafts_row_subsets; else every request runs the
+        batch's deepest), except the min_draft_steps that keep the draft's own state (its KV)
+        complete."""
         K = self.num_speculative_steps
-        want = K if num_steps is None else max(0, min(K, num_steps))
-        if self.max_draft_steps is not None:
-            want = min(want, self.max_draft_steps)
-        steps = max(want, self.min_draft_steps)
         R = db.num_reqs
+        cap = K if self.max_draft_steps is None else min(K, self.max_draft_steps)
+        ks = np.full(R, cap, np.int64) if num_steps is None else np.broadcast_to(num_steps, (R,))
+        ks = np.clip(ks, 0, cap)
+        want = int(ks.max()) if R else 0
+        steps = max(want, self.min_draft_steps)
+        if not self.drafts_row_subsets:
+            ks = np.full(R, want, np.int64)
         dev = self.device
         lti = torch.from_numpy(db.last_token_indices).to(dev)
         self.last_token_indices[:R] = lti
@@ -254,19 +307,27 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         # last + 2 + s: the position the verifier keys its sample of that token by.
         draft_pos = db.last + 2
         drafts = self.draft_tokens[:R]
+        # Step s runs the requests whose count reaches past it (every one while the
+        # min_draft_steps run) and samples those that report its draft or whose next step
+        # reads it.
+        every = np.arange(R)
+        run = [every if s < self.min_draft_steps else np.flatnonzero(ks > s) for s in range(steps)]
+        sample = [every[(ks > s) | (s + 1 < self.min_draft_steps)] for s in range(steps)]
         self._begin_draft(db)
         with self._hooked(self.on_prefill_begin, self.on_prefill_end, R):
             logits_h, feedback = self.run_step0(db, hidden_states)
-            if want > 0 or steps > 1:
-                logits = self._compute_logits(logits_h[lti], 0)
-                first = self.agree(self.sample_draft(self._masked(logits), draft_pos, db.sampling))
-                drafts[:, 0] = first.cpu().numpy()
-                if self.draft_grammar is not None:
-                    self.draft_grammar.advance(drafts[:, 0])
+            if len(sample[0]):
+                at = lti[torch.from_numpy(sample[0]).to(dev)]
+                self._sample_step(
+                    self._compute_logits(logits_h[at], 0), 0, sample[0], draft_pos, db, drafts
+                )
         if steps > 1:
             with self._hooked(self.on_multi_step_decode_begin, self.on_multi_step_decode_end, R):
                 for step in range(1, steps):
-                    inp = self._decode_inputs(db, step, feedback, drafts)
+                    rows = run[step]
+                    if not len(rows):
+                        break
+                    inp = self._decode_inputs(db, step, feedback, drafts, rows, run[step - 1])
                     logits_h, feedback = self._run_model(
                         torch.from_numpy(np.asarray(inp.input_ids)).to(dev),
                         torch.from_numpy(np.asarray(inp.positions)).to(dev),
@@ -274,16 +335,16 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                         inp.attn_metadata,
                         step,
                     )
-                    rows = torch.from_numpy(np.asarray(inp.draft_rows)).to(dev)
-                    logits = self._compute_logits(logits_h[rows], step)
-                    tok = self.agree(
-                        self.sample_draft(self._masked(logits), draft_pos + step, db.sampling)
-                    )
-                    drafts[:, step] = tok.cpu().numpy()
-                    if self.draft_grammar is not None:
-                        self.draft_grammar.advance(drafts[:, step])
+                    take = sample[step]
+                    if not len(take):
+                        continue
+                    # inp.draft_rows[i]: the output row of rows[i] (take is a subset of rows).
+                    pick = inp.draft_rows[np.searchsorted(rows, take)]
+                    pick_t = torch.from_numpy(np.asarray(pick)).to(dev)
+                    logits = self._compute_logits(logits_h[pick_t], step)
+                    self._sample_step(logits, step, take, draft_pos, db, drafts)
         self._end_draft(db)
-        drafts[:, want:] = PAD_TOKEN_ID
+        drafts[np.arange(K)[None, :] >= ks[:, None]] = PAD_TOKEN_ID
         return drafts.copy()
 
     def capture(self) -> None:
@@ -382,7 +443,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             db.mm_rows, db.mm_embeds = inputs.mm_embeds
             self.num_mm_rows_gathered += len(db.mm_rows)
         self.draft_grammar = inputs.draft_grammar
+        steps = inputs.req_draft_steps
         try:
-            return self._draft(db, hidden, inputs.num_draft_steps)
+            return self._draft(db, hidden, inputs.num_draft_steps if steps is None else steps)
         finally:
             self.draft_grammar = None

@@ -54,7 +54,7 @@ class EagleSpeculator(AutoRegressiveSpeculator):
         return super().sample_draft(logits, positions, sampling)
 
     def _draft(
-        self, db: DraftBatch, hidden_states: torch.Tensor, num_steps: int | None = None
+        self, db: DraftBatch, hidden_states: torch.Tensor, num_steps: int | np.ndarray | None = None
     ) -> np.ndarray:
         drafts = propose_tree(self, db, hidden_states, self.tree, num_steps)
         return super()._draft(db, hidden_states, num_steps) if drafts is None else drafts

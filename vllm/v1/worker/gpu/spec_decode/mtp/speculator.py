@@ -74,6 +74,8 @@ class MTPSpeculator(AutoRegressiveSpeculator):
     # DeepSeek-V3.2: the draft whose steps 1.. reuse step 0's sparse-attention top-k indices
     # (its config sets index_share_for_mtp_iteration); None: every step selects its own.
     topk_sharing: SupportsTopkSharing | None = None
+    # The chained layers run every request's rows each step (see _decode_inputs).
+    drafts_row_subsets = False
     # Chained draft layers (the checkpoint's MTP layers); draft step s uses layer s mod n.
     num_draft_layers = 1
 
@@ -161,7 +163,7 @@ class MTPSpeculator(AutoRegressiveSpeculator):
             self._set_topk_src_rows(prev, rows_by_step[1], src, found)
 
     def _draft(
-        self, db: DraftBatch, hidden_states: torch.Tensor, num_steps: int | None = None
+        self, db: DraftBatch, hidden_states: torch.Tensor, num_steps: int | np.ndarray | None = None
     ) -> np.ndarray:
         """A draft tree (one MTP layer, no top-k sharing: config/spec_tree.py refuses the
         rest) runs every node through that layer; else the chained drafts."""
@@ -179,21 +181,28 @@ class MTPSpeculator(AutoRegressiveSpeculator):
         self.kv_final_len[:, db.slots] = self._plan.final_after
 
     def _decode_inputs(
-        self, db: DraftBatch, step: int, feedback: torch.Tensor, drafts: np.ndarray
+        self,
+        db: DraftBatch,
+        step: int,
+        feedback: torch.Tensor,
+        drafts: np.ndarray,
+        rows: np.ndarray,
+        prev_rows: np.ndarray,
     ) -> StepInputs:
-        assert self._plan is not None  # _begin_draft planned this batch
+        # Every request (drafts_row_subsets is off: the plan covers the whole batch).
+        assert len(rows) == db.num_reqs and self._plan is not None
         plan = self._plan
-        prev, rows = plan.rows_by_step[step - 1], plan.rows_by_step[step]
-        src, found = prev.find(rows.req, rows.t)
+        prev, cur = plan.rows_by_step[step - 1], plan.rows_by_step[step]
+        src, found = prev.find(cur.req, cur.t)
         if step > 1 and not (found.all() and np.array_equal(src, np.arange(len(src)))):
-            self._set_topk_src_rows(prev, rows, src, found)
+            self._set_topk_src_rows(prev, cur, src, found)
             self.on_draft_rows_changed(db.num_reqs)
-        hidden = self._gather_hidden(db, step, feedback, src, found, rows)
+        hidden = self._gather_hidden(db, step, feedback, src, found, cur)
         if step <= self.num_chained_layers - 1:
             self._update_carry(db, step - 1, prev, feedback, plan.final_after)
-        meta, positions = self._rows_metadata(db, rows, step)
-        ids = self._step_tokens(db, rows, step, drafts)
-        return StepInputs(ids, positions, hidden, meta, rows.qsl[1:] - 1)
+        meta, positions = self._rows_metadata(db, cur, step)
+        ids = self._step_tokens(db, cur, step, drafts)
+        return StepInputs(ids, positions, hidden, meta, cur.qsl[1:] - 1)
 
     def _step_rows(self, db: DraftBatch, step: int) -> _Rows:
         """Rows of draft step >= 1 (module docstring)."""
