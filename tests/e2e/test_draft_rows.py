@@ -115,9 +115,7 @@ def test_each_request_drafts_only_its_count(llama_dir, head, cfg):
     def planned(req_ids, batch_size):
         nonlocal calls
         decide(req_ids, batch_size)
-        ks = {
-            rid: min(PLAN[(calls + 2 * int(rid)) % len(PLAN)], num_nodes) for rid in req_ids
-        }
+        ks = {rid: min(PLAN[(calls + 2 * int(rid)) % len(PLAN)], num_nodes) for rid in req_ids}
         calls += 1
         for rid, k in ks.items():
             policy._req(rid).k_next = k  # what the scheduler clips the next verify to
