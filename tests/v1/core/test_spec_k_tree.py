@@ -13,7 +13,9 @@ from vllm.v1.core.sched.spec_k import (
     PROBE_FIRST,
     SpecKPolicy,
     StepCostModel,
+    _DraftCost,
     draft_passes,
+    draft_rows_per_request,
     pooled_blocks,
 )
 
@@ -178,3 +180,39 @@ def test_an_early_miss_does_not_keep_a_good_branch_out():
     ks = _run_tree(p, "a", 60, path)
     assert ks[0] >= 3  # the first step verifies the first branch's second node
     assert min(ks[30:]) >= 5, ks
+
+
+def test_a_draft_pass_is_priced_at_the_requests_it_runs():
+    """Eight requests, one whose drafts are always accepted, seven never. A draft pass at the
+    whole batch costs 0.24 of a step, at one request 0.01. Where the worker drafts each
+    request only as deep as its own count (EAGLE3), the good request's three passes cost 0.03
+    and it drafts 3; priced at the whole batch (a proposer that runs every request's rows)
+    they would cost 0.72 and nobody drafts."""
+    costs = StepCostModel(
+        tokens=[1, 64], verify_s=[1.0, 1.3], batch_sizes=[1, 16], draft_step_s=[0.01, 0.5]
+    )
+    eagle3 = {"method": "eagle3", "model": "draft", "num_speculative_tokens": 3}
+    per_row = SpecKPolicy(SpeculativeConfig.from_dict(eagle3), costs)
+    whole = SpecKPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=3), costs)
+    assert draft_rows_per_request(per_row.spec) and not draft_rows_per_request(whole.spec)
+    assert draft_rows_per_request(_tree_policy().spec)
+    rids = [f"r{i}" for i in range(8)]
+    for p in (per_row, whole):
+        for _ in range(20):
+            for r in rids:
+                p.observe(r, 3, 3 if r == "r0" else 0)
+    assert per_row.decide(rids, 8) == {"r0": 3, **dict.fromkeys(rids[1:], 0)}
+    assert whole.decide(rids, 8) == dict.fromkeys(rids, 0)
+
+
+def test_draft_cost_sums_each_pass_at_its_rows():
+    """r0 grows to 3 passes, r1 to 1 then 2: passes 1 and 2 run two requests, pass 3 one."""
+    ds = COSTS.draft_step
+    per_row, whole = _DraftCost(COSTS, 8, True), _DraftCost(COSTS, 8, False)
+    for old, new in [(0, 3), (0, 1), (1, 2)]:
+        for d in (per_row, whole):
+            expect = d.grown(old, new)
+            d.grow(old, new)
+            assert d.total == expect
+    assert abs(per_row.total - (2 * ds(2) + ds(1))) < 1e-12
+    assert abs(whole.total - 3 * ds(8)) < 1e-12

@@ -23,7 +23,10 @@ each request's K is chosen every step so the batch's expected tokens per second 
   (adjacent violators) until the means fall, and a block is taken whole;
 - cost: the step time measured at start-up (StepCostModel): verify time by the step's total
   tokens, and the time of one more draft step (a chain's draft, a tree's depth pass) by the
-  batch size, times the passes the batch's longest prefix needs (draft_passes);
+  batch size. Where the speculator runs each pass only over the requests that reach it
+  (draft_rows_per_request: EAGLE / EAGLE3 chains, every tree), pass s costs one draft step at
+  the number of requests whose prefix needs s passes or more; else every pass the batch's
+  longest prefix needs (draft_passes) costs one at the whole batch;
 - drafts (blocks) are added in order of expected gain while gain / added cost beats the batch's
   current tokens per second; a request left at K = 0 is probed again with the full K after a
   number of steps that doubles after each probe that does not pay (8 up to 128).
@@ -85,6 +88,44 @@ def draft_passes(spec: SpeculativeConfig) -> list[int] | None:
         top_k, max_depth = spec.tree_top_k or 1, spec.tree_max_depth or K
         return [0] + [1 + min(max_depth - 1, -(-k // top_k)) for k in range(1, K + 1)]
     return None
+
+
+def draft_rows_per_request(spec: SpeculativeConfig) -> bool:
+    """Whether the worker drafts each request only as deep as its own count (the
+    AutoRegressiveSpeculator's row subsets and tree passes); MTP chains run every request's
+    chained rows, DFlash one block pass, the draft-free proposers cost no pass."""
+    tree = getattr(spec, "speculative_token_tree", None) is not None
+    tree = tree or getattr(spec, "num_tree_nodes", None) is not None
+    return tree or getattr(spec, "method", None) in ("eagle", "eagle3")
+
+
+class _DraftCost:
+    """The draft passes' cost of one step as requests' prefixes grow: pass s costs one draft
+    step at the number of requests it runs (per_request) or at the whole batch."""
+
+    def __init__(self, costs: StepCostModel, batch_size: int, per_request: bool) -> None:
+        self.costs, self.batch_size, self.per_request = costs, batch_size, per_request
+        self.rows: list[int] = []  # rows[s]: requests running pass s + 1
+        self.total = 0.0
+
+    def _pass(self, rows: int) -> float:
+        return self.costs.draft_step(rows) if rows else 0.0
+
+    def grown(self, old_passes: int, new_passes: int) -> float:
+        """The total if one request's passes grow from old_passes to new_passes."""
+        if not self.per_request:
+            deepest = max(len(self.rows), new_passes)
+            return deepest * self.costs.draft_step(self.batch_size)
+        rows = self.rows + [0] * max(0, new_passes - len(self.rows))
+        return self.total + sum(
+            self._pass(rows[s] + 1) - self._pass(rows[s]) for s in range(old_passes, new_passes)
+        )
+
+    def grow(self, old_passes: int, new_passes: int) -> None:
+        self.total = self.grown(old_passes, new_passes)
+        self.rows += [0] * max(0, new_passes - len(self.rows))
+        for s in range(old_passes, new_passes):
+            self.rows[s] += 1
 
 
 def static_tree_structure(spec: SpeculativeConfig) -> list[tuple[int, int]] | None:
@@ -168,6 +209,7 @@ class SpecKPolicy:
         self._global = _Acceptance.zeros(self.K)
         self.passes = draft_passes(self.spec)
         """Draft passes per number of tree nodes (None: a chain)."""
+        self._per_request_rows = draft_rows_per_request(self.spec)
         self._structure = static_tree_structure(self.spec)
         """A static tree's (parent, same-rank root child) per node, for the prior of nodes
         not observed yet (None: a chain or a dynamic tree)."""
@@ -257,16 +299,18 @@ class SpecKPolicy:
             else:
                 cands += [(*b, rid) for b in pooled_blocks(alphas)]
         cands.sort(key=lambda c: (-c[0], c[2]))
-        tokens, num_tokens, steps = float(B), B, 0
+        tokens, num_tokens = float(B), B
+        draft = _DraftCost(costs, B, self._per_request_rows)
         cost = costs.verify(num_tokens)
         for _, first, end, gain, rid in cands:
             if ks[rid] != first:
                 continue
-            new_steps = max(steps, end if passes is None else passes[end])
+            p_old, p_new = (first, end) if passes is None else (passes[first], passes[end])
             n = num_tokens + end - first
-            new_cost = costs.verify(n) + new_steps * costs.draft_step(B)
+            new_cost = costs.verify(n) + draft.grown(p_old, p_new)
             if (tokens + gain) * cost > tokens * new_cost:
-                ks[rid], steps, cost = end, new_steps, new_cost
+                draft.grow(p_old, p_new)
+                ks[rid], cost = end, new_cost
                 tokens, num_tokens = tokens + gain, n
         for rid in req_ids:
             r = self._req(rid)
