@@ -16,6 +16,7 @@ included), the acceptance per depth, and whether the text equals no speculation'
 
     python benchmarks/tree_smollm2.py [--engines none chain3 tree6 tree10 dyn10 chain3a dyn16a]
         [--batch 1 8] [--temperature 0 0.7] [--repeats 3] [--output-len 64] [--prompts 4]
+        [--waves W]   (one batch B: W x B requests kept B at a time, the steady state)
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def count_steps(llm) -> list[int]:
 
 
 def timed(llm, chats, batch: int, temperature: float, out_len: int):
+    """batch: requests submitted together (the engine's max_num_seqs may be smaller: then the
+    scheduler keeps that many running and starts the next as one finishes)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=temperature, seed=7, max_tokens=out_len, ignore_eos=True)
@@ -117,7 +120,17 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=4, help="prompts per batch-1 run")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--waves",
+        type=int,
+        default=1,
+        help="batch B > 1: submit W x B requests at once with max_num_seqs B (steady state: "
+        "a finished request's place is taken by the next, so the batch stays full until the "
+        "last wave; 1: B requests, the time to finish all of them)",
+    )
     args = ap.parse_args()
+    if len(args.batch) > 1 and args.waves > 1:
+        raise SystemExit("--waves needs one --batch (max_num_seqs is the batch)")
     from vllm import LLM, SamplingParams
 
     model = smollm2()
@@ -140,14 +153,19 @@ def main() -> None:
         samples = defaultdict(list)
         for r in range(args.repeats):
             for b, t, e in order[r % len(order) :] + order[: r % len(order)]:
-                chats = heldout_chats(args.prompts if b == 1 else b)
-                samples[(b, t, e)].append(timed(llms[e], chats, b, t, args.output_len))
+                n = args.prompts if b == 1 else b * args.waves
+                chats = (heldout_chats(43) * (1 + n // 43))[:n]
+                submit = b if b == 1 else n
+                samples[(b, t, e)].append(timed(llms[e], chats, submit, t, args.output_len))
                 print(f"  batch {b} T={t} {e} rep {r}: {samples[(b, t, e)][-1][0]:.1f} tok/s")
     finally:
         for llm in llms.values():
             llm.shutdown()
     print("---")
-    print(f"CPU: {cpu_flags()}; {args.dtype}; output {args.output_len} tokens")
+    print(
+        f"CPU: {cpu_flags()}; {args.dtype}; output {args.output_len} tokens; "
+        f"waves {args.waves} (batch B > 1: {args.waves} x B requests, max_num_seqs B)"
+    )
     for b in args.batch:
         for t in args.temperature:
             base = (
