@@ -11,7 +11,7 @@ another is counted in both (the draft forwards are part of propose). Medians of 
 (after one warm-up run).
 
     python benchmarks/spec_step_phases.py [--engines none chain3a tree6a] [--batch 16]
-        [--output-len 32] [--repeats 2]
+        [--output-len 32] [--repeats 2] [--waves W]
 """
 
 from __future__ import annotations
@@ -83,11 +83,15 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--waves", type=int, default=1, help="W x B requests at once, B at a time (steady state)"
+    )
     args = ap.parse_args()
     from vllm import LLM, SamplingParams
 
     model = smollm2()
-    chats = heldout_chats(args.batch)
+    n = args.batch * args.waves
+    chats = (heldout_chats(43) * (1 + n // 43))[:n]
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     rows: dict[str, dict[str, float]] = {}
     for e in args.engines:
@@ -117,7 +121,10 @@ def main() -> None:
         finally:
             llm.shutdown()
     print("---")
-    print(f"CPU: {cpu_flags()}; {args.dtype}; batch {args.batch}; {args.output_len} tokens")
+    print(
+        f"CPU: {cpu_flags()}; {args.dtype}; batch {args.batch} ({n} requests); "
+        f"{args.output_len} tokens"
+    )
     labels = ["tok/s", "steps", "ms/step"] + [p[2] for p in PHASES]
     print(f"{'':24s}" + "".join(f"{e:>10s}" for e in args.engines))
     for label in labels:

@@ -22,6 +22,7 @@ included), the acceptance per depth, and whether the text equals no speculation'
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import sys
 import time
@@ -90,18 +91,34 @@ def count_steps(llm) -> list[int]:
     return tally
 
 
-def timed(llm, chats, batch: int, temperature: float, out_len: int):
+def timed(llm, chats, batch: int, temperature: float, out_len: int, spread: bool = False):
     """batch: requests submitted together (the engine's max_num_seqs may be smaller: then the
-    scheduler keeps that many running and starts the next as one finishes)."""
+    scheduler keeps that many running and starts the next as one finishes); spread: output
+    lengths out_len / 2 .. 3 out_len / 2 (seeded), so requests finish at different steps with
+    or without speculation and new ones join running batches (the steady state)."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(temperature=temperature, seed=7, max_tokens=out_len, ignore_eos=True)
+    sp: SamplingParams | list[SamplingParams] = SamplingParams(
+        temperature=temperature, seed=7, max_tokens=out_len, ignore_eos=True
+    )
+    if spread:
+        rng = random.Random(11)
+        sp = [
+            SamplingParams(
+                temperature=temperature,
+                seed=7,
+                max_tokens=rng.randint(out_len // 2, out_len * 3 // 2),
+                ignore_eos=True,
+            )
+            for _ in chats
+        ]
     d0, a0, p0, _ = counters(llm)
     s0, n0 = llm.bench_steps
     t = time.perf_counter()
     outs = []
     for i in range(0, len(chats), batch):
-        outs += llm.chat(chats[i : i + batch], sp, use_tqdm=False)
+        part = sp if isinstance(sp, SamplingParams) else sp[i : i + batch]
+        outs += llm.chat(chats[i : i + batch], part, use_tqdm=False)
     dt = time.perf_counter() - t
     d1, a1, p1, _ = counters(llm)
     s1, n1 = llm.bench_steps
@@ -124,9 +141,10 @@ def main() -> None:
         "--waves",
         type=int,
         default=1,
-        help="batch B > 1: submit W x B requests at once with max_num_seqs B (steady state: "
-        "a finished request's place is taken by the next, so the batch stays full until the "
-        "last wave; 1: B requests, the time to finish all of them)",
+        help="batch B > 1: submit W x B requests at once with max_num_seqs B and output "
+        "lengths spread over 1/2 .. 3/2 of --output-len (steady state: a finished request's "
+        "place is taken by the next, so the batch stays full until the last wave; 1: B "
+        "requests of --output-len, the time to finish all of them)",
     )
     args = ap.parse_args()
     if len(args.batch) > 1 and args.waves > 1:
@@ -156,7 +174,8 @@ def main() -> None:
                 n = args.prompts if b == 1 else b * args.waves
                 chats = (heldout_chats(43) * (1 + n // 43))[:n]
                 submit = b if b == 1 else n
-                samples[(b, t, e)].append(timed(llms[e], chats, submit, t, args.output_len))
+                run = timed(llms[e], chats, submit, t, args.output_len, spread=args.waves > 1)
+                samples[(b, t, e)].append(run)
                 print(f"  batch {b} T={t} {e} rep {r}: {samples[(b, t, e)][-1][0]:.1f} tok/s")
     finally:
         for llm in llms.values():

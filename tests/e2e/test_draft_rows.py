@@ -12,18 +12,22 @@ different counts every step (0 .. K, cycling), greedy and seeded requests togeth
   step drafted the old way, every request at the batch's largest count (the subset passes
   read the right rows' hidden states, positions and blocks);
 - each request's columns past its count are PAD_TOKEN_ID;
-- the text equals the text without speculation.
+- the text equals the text without speculation;
+- with two requests under a grammar (grammar-aware drafting masks each drafting row with its
+  own request's grammar), no draft the grammar forbids reaches verification.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 
 import numpy as np
 import pytest
 
 from vllm import SamplingParams
 from vllm.engine.arg_utils import EngineArgs
+from vllm.sampling_params import StructuredOutputsParams
 from vllm.testing.engine_utils import make_prompts
 from vllm.testing.spec_checkpoints import make_eagle3_draft
 from vllm.v1.engine.llm_engine import LLMEngine
@@ -34,6 +38,7 @@ K = 3
 TREE = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 0, 0)]"
 CONFIGS = {
     "chain": {"num_speculative_tokens": K},
+    "chain_grammar": {"num_speculative_tokens": K},
     "static_tree": {"speculative_token_tree": TREE},
     "dynamic_tree": {"num_tree_nodes": 6, "tree_top_k": 2},
 }
@@ -43,6 +48,18 @@ PARAMS = [
     SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=14, ignore_eos=True),
     SamplingParams(temperature=0, max_tokens=11, ignore_eos=True),
     SamplingParams(temperature=0.7, seed=3, max_tokens=9, ignore_eos=True),
+]
+DIGITS = "[0-9]*"
+GRAMMAR_PARAMS = [
+    SamplingParams(
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        seed=sp.seed,
+        max_tokens=sp.max_tokens,
+        ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(regex=DIGITS) if i in (0, 2) else None,
+    )
+    for i, sp in enumerate(PARAMS)
 ]
 # Request i's count at scheduling step t: PLAN[(t + 2 i) % len(PLAN)] (capped at the tree's
 # nodes): different counts in one batch, each request through 0 and its maximum.
@@ -65,14 +82,14 @@ def _engine(target: str, spec: dict | None) -> LLMEngine:
     return LLMEngine.from_engine_args(args)
 
 
-def _run(eng: LLMEngine) -> dict[str, list[int]]:
-    for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS)):
+def _run(eng: LLMEngine, params: list[SamplingParams]) -> dict[str, tuple[list[int], str]]:
+    for i, (p, sp) in enumerate(zip(PROMPTS, params)):
         eng.add_request(str(i), {"prompt_token_ids": p}, sp)
-    out: dict[str, list[int]] = {}
+    out: dict[str, tuple[list[int], str]] = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
             if o.finished:
-                out[o.request_id] = list(o.outputs[0].token_ids)
+                out[o.request_id] = (list(o.outputs[0].token_ids), o.outputs[0].text)
     return out
 
 
@@ -82,7 +99,7 @@ def _expected_pass_rows(cfg: str, ks: np.ndarray, num_nodes: int) -> list[int]:
     if not len(active):
         return []
     want = int(active.max())
-    if cfg == "chain":
+    if cfg.startswith("chain"):
         return [int((ks > s).sum()) for s in range(1, want)]
     if cfg == "static_tree":
         tree = StaticTree(list(ast.literal_eval(TREE)))
@@ -93,9 +110,10 @@ def _expected_pass_rows(cfg: str, ks: np.ndarray, num_nodes: int) -> list[int]:
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 def test_each_request_drafts_only_its_count(llama_dir, head, cfg):
+    params = GRAMMAR_PARAMS if cfg == "chain_grammar" else PARAMS
     ref_eng = _engine(llama_dir, None)
     try:
-        ref = _run(ref_eng)
+        ref = _run(ref_eng, params)
     finally:
         ref_eng.shutdown()
 
@@ -142,8 +160,11 @@ def test_each_request_drafts_only_its_count(llama_dir, head, cfg):
         ks = np.asarray(num_steps)
         assert ks.shape == (db.num_reqs,), "the worker got one count per request"
         # The same step drafted for every request at the batch's largest count first (its
-        # writes are scratch the real call rewrites), then the real call.
-        full = draft(db, hidden, int(ks.max()) if len(ks) else 0)
+        # writes are scratch the real call rewrites), then the real call. (Not under a
+        # grammar: drafting advances the rows' grammar forks.)
+        full = None
+        if spec_obj.draft_grammar is None:
+            full = draft(db, hidden, int(ks.max()) if len(ks) else 0)
         full_parents = spec_obj.tree_parents.copy() if cfg == "dynamic_tree" else None
         passes.clear()
         recording = True
@@ -161,7 +182,8 @@ def test_each_request_drafts_only_its_count(llama_dir, head, cfg):
             assert all(p % int((ks > 0).sum()) == 0 for p in passes[1:]), (ks.tolist(), passes)
         for r, k in enumerate(ks.tolist()):
             assert (got[r, k:] == PAD_TOKEN_ID).all()
-            assert got[r, :k].tolist() == full[r, :k].tolist(), (r, ks.tolist())
+            if full is not None:
+                assert got[r, :k].tolist() == full[r, :k].tolist(), (r, ks.tolist())
             if full_parents is not None:
                 parents = spec_obj.tree_parents[r, :k].tolist()
                 assert parents == full_parents[r, :k].tolist(), (r, ks.tolist())
@@ -171,9 +193,17 @@ def test_each_request_drafts_only_its_count(llama_dir, head, cfg):
         return got
 
     spec_obj._draft = checking_draft
+    structured = eng.executor.worker.model_runner.structured
     try:
-        out = _run(eng)
+        out = _run(eng, params)
     finally:
         eng.shutdown()
     assert out == ref
     assert checked["mixed"] >= 5 and checked["drafts"] >= 20, checked
+    if cfg == "chain_grammar":
+        for i in ("0", "2"):
+            assert re.fullmatch(DIGITS, out[i][1]) and out[i][1], out[i]
+        # Each drafting row was masked with its own request's grammar: nothing forbidden was
+        # drafted (a row mapped to another request's fork would draft letters here).
+        assert structured.num_masked_draft_rows > 0
+        assert structured.num_forbidden_drafts == 0
