@@ -145,15 +145,33 @@ def test_a_bad_sibling_is_skipped_to_reach_the_deeper_node():
     assert min(ks[10:]) == 3 and ks[10:].count(3) >= 25, ks
 
 
-def test_a_dear_verify_takes_no_nodes_then_probes():
-    """Every verified token costing as much as a step: no node pays; the full tree is probed
-    after 8, 16, 32 steps at 0."""
-    dear = StepCostModel(tokens=[1, 64], verify_s=[1.0, 64.0], batch_sizes=[1], draft_step_s=[0.0])
-    ks = _run_tree(_tree_policy(costs=dear), "a", 70, _first_branch)
-    assert ks[0] == 0
-    probes = [i for i, k in enumerate(ks) if k]
+def test_a_probe_is_as_long_as_perfect_drafts_would_pay():
+    """A tree that is never accepted drops to 0 nodes and is probed after 8, 16, 32 steps at 0
+    with what would pay were every node accepted: where verifying is cheap the whole tree;
+    where every verified token costs as much as a step, nothing (not even a perfect node
+    pays); a chain whose second draft costs more than a step, one draft."""
+    never = lambda s, k: []
+    ks = _run_tree(_tree_policy(), "a", 70, never)
+    first0 = ks.index(0)
+    probes = [i for i in range(first0, len(ks)) if ks[i]]
     assert [ks[i] for i in probes] == [4] * len(probes)
-    assert probes[:3] == [PROBE_FIRST - 1, 3 * PROBE_FIRST - 1, 7 * PROBE_FIRST - 1], probes
+    gaps = [b - a for a, b in zip([first0 - 1] + probes, probes)]
+    assert gaps[:3] == [PROBE_FIRST, 2 * PROBE_FIRST, 4 * PROBE_FIRST], (first0, probes)
+
+    dear = StepCostModel(tokens=[1, 64], verify_s=[1.0, 64.0], batch_sizes=[1], draft_step_s=[0.0])
+    assert _run_tree(_tree_policy(costs=dear), "a", 70, _first_branch) == [0] * 70
+
+    one = StepCostModel(
+        tokens=[1, 2, 64], verify_s=[1.0, 1.6, 100.0], batch_sizes=[1], draft_step_s=[0.0]
+    )
+    chain = SpecKPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=3), one)
+    ks = []
+    for _ in range(40):
+        k = chain.decide(["c"], 1)["c"]
+        ks.append(k)
+        if k:
+            chain.observe("c", k, 0)
+    assert 0 in ks and set(ks) == {0, 1}, ks
 
 
 def test_dynamic_tree_prefix_follows_the_node_estimates():

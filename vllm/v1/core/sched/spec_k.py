@@ -28,8 +28,11 @@ each request's K is chosen every step so the batch's expected tokens per second 
   the number of requests whose prefix needs s passes or more; else every pass the batch's
   longest prefix needs (draft_passes) costs one at the whole batch;
 - drafts (blocks) are added in order of expected gain while gain / added cost beats the batch's
-  current tokens per second; a request left at K = 0 is probed again with the full K after a
-  number of steps that doubles after each probe that does not pay (8 up to 128).
+  current tokens per second; a request left at K = 0 is probed again after a number of steps
+  that doubles after each probe that does not pay (8 up to 128), with the longest prefix that
+  would pay were every draft accepted (a chain's k drafts give k tokens, a tree prefix its
+  depth passes): the full K where verifying is cheap, less or nothing in a batch where even
+  perfect drafts cost more than they bring.
 
 The output never depends on any of this: the verifier emits the target's own (keyed) sample at
 every position whatever was drafted.
@@ -318,9 +321,19 @@ class SpecKPolicy:
                 r.idle_steps, r.probe_interval = 0, PROBE_FIRST
                 continue
             r.idle_steps += 1
-            if r.idle_steps >= r.probe_interval:
-                # Probe: verify the full K once, so the estimate can recover.
-                ks[rid] = cap
-                r.idle_steps = 0
-                r.probe_interval = min(2 * r.probe_interval, PROBE_MAX)
+            if r.idle_steps < r.probe_interval:
+                continue
+            # Probe, so the estimate can recover: the longest prefix that would pay if every
+            # draft were accepted (none where even that would not: the request waits, and
+            # probes as soon as the batch makes it pay).
+            for k in range(cap, 0, -1):
+                p_new = k if passes is None else passes[k]
+                n = num_tokens + k
+                new_cost = costs.verify(n) + draft.grown(0, p_new)
+                if (tokens + p_new) * cost > tokens * new_cost:
+                    draft.grow(0, p_new)
+                    ks[rid], cost, num_tokens = k, new_cost, n
+                    r.idle_steps = 0
+                    r.probe_interval = min(2 * r.probe_interval, PROBE_MAX)
+                    break
         return ks
