@@ -46,7 +46,8 @@ def heldout_chats(n: int) -> list[list[dict[str, str]]]:
     from vllm.model_zoo import SMOLLM2_EAGLE3_DIR
 
     prompts = json.loads((SMOLLM2_EAGLE3_DIR / "heldout_prompts.json").read_text())
-    return [[{"role": "user", "content": p}] for p in prompts[:n]]
+    # More than there are: the prompts again, in order.
+    return [[{"role": "user", "content": prompts[i % len(prompts)]}] for i in range(n)]
 
 
 def make_llm(model: str, dtype: str, pp: int, k: int, max_seqs: int, adaptive: bool = False):

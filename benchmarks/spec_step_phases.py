@@ -91,7 +91,7 @@ def main() -> None:
 
     model = smollm2()
     n = args.batch * args.waves
-    chats = (heldout_chats(43) * (1 + n // 43))[:n]
+    chats = heldout_chats(n)
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     rows: dict[str, dict[str, float]] = {}
     for e in args.engines:

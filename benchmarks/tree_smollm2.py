@@ -172,7 +172,7 @@ def main() -> None:
         for r in range(args.repeats):
             for b, t, e in order[r % len(order) :] + order[: r % len(order)]:
                 n = args.prompts if b == 1 else b * args.waves
-                chats = (heldout_chats(43) * (1 + n // 43))[:n]
+                chats = heldout_chats(n)
                 submit = b if b == 1 else n
                 run = timed(llms[e], chats, submit, t, args.output_len, spread=args.waves > 1)
                 samples[(b, t, e)].append(run)

@@ -24,11 +24,12 @@ import re
 
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from vllm import SamplingParams
 from vllm.engine.arg_utils import EngineArgs
 from vllm.sampling_params import StructuredOutputsParams
-from vllm.testing.engine_utils import make_prompts
+from vllm.testing.engine_utils import make_prompts, run_to_completion
 from vllm.testing.spec_checkpoints import make_eagle3_draft
 from vllm.v1.engine.llm_engine import LLMEngine
 from vllm.v1.worker.gpu.spec_decode.tree import StaticTree
@@ -82,17 +83,6 @@ def _engine(target: str, spec: dict | None) -> LLMEngine:
     return LLMEngine.from_engine_args(args)
 
 
-def _run(eng: LLMEngine, params: list[SamplingParams]) -> dict[str, tuple[list[int], str]]:
-    for i, (p, sp) in enumerate(zip(PROMPTS, params)):
-        eng.add_request(str(i), {"prompt_token_ids": p}, sp)
-    out: dict[str, tuple[list[int], str]] = {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                out[o.request_id] = (list(o.outputs[0].token_ids), o.outputs[0].text)
-    return out
-
-
 def _expected_pass_rows(cfg: str, ks: np.ndarray, num_nodes: int) -> list[int]:
     """Rows of each draft pass after the first, for these counts."""
     active = ks[ks > 0]
@@ -111,11 +101,7 @@ def _expected_pass_rows(cfg: str, ks: np.ndarray, num_nodes: int) -> list[int]:
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 def test_each_request_drafts_only_its_count(llama_dir, head, cfg):
     params = GRAMMAR_PARAMS if cfg == "chain_grammar" else PARAMS
-    ref_eng = _engine(llama_dir, None)
-    try:
-        ref = _run(ref_eng, params)
-    finally:
-        ref_eng.shutdown()
+    ref = run_to_completion(_engine(llama_dir, None), PROMPTS, params)
 
     spec = {
         "method": "eagle3",
@@ -194,15 +180,14 @@ def test_each_request_drafts_only_its_count(llama_dir, head, cfg):
 
     spec_obj._draft = checking_draft
     structured = eng.executor.worker.model_runner.structured
-    try:
-        out = _run(eng, params)
-    finally:
-        eng.shutdown()
+    out = run_to_completion(eng, PROMPTS, params)
     assert out == ref
     assert checked["mixed"] >= 5 and checked["drafts"] >= 20, checked
     if cfg == "chain_grammar":
-        for i in ("0", "2"):
-            assert re.fullmatch(DIGITS, out[i][1]) and out[i][1], out[i]
+        tok = AutoTokenizer.from_pretrained(llama_dir)
+        for i in (0, 2):
+            text = tok.decode(out[i], skip_special_tokens=True)
+            assert re.fullmatch(DIGITS, text) and text, (out[i], text)
         # Each drafting row was masked with its own request's grammar: nothing forbidden was
         # drafted (a row mapped to another request's fork would draft letters here).
         assert structured.num_masked_draft_rows > 0

@@ -108,7 +108,7 @@ class _DraftCost:
 
     def __init__(self, costs: StepCostModel, batch_size: int, per_request: bool) -> None:
         self.costs, self.batch_size, self.per_request = costs, batch_size, per_request
-        self.rows: list[int] = []  # rows[s]: requests running pass s + 1
+        self.rows: list[int] = []  # rows[s]: requests running pass s + 1 (len: the deepest)
         self.total = 0.0
 
     def _pass(self, rows: int) -> float:
