@@ -51,6 +51,8 @@ TTT_STEPS = 3
 # forward + backward; step 0 runs everywhere).
 LATER_STEP_FRACTION = 0.35
 MAX_ANSWER_TOKENS = 128
+# generate --sample-share S: that share of the prompts answered by sampling at this temperature
+SAMPLE_TEMPERATURE = 0.7
 CHUNK = 128  # prompts per generate / features file
 FEATURE_BATCH = 16  # sequences per HF forward in `features`
 HELDOUT_EVERY = 100  # train: held-out agreement every this many steps (when feat_heldout/ exists)
@@ -441,41 +443,62 @@ def stage_generate(
     num_chunks: int | None = None,
     chunk: int = CHUNK,
     split: str = "train",
+    first_chunk: int = 0,
+    sample_share: float = 0.0,
 ) -> None:
-    """Greedy answers from this engine, in chunks saved as they finish (resumable); the
-    first num_chunks chunks of the split's prompts (default all)."""
+    """This engine's answers, in chunks saved as they finish (resumable): num_chunks chunks of
+    the split's prompts from chunk first_chunk (default all). Greedy, except a seeded
+    sample_share of the prompts, answered at SAMPLE_TEMPERATURE (each with a seed of its own),
+    so that the head also learns what the target's sampled text looks like."""
 
     from vllm import LLM, SamplingParams
 
     prompts = json.loads((work / "prompts.json").read_text())[split]
     out_dir = _split_dirs(work, split)[0]
     out_dir.mkdir(exist_ok=True)
-    starts = list(range(0, len(prompts), chunk))[:num_chunks]
+    starts = _chunk_starts(len(prompts), chunk, first_chunk, num_chunks)
     todo = [i for i in starts if not (out_dir / f"{i:05d}.json").exists()]
     if not todo:
         return
     llm = LLM(model=target, dtype="float32", max_model_len=512, max_num_seqs=chunk, seed=SEED)
-    sp = SamplingParams(temperature=0, max_tokens=MAX_ANSWER_TOKENS)
     try:
         for i in todo:
             t0 = time.time()
             batch = prompts[i : i + chunk]
-            outs = llm.chat([_conversation(p) for p in batch], sp, use_tqdm=False)
+            # which prompts are sampled depends on the chunk alone (resumable, reproducible)
+            pick = random.Random(SEED + i)
+            temps = [SAMPLE_TEMPERATURE if pick.random() < sample_share else 0.0 for _ in batch]
+            sps = [
+                SamplingParams(temperature=t, seed=SEED + i + j, max_tokens=MAX_ANSWER_TOKENS)
+                if t > 0
+                else SamplingParams(temperature=0, max_tokens=MAX_ANSWER_TOKENS)
+                for j, t in enumerate(temps)
+            ]
+            outs = llm.chat([_conversation(p) for p in batch], sps, use_tqdm=False)
             rows = [
                 {
                     "prompt": p,
+                    "temperature": t,
                     "prompt_ids": list(o.prompt_token_ids),
                     "answer_ids": list(o.outputs[0].token_ids),
                 }
-                for p, o in zip(batch, outs)
+                for p, t, o in zip(batch, temps, outs)
             ]
             tmp = out_dir / f"{i:05d}.json.tmp"
             tmp.write_text(json.dumps(rows))
             tmp.rename(out_dir / f"{i:05d}.json")
             n = sum(len(r["answer_ids"]) for r in rows)
-            print(f"generate {i}: {n} tokens in {time.time() - t0:.0f}s", flush=True)
+            n_s = sum(t > 0 for t in temps)
+            dt = time.time() - t0
+            print(f"generate {i}: {n} tokens ({n_s} sampled) in {dt:.0f}s", flush=True)
     finally:
         llm.shutdown()
+
+
+def _chunk_starts(n_prompts: int, chunk: int, first: int, num: int | None) -> list[int]:
+    """Prompt offsets of chunks first .. first + num - 1 (to the end when num is None)."""
+    starts = list(range(0, n_prompts, chunk))
+    return starts[first:] if num is None else starts[first : first + num]
 
 
 # ---------------------------------------------------------------------------- features
@@ -487,6 +510,7 @@ def stage_features(
     follow: bool = False,
     num_chunks: int | None = None,
     split: str = "train",
+    first_chunk: int = 0,
 ) -> None:
     """One HF forward per sequence -> {aux [T, 3H], final [T, H]} fp16 per generate chunk.
 
@@ -500,14 +524,13 @@ def stage_features(
         raise ValueError(f"aux layers {AUX_LAYERS} must be below {n_layers}")
     gen_dir, feat_dir = _split_dirs(work, split)
     feat_dir.mkdir(exist_ok=True)
-    total = len(json.loads((work / "prompts.json").read_text())[split])
-    if num_chunks is not None:
-        total = min(total, num_chunks * CHUNK)
+    n_prompts = len(json.loads((work / "prompts.json").read_text())[split])
+    wanted = {f"{i:05d}" for i in _chunk_starts(n_prompts, CHUNK, first_chunk, num_chunks)}
     while True:
         done_any = False
         for g in sorted(gen_dir.glob("*.json")):
             out = feat_dir / (g.stem + ".pt")
-            if out.exists():
+            if out.exists() or g.stem not in wanted:
                 continue
             t0 = time.time()
             rows = json.loads(g.read_text())
@@ -543,8 +566,8 @@ def stage_features(
             ntok = sum(len(s["ids"]) for s in seqs)
             print(f"features {g.stem}: {ntok} tokens in {time.time() - t0:.0f}s", flush=True)
             done_any = True
-        n_done = len(list(feat_dir.glob("*.pt")))
-        if not follow or n_done * CHUNK >= total:
+        n_done = len({f.stem for f in feat_dir.glob("*.pt")} & wanted)
+        if not follow or n_done >= len(wanted):
             return
         if not done_any:
             time.sleep(20)
@@ -557,14 +580,18 @@ def _seq_len(row: dict) -> int:
 # ---------------------------------------------------------------------------- train
 
 
-def load_features(work: Path, num_chunks: int | None) -> list[dict]:
+def load_features(work: Path, num_chunks: int | None, first_chunk: int = 0) -> list[dict]:
     import torch
 
-    files = sorted((work / "feat").glob("*.pt"))
-    if num_chunks is not None:
-        if len(files) < num_chunks:
-            raise SystemExit(f"only {len(files)} feature chunks, --num-chunks {num_chunks}")
-        files = files[:num_chunks]
+    have = {int(f.stem): f for f in (work / "feat").glob("*.pt")}
+    if num_chunks is None:
+        wanted = sorted(i for i in have if i >= first_chunk * CHUNK)
+    else:
+        wanted = [(first_chunk + j) * CHUNK for j in range(num_chunks)]
+    missing = [i // CHUNK for i in wanted if i not in have]
+    if missing:
+        raise SystemExit(f"no features for chunks {missing} (--first-chunk / --num-chunks)")
+    files = [have[i] for i in wanted]
     seqs: list[dict] = []
     for f in files:
         seqs.extend(torch.load(f, weights_only=True))
@@ -797,6 +824,7 @@ def stage_train(
     lr: float = 1e-3,
     init: Path | None = None,
     bf16: bool = False,
+    first_chunk: int = 0,
 ) -> None:
     """EAGLE3 training with training-time test (TTT_STEPS unrolled steps, the draft's own
     hidden fed back), KL to the target over the draft vocabulary, checkpoints every 10 min.
@@ -810,7 +838,7 @@ def stage_train(
     from safetensors.torch import load_file
 
     torch.manual_seed(SEED)
-    seqs = load_features(work, num_chunks)
+    seqs = load_features(work, num_chunks, first_chunk)
     tcfg = json.loads((Path(target) / "config.json").read_text())
     tw = load_file(str(Path(target) / "model.safetensors"))
     embed = tw["model.embed_tokens.weight"].float()
@@ -1131,7 +1159,16 @@ def main() -> None:
         "--num-chunks",
         type=int,
         default=NUM_CHUNKS,
-        help="generate / featurize / train on the first N chunks of 128 training prompts",
+        help="generate / featurize / train on N chunks of 128 training prompts",
+    )
+    ap.add_argument(
+        "--first-chunk", type=int, default=0, help="... starting at this chunk (default 0)"
+    )
+    ap.add_argument(
+        "--sample-share",
+        type=float,
+        default=0.0,
+        help=f"generate: this share of the answers sampled at T = {SAMPLE_TEMPERATURE}",
     )
     ap.add_argument("--epochs", type=float, default=EPOCHS)
     ap.add_argument("--lr", type=float, default=1e-3)
@@ -1155,9 +1192,21 @@ def main() -> None:
         if s == "prompts":
             stage_prompts(work)
         elif s == "generate":
-            stage_generate(work, args.target, num_chunks=args.num_chunks)
+            stage_generate(
+                work,
+                args.target,
+                num_chunks=args.num_chunks,
+                first_chunk=args.first_chunk,
+                sample_share=args.sample_share,
+            )
         elif s == "features":
-            stage_features(work, args.target, follow=args.follow, num_chunks=args.num_chunks)
+            stage_features(
+                work,
+                args.target,
+                follow=args.follow,
+                num_chunks=args.num_chunks,
+                first_chunk=args.first_chunk,
+            )
         elif s == "heldout":
             stage_generate(work, args.target, split="heldout")
             stage_features(work, args.target, split="heldout")
@@ -1170,6 +1219,7 @@ def main() -> None:
                 lr=args.lr,
                 init=None if args.init is None else Path(args.init),
                 bf16=args.bf16,
+                first_chunk=args.first_chunk,
             )
         elif s == "export":
             stage_export(work, args.target, Path(args.out))

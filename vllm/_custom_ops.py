@@ -124,6 +124,10 @@ def _register_fakes() -> None:
     torch.library.register_fake(lib + "linear_small_m")(
         lambda x, w, b, isa=0: x.new_empty(x.shape[0], w.shape[0])
     )
+    torch.library.register_fake(lib + "write_kv")(lambda cache, slots, k, v: None)
+    torch.library.register_fake(lib + "silu_and_mul")(
+        lambda x: x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+    )
 
 
 _available: bool | None = None  # cpu_kernels_available(), once known (cheap for torch.compile)
@@ -233,6 +237,20 @@ def linear_small_m(
     or bf16, accumulated in fp32: each block of weight rows is streamed from memory once for all
     M rows. A row's result does not depend on M or on the other rows (batch-invariant)."""
     return torch.ops.vllm_cpu.linear_small_m(x, weight, bias, linear_isa())
+
+
+def write_kv(
+    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """kv_cache[0][slot_mapping] = k; kv_cache[1][slot_mapping] = v in one call (kv_cache
+    [2, slots, kv_heads, head_size] contiguous; k, v [tokens, kv_heads, head_size] in its
+    dtype, each token's values contiguous; a negative slot is padding, not written)."""
+    torch.ops.vllm_cpu.write_kv(kv_cache, slot_mapping, k, v)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] (ATen's own kernels: the torch path's result)."""
+    return torch.ops.vllm_cpu.silu_and_mul(x)
 
 
 def paged_attention(

@@ -16,6 +16,7 @@ copies of them for its duration (`_interpreted_stdlib`).
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -86,7 +87,10 @@ def use_triton_layer_ops(device_type: str) -> bool:
     kernels, checked on CPU). Otherwise the CPU path keeps its C++ / torch kernels."""
     if device_type == "cuda":
         return HAS_TRITON
-    if device_type != "cpu" or not HAS_TRITON or not envs.TRITON_INTERPRET:
+    # (The bare lookup first: every norm and rotary of a CPU forward asks.)
+    if device_type != "cpu" or not HAS_TRITON or not os.environ.get("TRITON_INTERPRET"):
+        return False
+    if not envs.TRITON_INTERPRET:
         return False
     return (envs.VLLM_ATTENTION_BACKEND or "").upper().startswith("TRITON")
 

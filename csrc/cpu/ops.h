@@ -47,3 +47,11 @@ int64_t prefill_attention_isa(int64_t requested);
 // The instruction-set path linear_small_m runs for `requested` (0: the best this CPU has);
 // raises when the CPU lacks the requested one.
 int64_t linear_small_m_isa(int64_t requested);
+
+// The step's keys and values ([tokens, kv_heads, head_size], each token's contiguous) into
+// kv_cache [2, slots, kv_heads, head_size] at slot_mapping (negative: padding, not written).
+void write_kv(at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Tensor& k,
+              const at::Tensor& v);
+
+// silu(x[..., :d]) * x[..., d:] by ATen's silu and multiply (the torch path's result).
+at::Tensor silu_and_mul(const at::Tensor& x);

@@ -8,6 +8,7 @@
 
 #include <torch/library.h>
 
+#include "cache_ops.cpp"
 #include "layernorm.cpp"
 #include "linear.cpp"
 #include "ops.h"
@@ -32,6 +33,8 @@ TORCH_LIBRARY(vllm_cpu, m) {
       "Tensor block_table, Tensor seq_lens, Tensor query_start_loc, Tensor rows, "
       "int block_size, float scale, int sliding_window, int isa) -> ()");
   m.def("prefill_attention_isa(int requested) -> int", &prefill_attention_isa);
+  m.def("write_kv(Tensor(a!) kv_cache, Tensor slot_mapping, Tensor k, Tensor v) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(vllm_cpu, CPU, m) {
@@ -41,4 +44,6 @@ TORCH_LIBRARY_IMPL(vllm_cpu, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("linear_small_m", &linear_small_m);
   m.impl("prefill_attention", &prefill_attention);
+  m.impl("write_kv", &write_kv);
+  m.impl("silu_and_mul", &silu_and_mul);
 }

@@ -110,3 +110,44 @@ def test_strided_inputs_as_mla_slices_them(dtype, monkeypatch):
 
 def _no_torch_path(*args):
     raise AssertionError("the torch path ran where the fused CPU op should have")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 3072), (5, 64), (2, 3, 32)])
+def test_silu_and_mul_is_the_torch_result(dtype, shape, monkeypatch):
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    d = shape[-1] // 2
+    ref = torch.nn.functional.silu(x[..., :d]) * x[..., d:]
+    assert torch.equal(ops.silu_and_mul(x), ref)
+    # The module takes the op (a spy sees the call) and returns the same.
+    calls = []
+    monkeypatch.setattr(ops, "silu_and_mul", lambda t: calls.append(t) or ref)
+    assert torch.equal(SiluAndMul()(x), ref) and len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_copies_each_token_to_its_slot(dtype):
+    from vllm.attention.backends.torch_paged import write_kv
+
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(4, 9 * 64 + 6 * 64, generator=g).to(dtype)
+    # k / v as the attention layer has them: row-strided views of the qkv projection.
+    k, v = qkv[:, 576:768].view(4, 3, 64), qkv[:, 768:].view(4, 3, 64)
+    slots = torch.tensor([5, 17, -1, 39])
+    cache = torch.randn(2, 40, 3, 64, generator=g).to(dtype)
+    ref = cache.clone()
+    keep = slots >= 0
+    ref[0][slots[keep]], ref[1][slots[keep]] = k[keep], v[keep]
+    ops.write_kv(cache, slots, k, v)
+    assert torch.equal(cache, ref)  # slot -1 (padding) untouched, every other row exact
+    with pytest.raises(RuntimeError, match="slot 40 is outside the cache's 40 slots"):
+        ops.write_kv(cache, torch.tensor([40]), k[:1], v[:1])
+    # The backend's writer: the op for this layout, torch's writes for a cache of another
+    # dtype (converted), the same contents either way.
+    for cdt in (dtype, torch.float32 if dtype == torch.bfloat16 else torch.bfloat16):
+        c = torch.zeros(2, 40, 3, 64, dtype=cdt)
+        write_kv(c, slots[:2], k[:2], v[:2])
+        assert torch.equal(c[0][slots[:2]], k[:2].to(cdt))
+        assert torch.equal(c[1][slots[:2]], v[:2].to(cdt))

@@ -258,6 +258,29 @@ def padded_attention(
     return out
 
 
+def write_kv(
+    kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """A step's keys and values [T, kv_heads, head_size] into their slots of a paged
+    [2, slots, kv_heads, head_size] cache: one C++ copy on CPU when the layouts allow it, else
+    torch's indexed writes (converted to the cache's dtype)."""
+    from vllm import _custom_ops as ops
+
+    d = kv_cache.shape[-1]
+    if (
+        k.dtype == v.dtype == kv_cache.dtype
+        and kv_cache.device.type == "cpu"
+        and kv_cache.is_contiguous()
+        and k.stride(-1) == v.stride(-1) == 1
+        and k.stride(-2) == v.stride(-2) == d
+        and ops.cpu_op_ok(k)
+    ):
+        ops.write_kv(kv_cache, slot_mapping, k, v)
+        return
+    kv_cache[0][slot_mapping] = k.to(kv_cache.dtype)
+    kv_cache[1][slot_mapping] = v.to(kv_cache.dtype)
+
+
 def use_cpu_kernel(q: torch.Tensor, k_src: torch.Tensor, v_src: torch.Tensor) -> bool:
     """Whether the C++ paged kernel can run these tensors (CPU, one supported dtype)."""
     if q.device.type != "cpu" or not (q.dtype == k_src.dtype == v_src.dtype):
@@ -437,8 +460,7 @@ class TorchPagedAttentionImpl:
         q = q[:T].view(T, self.num_heads, self.head_size)
         k = k[:T].view(T, self.num_kv_heads, self.head_size)
         v = v[:T].view(T, self.num_kv_heads, self.head_size)
-        kv_cache[0][meta.slot_mapping] = k.to(kv_cache.dtype)
-        kv_cache[1][meta.slot_mapping] = v.to(kv_cache.dtype)
+        write_kv(kv_cache, meta.slot_mapping, k, v)
         if self.sliding_window is None:  # causal, or a tree mask: paged_attention takes both
             out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         else:
