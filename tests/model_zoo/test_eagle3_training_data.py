@@ -44,3 +44,21 @@ def test_no_training_prompt_mentions_a_heldout_filler(tool):
     )
     extra = train[len(base) :]
     assert not [p for p in extra if pattern.search(p)]
+
+
+def test_chunk_ranges_select_the_asked_chunks(tool, tmp_path):
+    """--first-chunk / --num-chunks: generate and train read the same chunks, and a missing
+    one is named rather than silently skipped (a continued run trains on new chunks only)."""
+    import torch
+
+    assert tool._chunk_starts(1000, 128, 0, None) == [0, 128, 256, 384, 512, 640, 768, 896]
+    assert tool._chunk_starts(1000, 128, 2, 3) == [256, 384, 512]
+    assert tool._chunk_starts(1000, 128, 7, 5) == [896]
+    (tmp_path / "feat").mkdir()
+    for i in (0, 1, 2, 4):
+        torch.save([{"chunk": i}], tmp_path / "feat" / f"{i * 128:05d}.pt")
+    assert [s["chunk"] for s in tool.load_features(tmp_path, 2, 1)] == [1, 2]
+    assert [s["chunk"] for s in tool.load_features(tmp_path, None, 2)] == [2, 4]
+    assert [s["chunk"] for s in tool.load_features(tmp_path, 3)] == [0, 1, 2]
+    with pytest.raises(SystemExit, match=r"no features for chunks \[3\]"):
+        tool.load_features(tmp_path, 3, 2)
