@@ -17,6 +17,7 @@ included), the acceptance per depth, and whether the text equals no speculation'
     python benchmarks/tree_smollm2.py [--engines none chain3 tree6 tree10 dyn10 chain3a dyn16a]
         [--batch 1 8] [--temperature 0 0.7] [--repeats 3] [--output-len 64] [--prompts 4]
         [--waves W]   (one batch B: W x B requests kept B at a time, the steady state)
+        [--alt-head DIR]   (engines named NAME-alt, e.g. chain3a-alt, draft with that head)
 """
 
 from __future__ import annotations
@@ -43,14 +44,21 @@ TREES = {  # (adaptive: the same name + "a")
 }
 
 
-def spec_of(name: str) -> dict | None:
+def spec_of(name: str, alt_head: str | None = None) -> dict | None:
+    """The speculative_config of an engine name; a name ending in "-alt" drafts with the head
+    folder alt_head instead of the bundled one (two heads compared in one run)."""
     from vllm.model_zoo import SMOLLM2_EAGLE3_DIR
 
     if name == "none":
         return None
+    head = str(SMOLLM2_EAGLE3_DIR)
+    if name.endswith("-alt"):
+        if alt_head is None:
+            raise SystemExit(f"engine {name!r} needs --alt-head")
+        name, head = name[: -len("-alt")], alt_head
     adaptive = name.endswith("a")
     name = name[:-1] if adaptive else name
-    base = {"method": "eagle3", "model": str(SMOLLM2_EAGLE3_DIR)}
+    base = {"method": "eagle3", "model": head}
     base["adaptive_num_speculative_tokens"] = adaptive
     if name.startswith("chain"):
         return {**base, "num_speculative_tokens": int(name[5:])}
@@ -146,6 +154,9 @@ def main() -> None:
         "place is taken by the next, so the batch stays full until the last wave; 1: B "
         "requests of --output-len, the time to finish all of them)",
     )
+    ap.add_argument(
+        "--alt-head", default=None, help="engines named NAME-alt draft with this head folder"
+    )
     args = ap.parse_args()
     if len(args.batch) > 1 and args.waves > 1:
         raise SystemExit("--waves needs one --batch (max_num_seqs is the batch)")
@@ -156,7 +167,7 @@ def main() -> None:
         e: LLM(
             model=model,
             dtype=args.dtype,
-            speculative_config=spec_of(e),
+            speculative_config=spec_of(e, args.alt_head),
             max_model_len=1024,
             max_num_seqs=max(args.batch),
             disable_log_stats=False,
