@@ -872,6 +872,7 @@ def stage_train(
     ckpt = work / "train_ckpt.pt"
     run = {
         "num_sequences": len(seqs),
+        "first_chunk": first_chunk,
         "epochs": epochs,
         "tokens_per_batch": tokens_per_batch,
         "lr": lr,
