@@ -457,13 +457,16 @@ class TorchPagedAttentionImpl:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         T = meta.num_tokens
-        q = q[:T].view(T, self.num_heads, self.head_size)
-        k = k[:T].view(T, self.num_kv_heads, self.head_size)
-        v = v[:T].view(T, self.num_kv_heads, self.head_size)
+        if q.shape[0] != T:  # padded rows (a decode step has none: no slicing to pay for)
+            q, k, v = q[:T], k[:T], v[:T]
+        q = q.view(T, self.num_heads, self.head_size)
+        k = k.view(T, self.num_kv_heads, self.head_size)
+        v = v.view(T, self.num_kv_heads, self.head_size)
         write_kv(kv_cache, meta.slot_mapping, k, v)
+        k_cache, v_cache = kv_cache.unbind(0)
         if self.sliding_window is None:  # causal, or a tree mask: paged_attention takes both
-            out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+            out = paged_attention(q, k_cache, v_cache, meta, self.scale)
         else:
             mask_fn = extra_mask(meta, self.sliding_window)
-            out = padded_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, mask_fn)
+            out = padded_attention(q, k_cache, v_cache, meta, self.scale, mask_fn)
         return out.reshape(T, self.num_heads * self.head_size)
