@@ -1105,15 +1105,26 @@ def stage_export(work: Path, target: str, out: Path) -> None:
 # ---------------------------------------------------------------------------- eval
 
 
-def stage_eval(work: Path, target: str, head: Path, max_tokens: int = 96) -> None:
-    """Acceptance of the exported head on every held-out prompt, K = 1..4 (greedy, batch 16):
-    mean acceptance length and per-position acceptance rates, written to WORK/eval.json."""
+def stage_eval(
+    work: Path, target: str, head: Path, max_tokens: int = 96, temperature: float = 0.0
+) -> None:
+    """Acceptance of the exported head on every held-out prompt, K = 1..4 (batch 16; greedy,
+    or sampled at `temperature` with a seed per prompt): mean acceptance length and
+    per-position acceptance rates, written to WORK/eval.json (eval_T<temperature>.json)."""
     from vllm import LLM, SamplingParams
 
     prompts = json.loads((head / "heldout_prompts.json").read_text())
     convs = [_conversation(p) for p in prompts]
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
-    result = {"num_prompts": len(prompts), "max_tokens": max_tokens, "k": {}}
+    sp = [
+        SamplingParams(temperature=temperature, seed=SEED + i, max_tokens=max_tokens)
+        for i in range(len(prompts))
+    ]
+    result = {
+        "num_prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "k": {},
+    }
     for k in (1, 2, 3, 4):
         llm = LLM(
             model=target,
@@ -1136,11 +1147,12 @@ def stage_eval(work: Path, target: str, head: Path, max_tokens: int = 96) -> Non
         rates = [v / drafts for v in m["vllm:spec_decode_num_accepted_tokens_per_pos"].values]
         result["k"][k] = {"mean_acceptance_length": 1 + acc / drafts, "per_position": rates}
         print(
-            f"eval K={k}: mean acceptance length {1 + acc / drafts:.2f}, per position "
-            + " ".join(f"{r:.2f}" for r in rates),
+            f"eval T={temperature} K={k}: mean acceptance length {1 + acc / drafts:.2f}, "
+            "per position " + " ".join(f"{r:.2f}" for r in rates),
             flush=True,
         )
-    (work / "eval.json").write_text(json.dumps(result, indent=1))
+    name = "eval.json" if temperature == 0 else f"eval_T{temperature}.json"
+    (work / name).write_text(json.dumps(result, indent=1))
 
 
 # ---------------------------------------------------------------------------- main
@@ -1176,6 +1188,9 @@ def main() -> None:
     ap.add_argument("--init", default=None, help="train: start from this head folder's weights")
     ap.add_argument("--bf16", action="store_true", help="train: bf16 autocast for the matmuls")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    ap.add_argument(
+        "--temperature", type=float, default=0.0, help="eval: sample at this temperature"
+    )
     args = ap.parse_args()
     if args.threads:
         import torch
@@ -1225,7 +1240,7 @@ def main() -> None:
         elif s == "export":
             stage_export(work, args.target, Path(args.out))
         elif s == "eval":
-            stage_eval(work, args.target, Path(args.out))
+            stage_eval(work, args.target, Path(args.out), temperature=args.temperature)
 
 
 if __name__ == "__main__":
