@@ -15,9 +15,17 @@ Stages (each resumable; outputs under --work-dir):
             vocabulary (the most frequent answer tokens), checkpointed periodically
   export    the speculators format (config.json with speculators_model_type "eagle3",
             model.safetensors in bf16 with d2t / t2d; no embedding: the target's is shared)
+  eval      the exported head's acceptance on the held-out prompts, K = 1..4 (greedy, or
+            sampled with --temperature)
+  plot      the run's training curve (held-out and training agreement per draft step)
 
     python tools/train_eagle3_smollm2.py all [--work-dir DIR] [--out vllm/model_zoo/...]
-        [--num-chunks N] [--epochs E] [--init HEAD_DIR] [--lr LR] [--threads N]
+        [--num-chunks N] [--first-chunk F] [--sample-share S] [--epochs E]
+        [--init HEAD_DIR] [--lr LR] [--threads N]
+
+--first-chunk F --num-chunks N: generate / featurize / train on chunks F .. F + N - 1 (a run
+continued with --init on chunks the first runs never saw); --sample-share S: that share of
+the answers sampled at SAMPLE_TEMPERATURE (seeded) instead of greedy.
 
 The shipped head is two runs (both in its model card, vllm/model_zoo/smollm2-135m-eagle3):
 the defaults (seed SEED, NUM_CHUNKS, EPOCHS, lr 1e-3) are the first; the second continues from
@@ -1155,6 +1163,51 @@ def stage_eval(
     (work / name).write_text(json.dumps(result, indent=1))
 
 
+# ---------------------------------------------------------------------------- plot
+
+
+def stage_plot(work: Path, out: Path) -> None:
+    """The run's curve (WORK/trained.pt) as a PNG: held-out top-1 agreement of each TTT step
+    (measured every HELDOUT_EVERY steps) and the training batches' agreement (mean of 50
+    steps), against the training step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+
+    t = torch.load(work / "trained.pt", weights_only=False)
+    log, held = t["log"], t["heldout"]
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for k in range(TTT_STEPS):
+        color = f"C{k}"
+        if held:
+            ax.plot(
+                [h[0] for h in held],
+                [h[1 + k] for h in held],
+                "o-",
+                color=color,
+                label=f"draft step {k + 1}, held out",
+            )
+        w = 50
+        xs = [log[i][0] for i in range(w - 1, len(log))]
+        ys = [sum(r[2 + k] for r in log[i - w + 1 : i + 1]) / w for i in range(w - 1, len(log))]
+        ax.plot(xs, ys, "--", color=color, alpha=0.6, label=f"draft step {k + 1}, training")
+    run = t["run"]
+    ax.set_xlabel("training step")
+    ax.set_ylabel("top-1 agreement with the target")
+    ax.set_title(
+        f"EAGLE3 head for SmolLM2-135M: {t['num_sequences']} sequences, "
+        f"{run['epochs']} epochs, lr {run['lr']}" + (", continued" if run.get("init") else ""),
+        fontsize=10,
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"plot: {out}")
+
+
 # ---------------------------------------------------------------------------- main
 
 
@@ -1162,7 +1215,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument(
         "stage",
-        choices=["prompts", "generate", "features", "heldout", "train", "export", "eval", "all"],
+        choices=[
+            "prompts",
+            "generate",
+            "features",
+            "heldout",
+            "train",
+            "export",
+            "eval",
+            "plot",
+            "all",
+        ],
     )
     ap.add_argument("--work-dir", default="/tmp/eagle3-smollm2")
     ap.add_argument("--target", default=None, help="SmolLM2 HF folder (default: convert)")
@@ -1190,6 +1253,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     ap.add_argument(
         "--temperature", type=float, default=0.0, help="eval: sample at this temperature"
+    )
+    ap.add_argument(
+        "--plot",
+        default=str(ROOT / "benchmarks" / "eagle3_smollm2_training.png"),
+        help="plot: where the training curve goes",
     )
     args = ap.parse_args()
     if args.threads:
@@ -1241,6 +1309,8 @@ def main() -> None:
             stage_export(work, args.target, Path(args.out))
         elif s == "eval":
             stage_eval(work, args.target, Path(args.out), temperature=args.temperature)
+        elif s == "plot":
+            stage_plot(work, Path(args.plot))
 
 
 if __name__ == "__main__":
