@@ -1114,9 +1114,14 @@ def stage_export(work: Path, target: str, out: Path) -> None:
 
 
 def stage_eval(
-    work: Path, target: str, head: Path, max_tokens: int = 96, temperature: float = 0.0
+    work: Path,
+    target: str,
+    head: Path,
+    max_tokens: int = 96,
+    temperature: float = 0.0,
+    ks: tuple[int, ...] = (1, 2, 3, 4),
 ) -> None:
-    """Acceptance of the exported head on every held-out prompt, K = 1..4 (batch 16; greedy,
+    """Acceptance of the exported head on every held-out prompt, each K of ks (batch 16; greedy,
     or sampled at `temperature` with a seed per prompt): mean acceptance length and
     per-position acceptance rates, written to WORK/eval.json (eval_T<temperature>.json)."""
     from vllm import LLM, SamplingParams
@@ -1133,7 +1138,7 @@ def stage_eval(
         "temperature": temperature,
         "k": {},
     }
-    for k in (1, 2, 3, 4):
+    for k in ks:
         llm = LLM(
             model=target,
             dtype="float32",
@@ -1254,6 +1259,7 @@ def main() -> None:
     ap.add_argument(
         "--temperature", type=float, default=0.0, help="eval: sample at this temperature"
     )
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4], help="eval: these K")
     ap.add_argument(
         "--plot",
         default=str(ROOT / "benchmarks" / "eagle3_smollm2_training.png"),
@@ -1308,7 +1314,9 @@ def main() -> None:
         elif s == "export":
             stage_export(work, args.target, Path(args.out))
         elif s == "eval":
-            stage_eval(work, args.target, Path(args.out), temperature=args.temperature)
+            stage_eval(
+                work, args.target, Path(args.out), temperature=args.temperature, ks=tuple(args.k)
+            )
         elif s == "plot":
             stage_plot(work, Path(args.plot))
 
