@@ -16,7 +16,6 @@ copies of them for its duration (`_interpreted_stdlib`).
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -87,10 +86,7 @@ def use_triton_layer_ops(device_type: str) -> bool:
     kernels, checked on CPU). Otherwise the CPU path keeps its C++ / torch kernels."""
     if device_type == "cuda":
         return HAS_TRITON
-    # (The bare lookup first: every norm and rotary of a CPU forward asks.)
-    if device_type != "cpu" or not HAS_TRITON or not os.environ.get("TRITON_INTERPRET"):
-        return False
-    if not envs.TRITON_INTERPRET:
+    if device_type != "cpu" or not HAS_TRITON or not envs.TRITON_INTERPRET:
         return False
     return (envs.VLLM_ATTENTION_BACKEND or "").upper().startswith("TRITON")
 
