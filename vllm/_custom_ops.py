@@ -137,7 +137,8 @@ def cpu_op_ok(x: torch.Tensor) -> bool:
     """Whether a CPU op may take x: a CPU float tensor whose last dimension is contiguous (the
     callers check the rest of the layout), kernels built."""
     global _available
-    if x.device.type != "cpu" or x.dtype not in _FLOAT_DTYPES or x.stride(-1) != 1:
+    # is_cpu, not device.type: a per-op check on the decode path (device builds an object).
+    if not x.is_cpu or x.dtype not in _FLOAT_DTYPES or x.stride(-1) != 1:
         return False
     if _available is None:
         _available = cpu_kernels_available()

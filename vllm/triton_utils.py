@@ -36,6 +36,7 @@ except ImportError:  # CPU-only installs
 
 __all__ = [
     "HAS_TRITON",
+    "LayerOpsRoute",
     "LazyKernel",
     "dot_upcast",
     "next_pow2",
@@ -89,6 +90,26 @@ def use_triton_layer_ops(device_type: str) -> bool:
     if device_type != "cpu" or not HAS_TRITON or not envs.TRITON_INTERPRET:
         return False
     return (envs.VLLM_ATTENTION_BACKEND or "").upper().startswith("TRITON")
+
+
+class LayerOpsRoute:
+    """use_triton_layer_ops for one layer (a norm, a rotary embedding): the CPU answer is read
+    from the environment at the layer's first CPU forward and kept, so every later call pays
+    an attribute read instead of two environment lookups (~8 us per call on a slow core, three
+    calls per decoder layer). An engine's environment is set before it builds its layers, as
+    the attention backend's choice at build time already assumes."""
+
+    __slots__ = ("_cpu",)
+
+    def __init__(self) -> None:
+        self._cpu: bool | None = None
+
+    def __call__(self, x: torch.Tensor) -> bool:
+        if not x.is_cpu:
+            return use_triton_layer_ops(x.device.type)
+        if self._cpu is None:
+            self._cpu = use_triton_layer_ops("cpu")
+        return self._cpu
 
 
 _INTERPRETED: dict[int, Any] = {}

@@ -269,7 +269,7 @@ def write_kv(
     d = kv_cache.shape[-1]
     if (
         k.dtype == v.dtype == kv_cache.dtype
-        and kv_cache.device.type == "cpu"
+        and kv_cache.is_cpu
         and kv_cache.is_contiguous()
         and k.stride(-1) == v.stride(-1) == 1
         and k.stride(-2) == v.stride(-2) == d
@@ -283,7 +283,7 @@ def write_kv(
 
 def use_cpu_kernel(q: torch.Tensor, k_src: torch.Tensor, v_src: torch.Tensor) -> bool:
     """Whether the C++ paged kernel can run these tensors (CPU, one supported dtype)."""
-    if q.device.type != "cpu" or not (q.dtype == k_src.dtype == v_src.dtype):
+    if not q.is_cpu or not (q.dtype == k_src.dtype == v_src.dtype):
         return False
     from vllm._custom_ops import cpu_op_ok
 

@@ -47,13 +47,13 @@ def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return (
         x.dtype in _KERNEL_DTYPES
         and weight.dtype == x.dtype
+        and weight.is_cpu
         and weight.dim() == 2
         and weight.stride(-1) == 1
         and x.dim() >= 2
         and x.numel() > 0
         and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
         and cpu_op_ok(x)
-        and weight.device.type == "cpu"
     )
 
 

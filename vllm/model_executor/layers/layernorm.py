@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from vllm import _custom_ops as ops
-from vllm.triton_utils import use_triton_layer_ops
+from vllm.triton_utils import LayerOpsRoute
 
 
 class RMSNorm(nn.Module):
@@ -18,10 +18,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
+        self._triton = LayerOpsRoute()
+        # The fused kernels compute RMSNorm's own formula; a subclass with another keeps torch.
+        self._plain = type(self)._norm is RMSNorm._norm
 
     def _fused_cpu_ok(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         return (
-            type(self)._norm is RMSNorm._norm
+            self._plain
             and self.weight.dtype == x.dtype
             and (x.is_contiguous() or x.dim() == 2)  # 2-D: rows may be strided (a slice)
             and (
@@ -45,7 +48,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
-        if type(self)._norm is RMSNorm._norm and use_triton_layer_ops(x.device.type):
+        if self._plain and self._triton(x):
             # The CUDA path: one Triton launch (model_executor/layers/ops/triton_rms_norm.py).
             from vllm.model_executor.layers.ops.triton_rms_norm import triton_rms_norm
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from vllm import _custom_ops as ops
-from vllm.triton_utils import use_triton_layer_ops
+from vllm.triton_utils import LayerOpsRoute
 
 
 def rope_params(config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -118,6 +118,7 @@ class RotaryEmbedding(nn.Module):
         self._cos: torch.Tensor
         self._sin: torch.Tensor
         self._build(max(max_position, 1))
+        self._triton_route = LayerOpsRoute()
 
     def _build(self, n: int) -> None:
         self._cos, self._sin = _cos_sin_tables(
@@ -165,9 +166,9 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D] or [T, Hq*D]; k likewise. Returns rotated copies in the input shape."""
         # The cache covers max_position_embeddings >= max_model_len (checked by ModelConfig).
-        if self._cos.device != positions.device:
+        if self._cos.get_device() != positions.get_device():  # (-1: CPU; cheaper than .device)
             self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
-        if use_triton_layer_ops(q.device.type):
+        if self._triton_route(q):
             return self._triton(positions, q, k, None)
         if (
             q.dtype == k.dtype
@@ -231,7 +232,7 @@ class MRotaryEmbedding(RotaryEmbedding):
         if self.axis.device != positions.device:
             self.axis = self.axis.to(positions.device)
         axis = self.axis
-        if use_triton_layer_ops(q.device.type):
+        if self._triton_route(q):
             return self._triton(positions, q, k, axis)
         cols = torch.arange(axis.numel(), device=positions.device)
         # [3, T, F] -> [T, F], each frequency from its axis' position.
