@@ -18,6 +18,10 @@ included), the acceptance per depth, and whether the text equals no speculation'
         [--batch 1 8] [--temperature 0 0.7] [--repeats 3] [--output-len 64] [--prompts 4]
         [--waves W]   (one batch B: W x B requests kept B at a time, the steady state)
         [--alt-head DIR]   (engines named NAME-alt, e.g. chain3a-alt, draft with that head)
+
+An engine named NAME-f32w is NAME with the head's weights widened to fp32 at load (as before
+the engine kept a bf16 head's linear weights in bf16 under an fp32 target): the same drafts,
+twice the weight bytes - the paired reference for that change.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -52,6 +58,7 @@ def spec_of(name: str, alt_head: str | None = None) -> dict | None:
     if name == "none":
         return None
     head = str(SMOLLM2_EAGLE3_DIR)
+    name = name.removesuffix("-f32w")
     if name.endswith("-alt"):
         if alt_head is None:
             raise SystemExit(f"engine {name!r} needs --alt-head")
@@ -67,6 +74,22 @@ def spec_of(name: str, alt_head: str | None = None) -> dict | None:
     if name.startswith("dyn"):
         return {**base, "num_tree_nodes": int(name[3:])}
     raise SystemExit(f"unknown engine {name!r}")
+
+
+@contextmanager
+def fp32_head_weights(on: bool) -> Iterator[None]:
+    """While on: EAGLE3 heads built in this process keep their weights in fp32 (the draft
+    loads in-process at P = 1)."""
+    from vllm.model_executor.models.llama_eagle3 import LlamaForCausalLMEagle3
+
+    if not on:
+        yield
+        return
+    LlamaForCausalLMEagle3.keeps_exact_bf16_weights = False
+    try:
+        yield
+    finally:
+        LlamaForCausalLMEagle3.keeps_exact_bf16_weights = True
 
 
 def counters(llm) -> tuple[float, float, list[float], float]:
@@ -163,17 +186,17 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     model = smollm2()
-    llms = {
-        e: LLM(
-            model=model,
-            dtype=args.dtype,
-            speculative_config=spec_of(e, args.alt_head),
-            max_model_len=1024,
-            max_num_seqs=max(args.batch),
-            disable_log_stats=False,
-        )
-        for e in args.engines
-    }
+    llms = {}
+    for e in args.engines:
+        with fp32_head_weights(e.endswith("-f32w")):
+            llms[e] = LLM(
+                model=model,
+                dtype=args.dtype,
+                speculative_config=spec_of(e, args.alt_head),
+                max_model_len=1024,
+                max_num_seqs=max(args.batch),
+                disable_log_stats=False,
+            )
     try:
         for llm in llms.values():
             llm.bench_steps = count_steps(llm)
@@ -216,7 +239,7 @@ def main() -> None:
                 nodes, req_steps = sum(x[5] for x in runs), max(sum(x[6] for x in runs), 1)
                 per_verify = nodes / drafts if drafts else 0.0
                 print(
-                    f"batch {b:2d} T={t:.1f} {e:7s}: {tps:7.1f} tok/s  {ratio:>6s} of none  "
+                    f"batch {b:2d} T={t:.1f} {e:12s}: {tps:7.1f} tok/s  {ratio:>6s} of none  "
                     f"accepted/verify step {mal:.2f}  verified/verify step {per_verify:.2f}  "
                     f"per request step: tokens {toks / req_steps:.2f} verified "
                     f"{nodes / req_steps:.2f}  per depth [{rates}]  text == none: {same}"

@@ -2,7 +2,8 @@
 // Copyright 2026 The vllm-pp-spec contributors
 //
 // y = x @ W^T (+ b) for the few rows of a decode / verify / draft step (small M), W [N, K] and
-// x [M, K] both fp32 or both bf16, accumulated in fp32, rounded to x's dtype once.
+// x [M, K] both fp32, both bf16, or fp32 x with bf16 W (exact: bf16 widens to fp32 without
+// rounding), accumulated in fp32, rounded to x's dtype once.
 //
 // With M this small the product is bound by streaming W from memory at one row and by the FMA
 // units from a few rows on: a block of weight rows is read from memory once and multiplied
@@ -315,21 +316,23 @@ inline void widen(const T* src, float* dst, int64_t K) {
 }
 
 // Output columns [n0, n1) of all M rows, in blocks of NR weight rows, tiles of MR rows of x.
-template <Isa ISA, int MR, int NR, typename TX, typename T>
+template <Isa ISA, int MR, int NR, typename TX, typename T, typename TY>
 void run_columns(const TX* xp, int64_t ldx, int64_t M, const T* wp, int64_t ldw, int64_t K,
-                 const T* bp, T* yp, int64_t ldy, int64_t n0, int64_t n1) {
+                 const TY* bp, TY* yp, int64_t ldy, int64_t n0, int64_t n1) {
   constexpr int64_t kStep = ISA == kAvx512Bf16 && !std::is_same_v<TX, float> ? 32
                             : ISA == kAvx512 || ISA == kAvx512Bf16          ? 16
                                                                             : 8;
   const int64_t tiles = (M + MR - 1) / MR, steps = std::max<int64_t>(1, K / kStep);
   const int64_t block_bytes = NR * K * static_cast<int64_t>(sizeof(T));
   float acc[MR * NR];
-  // bf16 weights multiplied in fp32 by more than one tile: the block is widened into an fp32
-  // copy (in L1) once, not once per tile in registers.
+  // bf16 weights multiplied in fp32 by more than two tiles: the block is widened into an fp32
+  // copy (in L1) once, not once per tile in registers (with two tiles, M = 5..8, widening in
+  // registers is 12-14% faster on an AVX2 core: the copy's stores and reloads cost more than
+  // one more widening per weight vector).
   float* wide = nullptr;
   if constexpr (std::is_same_v<TX, float> && !std::is_same_v<T, float>) {
     thread_local std::vector<float> buf;
-    if (tiles > 1) {
+    if (tiles > 2) {
       buf.resize(static_cast<size_t>(NR * K));
       wide = buf.data();
     }
@@ -367,15 +370,15 @@ void run_columns(const TX* xp, int64_t ldx, int64_t M, const T* wp, int64_t ldw,
         for (int64_t j = 0; j < nr; ++j) {
           float v = acc[i * NR + j];
           if (bp) v += to_f(bp[n + j]);
-          yp[(m + i) * ldy + n + j] = static_cast<T>(v);
+          yp[(m + i) * ldy + n + j] = static_cast<TY>(v);
         }
     }
   }
 }
 
-template <Isa ISA, int MR, int NR, typename TX, typename T>
+template <Isa ISA, int MR, int NR, typename TX, typename T, typename TY>
 void run_split(const TX* xp, int64_t ldx, int64_t M, const T* wp, int64_t ldw, int64_t K,
-               int64_t N, const T* bp, T* yp, int64_t ldy) {
+               int64_t N, const TY* bp, TY* yp, int64_t ldy) {
   const int64_t blocks = (N + NR - 1) / NR;
   // Split over threads only when each gets a sizeable share of the weight (about 1 MB): a
   // parallel region costs more than a small layer's whole product when the other cores are
@@ -389,17 +392,17 @@ void run_split(const TX* xp, int64_t ldx, int64_t M, const T* wp, int64_t ldw, i
   });
 }
 
-template <Isa ISA, typename TX, typename T>
+template <Isa ISA, typename TX, typename T, typename TY>
 void run_shape(const TX* xp, int64_t ldx, int64_t M, const T* wp, int64_t ldw, int64_t K,
-               int64_t N, const T* bp, T* yp, int64_t ldy) {
+               int64_t N, const TY* bp, TY* yp, int64_t ldy) {
   constexpr Shape one = kOneRow<ISA>, rows = kRows<ISA>;
   if (M == 1) return run_split<ISA, one.mr, one.nr>(xp, ldx, M, wp, ldw, K, N, bp, yp, ldy);
   run_split<ISA, rows.mr, rows.nr>(xp, ldx, M, wp, ldw, K, N, bp, yp, ldy);
 }
 
-template <typename TX, typename T>
+template <typename TX, typename T, typename TY>
 void run_isa(Isa isa, const TX* xp, int64_t ldx, int64_t M, const T* wp, int64_t ldw, int64_t K,
-             int64_t N, const T* bp, T* yp, int64_t ldy) {
+             int64_t N, const TY* bp, TY* yp, int64_t ldy) {
   switch (isa) {
     case kAvx512Bf16:
       if constexpr (std::is_same_v<TX, T>)
@@ -414,16 +417,19 @@ void run_isa(Isa isa, const TX* xp, int64_t ldx, int64_t M, const T* wp, int64_t
   }
 }
 
-template <typename T>
+// x, bias and y of type TX, W of type T: both fp32, both bf16, or fp32 x with bf16 W (a bf16
+// checkpoint's weights kept in bf16 under an fp32 model: widened in registers or per block,
+// exactly, so the result is the fp32 product with the widened weights, bit for bit).
+template <typename TX, typename T>
 void run_linear(Isa isa, const at::Tensor& x, const at::Tensor& w, const at::Tensor* bias,
                 at::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const int64_t ldx = x.stride(0), ldw = w.stride(0), ldy = y.stride(0);
-  const T* xp = x.const_data_ptr<T>();
+  const TX* xp = x.const_data_ptr<TX>();
   const T* wp = w.const_data_ptr<T>();
-  const T* bp = bias ? bias->const_data_ptr<T>() : nullptr;
-  T* yp = y.mutable_data_ptr<T>();
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+  const TX* bp = bias ? bias->const_data_ptr<TX>() : nullptr;
+  TX* yp = y.mutable_data_ptr<TX>();
+  if constexpr (std::is_same_v<TX, c10::BFloat16>) {
     if (isa != kAvx512Bf16) {
       // The paths that multiply in fp32 widen the (few KB of) input rows once per call - once
       // per activation, as the fused QKV / gate-up projections each take their input in one
@@ -433,10 +439,10 @@ void run_linear(Isa isa, const at::Tensor& x, const at::Tensor& w, const at::Ten
       xf.resize(static_cast<size_t>(M * K));
       for (int64_t m = 0; m < M; ++m)
         for (int64_t k = 0; k < K; ++k) xf[m * K + k] = static_cast<float>(xp[m * ldx + k]);
-      return run_isa<float, T>(isa, xf.data(), K, M, wp, ldw, K, N, bp, yp, ldy);
+      return run_isa<float, T, TX>(isa, xf.data(), K, M, wp, ldw, K, N, bp, yp, ldy);
     }
   }
-  run_isa<T, T>(isa, xp, ldx, M, wp, ldw, K, N, bp, yp, ldy);
+  run_isa<TX, T, TX>(isa, xp, ldx, M, wp, ldw, K, N, bp, yp, ldy);
 }
 
 }  // namespace linear_small_m_impl
@@ -457,7 +463,9 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear_small_m: CPU tensors");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "linear_small_m: x [M, K], weight [N, K]");
-  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "linear_small_m: x and weight dtypes");
+  const bool mixed = x.scalar_type() == at::kFloat && weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type() || mixed,
+              "linear_small_m: x and weight dtypes (the same, or fp32 x with bf16 weight)");
   TORCH_CHECK(x.stride(1) == 1 && weight.stride(1) == 1, "linear_small_m: contiguous rows");
   const at::Tensor* b = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -469,12 +477,16 @@ at::Tensor linear_small_m(const at::Tensor& x, const at::Tensor& weight,
   const Isa path = static_cast<Isa>(linear_small_m_isa(isa));
   at::Tensor y = at::empty({x.size(0), weight.size(0)}, x.options());
   if (x.size(0) == 0 || weight.size(0) == 0) return y;
+  if (mixed) {
+    run_linear<float, c10::BFloat16>(path, x, weight, b, y);
+    return y;
+  }
   switch (x.scalar_type()) {
     case at::kFloat:
-      run_linear<float>(path, x, weight, b, y);
+      run_linear<float, float>(path, x, weight, b, y);
       break;
     case at::kBFloat16:
-      run_linear<c10::BFloat16>(path, x, weight, b, y);
+      run_linear<c10::BFloat16, c10::BFloat16>(path, x, weight, b, y);
       break;
     default:
       TORCH_CHECK(false, "linear_small_m: unsupported dtype ", x.scalar_type());

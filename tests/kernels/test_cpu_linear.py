@@ -151,7 +151,7 @@ def test_linear_small_m_rejects_bad_input():
     with pytest.raises(RuntimeError, match="weight"):
         ops.linear_small_m(x, torch.randn(4, 9), None)
     with pytest.raises(RuntimeError, match="dtype"):
-        ops.linear_small_m(x, torch.randn(4, 8, dtype=torch.bfloat16), None)
+        ops.linear_small_m(x.to(torch.bfloat16), torch.randn(4, 8), None)
 
 
 def _count_kernel_rows(monkeypatch):

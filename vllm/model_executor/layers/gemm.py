@@ -15,12 +15,14 @@ from vllm._custom_ops import cpu_op_ok, linear_small_m
 from vllm.forward_context import RowKinds
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+_FP32 = torch.float32
 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kinds: RowKinds | None
 ) -> torch.Tensor:
-    """x @ weight^T (+ bias), the rows routed by `kinds` (the caller's, required: the forward
+    """x @ weight^T (+ bias) (weight in x's dtype, or bf16 under fp32 x: the product of its
+    exact fp32 widening), the rows routed by `kinds` (the caller's, required: the forward
     context's rows, ALL_SHORT for sampled rows): decode / verify / draft rows through the CPU
     small-M kernel (each weight row streamed from memory once for all of them; a row's result
     independent of what shares the call), prefill rows through BLAS. A step mixing both splits
@@ -46,7 +48,7 @@ def linear(
 def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (
         x.dtype in _KERNEL_DTYPES
-        and weight.dtype == x.dtype
+        and (weight.dtype == x.dtype or (weight.dtype == torch.bfloat16 and x.dtype == _FP32))
         and weight.is_cpu
         and weight.dim() == 2
         and weight.stride(-1) == 1
@@ -61,7 +63,10 @@ def _blas_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Prefill rows: a BLAS product, on the route measured fastest for this dtype on this CPU
-    (prefill_gemm_route)."""
+    (prefill_gemm_route). bf16 weights under fp32 rows (layers/exact_bf16.py) are widened for
+    the call (exact)."""
+    if weight.dtype == torch.bfloat16 and x.dtype == _FP32:
+        weight = weight.to(_FP32)
     if (
         x.device.type != "cpu"
         or x.dtype not in _KERNEL_DTYPES

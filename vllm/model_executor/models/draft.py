@@ -83,6 +83,10 @@ class DraftModel(ModelBase, SupportsPP):
     supports_pp: ClassVar[bool] = True
     # Whether the draft's first pass can take the target's encoder (multimodal) embeddings.
     supports_mm_inputs: ClassVar[bool] = False
+    # Whether an fp32 draft on CPU may keep a bf16 checkpoint's linear weights in bf16
+    # (layers/exact_bf16.py: exact; set where no code takes a weight's dtype for the
+    # compute dtype).
+    keeps_exact_bf16_weights: ClassVar[bool] = False
 
     model: nn.Module
     lm_head: nn.Module

@@ -113,11 +113,14 @@ class Eagle3LlamaModel(nn.Module):
                 raise ValueError("EAGLE3 config sets both norm_before_fc and fc_norm")
         self.norm = RMSNorm(h, eps)
         self.norm_output = eagle3_switch(config, "norm_output")
+        # The compute dtype (built under the model's default dtype); fc's weight may be kept
+        # in bf16 under an fp32 draft (keeps_exact_bf16_weights).
+        self.dtype = torch.get_default_dtype()
 
     def combine(self, aux: torch.Tensor, rows: RowKinds | None) -> torch.Tensor:
         if self.fc is None:
             return aux
-        aux = aux.to(self.fc.weight.dtype)
+        aux = aux.to(self.dtype)
         if self.input_norm is not None:
             aux = self.input_norm(aux)
         elif self.fc_norm is not None:
@@ -144,6 +147,7 @@ class LlamaForCausalLMEagle3(DraftVocabModel, CombinesHiddenStates):
     """EAGLE3 draft (legacy `LlamaForCausalLMEagle3` folders and speculators `eagle3` ones)."""
 
     model: Eagle3LlamaModel
+    keeps_exact_bf16_weights = True
 
     def build_model(
         self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str

@@ -109,15 +109,15 @@ def measure_step_costs(
 ) -> StepCostModel | None:
     """The step cost model the adaptive K needs (vllm.v1.core.sched.spec_k), timed through the
     real stages after the warm-up: per batch size B (1, 2, 4, ... up to max_num_seqs and 16),
-    a step verifying 0 and K dummy drafts per request without drafting, and one verifying K
-    drafting K steps (the fastest of 3 interleaved repeats: on a shared CPU other work only
-    ever adds time, and a busy moment taken for a real cost would mislead every later choice);
-    a draft step is the difference over the draft passes K drafts take (a chain's K steps, a
-    tree's depth passes: spec_k.draft_passes). Bounded in time: batch sizes are measured in
-    increasing order while the next one is expected to end within VLLM_STEP_COST_BUDGET_S of
-    the start (the first two always; the model extrapolates linearly past the last one
-    measured). None when speculation or the adaptive K is off or the dummy requests do not
-    fit."""
+    steps verifying 0, about K / 3, 2K / 3 and K dummy drafts per request without drafting,
+    and one verifying K drafting K steps (the fastest of 3 interleaved repeats: on a shared
+    CPU other work only ever adds time, and a busy moment taken for a real cost would mislead
+    every later choice); a draft step is the difference over the draft passes K drafts take
+    (a chain's K steps, a tree's depth passes: spec_k.draft_passes). Bounded in time: batch
+    sizes are measured in increasing order while the next one is expected to end within
+    VLLM_STEP_COST_BUDGET_S of the start (the first two always; the model extrapolates
+    linearly past the last one measured). None when speculation or the adaptive K is off or
+    the dummy requests do not fit."""
     spec = vllm_config.speculative_config
     if spec is None or not spec.adaptive_num_speculative_tokens:
         return None
@@ -129,7 +129,11 @@ def measure_step_costs(
     passes = draft_passes(spec)
     k_passes = k if passes is None else max(passes[k], 1)
     prompt, reps = 4, 3
-    configs = [(0, 0), (k, 0), (k, k)]  # (drafts verified, draft steps run)
+    # (drafts verified, draft steps run). Verify steps at a third and two thirds of K too: the
+    # curve is convex on a CPU (flat while the weights stream, then the FMA units' slope), so
+    # a line from 0 to K drafts would price the first few drafts far above their cost.
+    mids = sorted({max(1, k // 3), max(1, (2 * k) // 3)} - {k})
+    configs = [(0, 0), *((m, 0) for m in mids), (k, 0), (k, k)]
     per_req = prompt + 1 + len(configs) * reps * (k + 1) + k + 1
     blocks = -(-per_req // vllm_config.cache_config.block_size)
     limit = min(sc.max_num_seqs, 16, num_blocks // max(blocks, 1))
@@ -176,8 +180,8 @@ def measure_step_costs(
         so = sched.schedule()
         executor.execute_model(so)
         best = {c: min(v) for c, v in times.items()}
-        verify.setdefault(b, []).append(best[(0, 0)])
-        verify.setdefault(b * (k + 1), []).append(best[(k, 0)])
+        for m in (0, *mids, k):
+            verify.setdefault(b * (m + 1), []).append(best[(m, 0)])
         draft_step[b] = max(best[(k, k)] - best[(k, 0)], 0.0) / k_passes
         measured.append(b)
         last_b, last_s = b, time.perf_counter() - t_size

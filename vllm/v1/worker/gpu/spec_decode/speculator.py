@@ -16,13 +16,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from vllm._custom_ops import cpu_kernels_available
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import (
     TPGroup,
     get_pp_group,
     get_tp_group,
 )
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention import AttentionLayerBase
+from vllm.model_executor.layers.exact_bf16 import keep_exact_bf16_weights
 from vllm.model_executor.model_loader.loader import get_model
 from vllm.model_executor.models.draft import DraftModel
 from vllm.model_executor.models.interfaces import TargetShares, check_supports_pp
@@ -34,6 +37,8 @@ if TYPE_CHECKING:
     from vllm.v1.worker.gpu.input_batch import InputBatch
     from vllm.v1.worker.gpu.sample.structured_outputs import DraftGrammar
     from vllm.v1.worker.gpu.states import RequestStates, StepResult
+
+logger = init_logger(__name__)
 
 
 C = TypeVar("C")
@@ -327,6 +332,16 @@ def load_draft_model(vllm_config: VllmConfig, device: torch.device) -> DraftMode
             f"{type(draft).__name__} ({spec.draft_model_config.architecture}) is not a draft "
             f"model; speculative_config.method {spec.method!r} needs one"
         )
+    if (
+        draft.keeps_exact_bf16_weights
+        and device.type == "cpu"
+        and spec.draft_model_config.torch_dtype(device.type) == torch.float32
+        and cpu_kernels_available()
+    ):
+        # A bf16 head under an fp32 target: the same drafts from half the weight bytes.
+        saved = keep_exact_bf16_weights(draft)
+        if saved:
+            logger.info("draft: %.1f MiB of its fp32 weights kept in bf16 (exact)", saved / 2**20)
     return draft
 
 
