@@ -166,7 +166,8 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D] or [T, Hq*D]; k likewise. Returns rotated copies in the input shape."""
         # The cache covers max_position_embeddings >= max_model_len (checked by ModelConfig).
-        if self._cos.get_device() != positions.get_device():  # (-1: CPU; cheaper than .device)
+        cos = self._cos  # same device? (is_cpu / get_device: cheaper than building .device)
+        if cos.is_cpu != positions.is_cpu or cos.get_device() != positions.get_device():
             self._cos, self._sin = self._cos.to(positions.device), self._sin.to(positions.device)
         if self._triton_route(q):
             return self._triton(positions, q, k, None)
