@@ -220,6 +220,21 @@ def test_dynamic_tree_equals_no_speculation(near_bigram_dir, eagle_self_dir, pro
     assert accepted > 0 and per_depth[1] > 0 and sum(per_depth) == accepted
 
 
+@pytest.mark.parametrize("pp", [2, 4])
+def test_dynamic_tree_pipeline_parallel(near_bigram_dir, eagle_self_dir, prompts, pp):
+    """A dynamic tree's shape changes every step and per request: the last stage broadcasts
+    each request's node parents with its drafts, and every other stage lays out its verify
+    rows (tree mask, positions) and compacts its KV by them. Greedy and seeded text equal to
+    no speculation at P = 1, drafts accepted below the root's children."""
+    sps = [GREEDY if i % 2 else SEEDED for i in range(len(prompts))]
+    ref, _ = _run(near_bigram_dir, prompts, sps)
+    spec = _dynamic_spec("eagle", eagle_self_dir)
+    got, m = _run(near_bigram_dir, prompts, sps, spec, pipeline_parallel_size=pp)
+    assert got == ref
+    _, accepted, per_depth = _counts(m)
+    assert accepted > 0 and per_depth[1] > 0
+
+
 def test_dynamic_tree_eagle3_and_tp2(llama_dir, eagle3_dir, prompts):
     sps = [GREEDY if i % 2 else SEEDED for i in range(len(prompts))]
     ref, _ = _run(llama_dir, prompts, sps)

@@ -123,7 +123,11 @@ class ModelRunner:
         cfg, mc = self.vllm_config, self.vllm_config.model_config
         found: dict[str, RunnerFeature | None] = {}
         if self.pp.world_size > 1:
-            found["pp"] = self.pp_handler = PPHandler(self.max_num_reqs, self.num_spec, self.device)
+            spec = cfg.speculative_config
+            dynamic = spec is not None and spec.num_tree_nodes is not None
+            found["pp"] = self.pp_handler = PPHandler(
+                self.max_num_reqs, self.num_spec, self.device, draft_parents=dynamic
+            )
         if self.model.supports_multimodal:
             self.mm = MultiModalRunnerState(self.model, self.device, self.pp.is_first_rank)
             found["multimodal"] = self.mm
@@ -366,6 +370,8 @@ class ModelRunner:
                     draft_grammar=forks,
                 )
             )
+            if spec_cfg is not None and spec_cfg.num_tree_nodes is not None:
+                result.draft_parents = getattr(self.speculator, "tree_parents", None)
             proposers = self.speculator.row_proposers(getattr(spec_cfg, "method", ""), len(drafts))
             if grammar is not None:
                 grammar.constrain_drafts(drafts, slots, jump_forward=True, proposers=proposers)

@@ -9,7 +9,9 @@ StepResult as one unit, per batch row:
   1. sampled tokens    [R, K+1] int64 (padded with PAD_TOKEN_ID: the width never depends on
                        how many drafts were accepted),
   2. counts            [2, R] int32 (num_sampled; num_rejected),
-  3. draft tokens      [R, K] int64 (K > 0 only).
+  3. draft tokens      [R, K] int64 (K > 0 only),
+  4. draft parents     [R, K] int64 (a dynamic draft tree only: each request's tree shape for
+                       the next step, which every stage lays its rows out by).
 The other stages post the matching receives (asynchronously) right after running the same batch
 and apply them (apply_step_result, as the last stage does) before that batch's requests run
 again. Both sides skip a batch with no row needing a sample (only non-final prefill chunks)
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.worker.gpu.input_batch import InputBatch
 
-SENDS_PER_BATCH = 3  # sampled tokens, counts, drafts
+SENDS_PER_BATCH = 4  # sampled tokens, counts, drafts, a dynamic tree's parents
 
 
 def compute_need_sampled_mask(input_batch: InputBatch) -> np.ndarray | None:
@@ -68,6 +70,7 @@ class PendingRecv:
     idx_mapping_np: np.ndarray  # [R] batch row -> request-state slot
     need_sampled_mask: np.ndarray  # [R] bool
     gen_at_receive_np: np.ndarray  # [R] slot generation counters when the receive was posted
+    draft_parents: torch.Tensor | None = None  # [R, K] int64 (a dynamic tree), or None
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self.works)
@@ -87,7 +90,10 @@ class PPHandler(RunnerFeature):
         num_speculative_steps: int,
         device: torch.device | str,
         pp_group: Any = None,
+        draft_parents: bool = False,
     ) -> None:
+        """draft_parents: the drafts form a dynamic tree (num_tree_nodes), whose parents travel
+        with them."""
         if pp_group is None:
             from vllm.distributed.parallel_state import get_pp_group
 
@@ -95,6 +101,7 @@ class PPHandler(RunnerFeature):
         self.max_num_reqs = max_num_reqs
         self.num_speculative_steps = num_speculative_steps
         self.max_sample_len = num_speculative_steps + 1
+        self.draft_parents = draft_parents and num_speculative_steps > 0
         self.device = torch.device(device)
         self.is_last_rank = pp_group.is_last_rank
         self.last_rank = pp_group.last_rank
@@ -156,8 +163,8 @@ class PPHandler(RunnerFeature):
         return len(self._sends)
 
     def broadcast(self, result: StepResult, input_batch: InputBatch) -> bool:
-        """Send this batch's result (sampled tokens, counts, drafts); False when the batch
-        sent nothing."""
+        """Send this batch's result (sampled tokens, counts, drafts, a dynamic tree's
+        parents); False when the batch sent nothing."""
         assert self.is_last_rank, "only the last pipeline stage broadcasts"
         if compute_need_sampled_mask(input_batch) is None:
             return False
@@ -178,6 +185,13 @@ class PPHandler(RunnerFeature):
                 raise ValueError(f"draft tokens have shape {shape}, expected {(R, K)}")
             drafts = np.ascontiguousarray(result.drafts, dtype=np.int64)
             self._post_send(torch.from_numpy(drafts).to(self.device))
+        if self.draft_parents:
+            parents = result.draft_parents
+            if parents is None or parents.shape[1] != K or len(parents) < R:
+                shape = None if parents is None else parents.shape
+                raise ValueError(f"draft tree parents have shape {shape}, expected {(R, K)}")
+            parents = np.ascontiguousarray(parents[:R], dtype=np.int64)
+            self._post_send(torch.from_numpy(parents).to(self.device))
         return True
 
     def wait_sends(self) -> None:
@@ -204,12 +218,19 @@ class PPHandler(RunnerFeature):
                 num_reqs, self.num_speculative_steps, dtype=torch.int64, device=self.device
             )
             works.append(self._bcast(drafts))
+        parents = None
+        if self.draft_parents:
+            parents = torch.empty(
+                num_reqs, self.num_speculative_steps, dtype=torch.int64, device=self.device
+            )
+            works.append(self._bcast(parents))
         self.queue.append(
             PendingRecv(
                 works=works,
                 sampled_tokens=tokens,
                 counts=counts,
                 draft_tokens=drafts,
+                draft_parents=parents,
                 idx_mapping_np=idx,
                 need_sampled_mask=mask.copy(),
                 gen_at_receive_np=self.req_idx_gen_np[idx].copy(),
@@ -247,6 +268,7 @@ class PPHandler(RunnerFeature):
             num_sampled=counts[0],
             num_rejected=counts[1],
             drafts=None if entry.draft_tokens is None else entry.draft_tokens.cpu().numpy(),
+            draft_parents=None if entry.draft_parents is None else entry.draft_parents.numpy(),
         )
         return idx_mapping, result
 

@@ -116,6 +116,9 @@ class StepResult:
     num_sampled: np.ndarray  # [R] int64; 0 for a non-final prefill chunk
     num_rejected: np.ndarray  # [R] int64; 0 where nothing was sampled
     drafts: np.ndarray | None  # [R, K] int64, or None without speculation
+    # A dynamic draft tree's node parents (-1: the root) [R, K] int64: the shape the next step
+    # verifies (every stage lays its rows out by it); None for chains and static trees.
+    draft_parents: np.ndarray | None = None
 
     def num_valid_drafts(self) -> list[int] | None:
         """Per row: its drafts up to the first PAD_TOKEN_ID (a drafter without a match, or a

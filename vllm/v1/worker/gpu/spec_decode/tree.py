@@ -255,11 +255,6 @@ class TreeVerifier(RejectionSampler):
             return cls(tree, tree.num_nodes, runner)
         if spec is None or spec.num_tree_nodes is None:
             return None
-        if vllm_config.parallel_config.pipeline_parallel_size > 1:
-            raise ValueError(
-                "speculative_config.num_tree_nodes (a dynamic tree) is not supported with "
-                "pipeline_parallel_size > 1 yet (use speculative_token_tree)"
-            )
         return cls(None, spec.num_tree_nodes, runner)
 
     def _slot_parents(self, slot: int, k: int) -> np.ndarray:
@@ -291,10 +286,12 @@ class TreeVerifier(RejectionSampler):
     def _compact_from_result(self, states, result, idx_mapping: np.ndarray) -> None:
         """Pipeline stages before the last: compact this stage's KV from the last stage's
         broadcast result (the path re-derived from the verified drafts and the emitted
-        tokens), before the result is applied (the states still hold the verified drafts)."""
+        tokens), before the result is applied (the states still hold the verified drafts);
+        then take up a dynamic tree's parents of the new drafts (the next step's shape)."""
         run = self.runner
         src, dst = [], []
-        for row in np.flatnonzero(idx_mapping >= 0).tolist():
+        live = np.flatnonzero(idx_mapping >= 0)
+        for row in live.tolist():
             slot, n = int(idx_mapping[row]), int(result.num_sampled[row])
             k = n + int(result.num_rejected[row]) - 1
             if n == 0 or k <= 0:
@@ -308,6 +305,8 @@ class TreeVerifier(RejectionSampler):
         if src:
             num_slots = run.num_blocks * run.block_size
             compact_kv(run.kv_caches, num_slots, np.concatenate(src), np.concatenate(dst))
+        if self.tree is None and result.draft_parents is not None:
+            self.slot_parents[idx_mapping[live]] = result.draft_parents[live]
 
     def __call__(self, input_batch, target_tokens):
         b, run = input_batch, self.runner
