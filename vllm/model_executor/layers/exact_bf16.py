@@ -16,8 +16,6 @@ from vllm.model_executor.layers.linear import (
     UnquantizedLinearMethod,
 )
 
-_FP32 = torch.float32
-
 
 def keep_exact_bf16_weights(model: nn.Module) -> int:
     """Store in bf16 the fp32 CPU weights of model's linear layers (unquantized ones, and
@@ -34,10 +32,10 @@ def keep_exact_bf16_weights(model: nn.Module) -> int:
         w = getattr(m, "weight", None)
         if not (plain or isinstance(m, RoutedLinear)) or not isinstance(w, torch.Tensor):
             continue
-        if w.dtype != _FP32 or not w.is_cpu or w.dim() != 2:
+        if w.dtype != torch.float32 or not w.is_cpu or w.dim() != 2:
             continue
         narrow = w.to(torch.bfloat16)
-        if torch.equal(narrow.to(_FP32), w):
+        if torch.equal(narrow.to(torch.float32), w):
             m.weight = nn.Parameter(narrow, requires_grad=False)
             saved += narrow.numel() * narrow.element_size()
     return saved

@@ -18,7 +18,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
-        self._triton = LayerOpsRoute()
+        self._triton_route = LayerOpsRoute()
         # The fused kernels compute RMSNorm's own formula; a subclass with another keeps torch.
         self._plain = type(self)._norm is RMSNorm._norm
 
@@ -48,7 +48,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
-        if self._plain and self._triton(x):
+        if self._plain and self._triton_route(x):
             # The CUDA path: one Triton launch (model_executor/layers/ops/triton_rms_norm.py).
             from vllm.model_executor.layers.ops.triton_rms_norm import triton_rms_norm
 

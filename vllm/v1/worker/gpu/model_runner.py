@@ -61,6 +61,9 @@ class ModelRunner:
         self.max_model_len = mc.max_model_len
         self.max_num_reqs = vllm_config.scheduler_config.max_num_seqs
         self.num_spec = vllm_config.num_speculative_tokens
+        spec = vllm_config.speculative_config
+        # A dynamic draft tree: its per-request shape travels with the drafts (StepResult).
+        self.dynamic_tree = spec is not None and spec.num_tree_nodes is not None
         self.pp = get_pp_group()
         self.tp = get_tp_group()
         self.max_blocks_per_req = cdiv(self.max_model_len + self.num_spec + 1, self.block_size) + 1
@@ -123,10 +126,8 @@ class ModelRunner:
         cfg, mc = self.vllm_config, self.vllm_config.model_config
         found: dict[str, RunnerFeature | None] = {}
         if self.pp.world_size > 1:
-            spec = cfg.speculative_config
-            dynamic = spec is not None and spec.num_tree_nodes is not None
             found["pp"] = self.pp_handler = PPHandler(
-                self.max_num_reqs, self.num_spec, self.device, draft_parents=dynamic
+                self.max_num_reqs, self.num_spec, self.device, draft_parents=self.dynamic_tree
             )
         if self.model.supports_multimodal:
             self.mm = MultiModalRunnerState(self.model, self.device, self.pp.is_first_rank)
@@ -370,7 +371,7 @@ class ModelRunner:
                     draft_grammar=forks,
                 )
             )
-            if spec_cfg is not None and spec_cfg.num_tree_nodes is not None:
+            if self.dynamic_tree:
                 result.draft_parents = getattr(self.speculator, "tree_parents", None)
             proposers = self.speculator.row_proposers(getattr(spec_cfg, "method", ""), len(drafts))
             if grammar is not None:
