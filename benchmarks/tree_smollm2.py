@@ -3,9 +3,10 @@
 """Draft trees vs a chain vs no speculation: SmolLM2-135M-Instruct + the bundled EAGLE3 head.
 
 Engines: no speculation, a chain of K drafts (fixed K), static trees (speculative_token_tree)
-and, where given, a dynamic tree (num_tree_nodes / tree_top_k). A name ending in "a" (chain3a,
-tree6a, dyn10a, dyn16a) is the same engine with the adaptive shape (the step-cost model picks
-each request's chain length / tree prefix every step); without it K is fixed. Held-out chat
+and, where given, a dynamic tree (dynN: num_tree_nodes N; dynNkTdD: also tree_top_k T,
+tree_max_depth D). A name ending in "a" (chain3a, tree6a, dyn10a, dyn10k2d6a) is the same engine
+with the adaptive shape (the step-cost model picks each request's chain length / tree prefix
+every step); without it K is fixed. Held-out chat
 prompts, batch 1 (requests one after another) and larger batches B (B requests together),
 temperature 0 and a seeded temperature. All engines are built first; every repeat times each
 (batch, temperature, engine) once in an order that rotates between repeats; medians are
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import statistics
 import sys
 import time
@@ -71,8 +73,11 @@ def spec_of(name: str, alt_head: str | None = None) -> dict | None:
         return {**base, "num_speculative_tokens": int(name[5:])}
     if name in TREES:
         return {**base, "speculative_token_tree": TREES[name]}
-    if name.startswith("dyn"):
-        return {**base, "num_tree_nodes": int(name[3:])}
+    m = re.fullmatch(r"dyn(\d+)(?:k(\d+))?(?:d(\d+))?", name)
+    if m:  # dynN[kT][dD]: N nodes, tree_top_k T, tree_max_depth D (defaults where left out)
+        extra = {"tree_top_k": int(m[2])} if m[2] else {}
+        extra |= {"tree_max_depth": int(m[3])} if m[3] else {}
+        return {**base, "num_tree_nodes": int(m[1]), **extra}
     raise SystemExit(f"unknown engine {name!r}")
 
 

@@ -21,11 +21,13 @@ Stages (each resumable; outputs under --work-dir):
 
     python tools/train_eagle3_smollm2.py all [--work-dir DIR] [--out vllm/model_zoo/...]
         [--num-chunks N] [--first-chunk F] [--sample-share S] [--epochs E]
-        [--init HEAD_DIR] [--lr LR] [--threads N]
+        [--init HEAD_DIR] [--lr LR] [--threads N] [--layers L]
 
 --first-chunk F --num-chunks N: generate / featurize / train on chunks F .. F + N - 1 (a run
 continued with --init on chunks the first runs never saw); --sample-share S: that share of
-the answers sampled at SAMPLE_TEMPERATURE (seeded) instead of greedy.
+the answers sampled at SAMPLE_TEMPERATURE (seeded) instead of greedy; --layers L: a head of L
+decoder layers (EAGLE3's first layer, then plain Llama layers; --init from a shallower head
+starts the extra layers afresh).
 
 The shipped head is two runs (both in its model card, vllm/model_zoo/smollm2-135m-eagle3):
 the defaults (seed SEED, NUM_CHUNKS, EPOCHS, lr 1e-3) are the first; the second continues from
@@ -645,7 +647,11 @@ def _rope(x, cos, sin):
 
 class DraftHead:
     """The EAGLE3 head being trained, in plain torch (weights named as in the speculators
-    format). forward() unrolls the training-time test over a padded batch."""
+    format). forward() unrolls the training-time test over a padded batch.
+
+    cfg["num_layers"] (default 1): layer 0 is EAGLE3's (its attention reads
+    [input_layernorm(embedding); hidden_norm(hidden)], norm_before_residual); layers 1.. are
+    plain pre-norm Llama layers over the stream, as speculators and the engine stack them."""
 
     def __init__(self, cfg: dict, embed, lm_rows, seed: int) -> None:
         import torch
@@ -656,6 +662,7 @@ class DraftHead:
         self.cfg = cfg
         self.eps = cfg["rms_norm_eps"]
         self.nh, self.nkv, self.hd = nh, nkv, hd
+        self.num_layers = int(cfg.get("num_layers", 1))
 
         def lin(out_f: int, in_f: int):
             return (torch.randn(out_f, in_f, generator=g) / in_f**0.5).requires_grad_()
@@ -663,23 +670,27 @@ class DraftHead:
         def ones(n: int):
             return torch.ones(n).requires_grad_()
 
-        self.params = {
-            "fc.weight": lin(h, len(AUX_LAYERS) * h),
-            "layers.0.input_layernorm.weight": ones(h),
-            "layers.0.hidden_norm.weight": ones(h),
-            "layers.0.post_attention_layernorm.weight": ones(h),
-            "layers.0.self_attn.q_proj.weight": lin(nh * hd, 2 * h),
-            "layers.0.self_attn.k_proj.weight": lin(nkv * hd, 2 * h),
-            "layers.0.self_attn.v_proj.weight": lin(nkv * hd, 2 * h),
-            "layers.0.self_attn.o_proj.weight": lin(h, nh * hd),
-            "layers.0.mlp.gate_proj.weight": lin(inter, h),
-            "layers.0.mlp.up_proj.weight": lin(inter, h),
-            "layers.0.mlp.down_proj.weight": lin(h, inter),
-            "norm.weight": ones(h),
-        }
-        with torch.no_grad():
-            self.params["layers.0.self_attn.o_proj.weight"] *= 0.1
-            self.params["layers.0.mlp.down_proj.weight"] *= 0.1
+        self.params = {"fc.weight": lin(h, len(AUX_LAYERS) * h)}
+        for i in range(self.num_layers):
+            pre = f"layers.{i}."
+            in_f = 2 * h if i == 0 else h
+            self.params[pre + "input_layernorm.weight"] = ones(h)
+            if i == 0:
+                self.params[pre + "hidden_norm.weight"] = ones(h)
+            self.params |= {
+                pre + "post_attention_layernorm.weight": ones(h),
+                pre + "self_attn.q_proj.weight": lin(nh * hd, in_f),
+                pre + "self_attn.k_proj.weight": lin(nkv * hd, in_f),
+                pre + "self_attn.v_proj.weight": lin(nkv * hd, in_f),
+                pre + "self_attn.o_proj.weight": lin(h, nh * hd),
+                pre + "mlp.gate_proj.weight": lin(inter, h),
+                pre + "mlp.up_proj.weight": lin(inter, h),
+                pre + "mlp.down_proj.weight": lin(h, inter),
+            }
+            with torch.no_grad():
+                self.params[pre + "self_attn.o_proj.weight"] *= 0.1
+                self.params[pre + "mlp.down_proj.weight"] *= 0.1
+        self.params["norm.weight"] = ones(h)
         # Frozen, as speculators trains: the target's embedding and its LM-head rows of the
         # draft vocabulary (the shipped lm_head starts as, and stays, those rows).
         self.embed = embed
@@ -687,19 +698,24 @@ class DraftHead:
         inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd))
         self.inv_freq = inv
 
-    def _qkv(self, emb, hidden, positions):
-        """Shared first part of a draft step on rows [..., H]: (q, k, v, residual)."""
+    def _qkv(self, layer: int, emb, stream, positions):
+        """The start of layer `layer` on rows [..., H]: (q, k, v, residual). Layer 0 reads
+        the token's embedding and the hidden state fed to the head; later layers the stream."""
         p = self.params
-        hn = _rms(hidden, p["layers.0.hidden_norm.weight"], self.eps)
-        x = torch_cat([_rms(emb, p["layers.0.input_layernorm.weight"], self.eps), hn])
+        pre = f"layers.{layer}."
+        if layer == 0:
+            residual = _rms(stream, p[pre + "hidden_norm.weight"], self.eps)
+            x = torch_cat([_rms(emb, p[pre + "input_layernorm.weight"], self.eps), residual])
+        else:
+            residual, x = stream, _rms(stream, p[pre + "input_layernorm.weight"], self.eps)
         shape = x.shape[:-1]
-        q = (x @ p["layers.0.self_attn.q_proj.weight"].T).view(*shape, self.nh, self.hd)
-        k = (x @ p["layers.0.self_attn.k_proj.weight"].T).view(*shape, self.nkv, self.hd)
-        v = (x @ p["layers.0.self_attn.v_proj.weight"].T).view(*shape, self.nkv, self.hd)
+        q = (x @ p[pre + "self_attn.q_proj.weight"].T).view(*shape, self.nh, self.hd)
+        k = (x @ p[pre + "self_attn.k_proj.weight"].T).view(*shape, self.nkv, self.hd)
+        v = (x @ p[pre + "self_attn.v_proj.weight"].T).view(*shape, self.nkv, self.hd)
         cos, sin = self._cos_sin(positions)
         rep = self.nh // self.nkv
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        return q, k.repeat_interleave(rep, -2), v.repeat_interleave(rep, -2), hn
+        return q, k.repeat_interleave(rep, -2), v.repeat_interleave(rep, -2), residual
 
     def _cos_sin(self, positions):
         import torch
@@ -708,18 +724,21 @@ class DraftHead:
         emb = torch.cat([f, f], dim=-1)
         return emb.cos()[..., None, :], emb.sin()[..., None, :]  # broadcast over heads
 
-    def _finish(self, residual, att):
-        """o_proj + residual, MLP block; returns (pre-norm stream, draft-vocab logits)."""
+    def _finish(self, layer: int, residual, att):
+        """o_proj + residual, then the MLP block: the stream after layer `layer`."""
         import torch
 
         p = self.params
-        h1 = residual + att.flatten(-2) @ p["layers.0.self_attn.o_proj.weight"].T
-        y = _rms(h1, p["layers.0.post_attention_layernorm.weight"], self.eps)
-        mlp = torch.nn.functional.silu(y @ p["layers.0.mlp.gate_proj.weight"].T) * (
-            y @ p["layers.0.mlp.up_proj.weight"].T
+        pre = f"layers.{layer}."
+        h1 = residual + att.flatten(-2) @ p[pre + "self_attn.o_proj.weight"].T
+        y = _rms(h1, p[pre + "post_attention_layernorm.weight"], self.eps)
+        mlp = torch.nn.functional.silu(y @ p[pre + "mlp.gate_proj.weight"].T) * (
+            y @ p[pre + "mlp.up_proj.weight"].T
         )
-        hidden = h1 + mlp @ p["layers.0.mlp.down_proj.weight"].T
-        return hidden, _rms(hidden, p["norm.weight"], self.eps) @ self.lm_head.T
+        return h1 + mlp @ p[pre + "mlp.down_proj.weight"].T
+
+    def _logits(self, stream):
+        return _rms(stream, self.params["norm.weight"], self.eps) @ self.lm_head.T
 
     def forward(self, aux, next_ids, valid, steps: int, rows=None):
         """The training-time test over a padded batch (norm_before_residual).
@@ -727,45 +746,54 @@ class DraftHead:
         aux [B, T, 3H]; next_ids [B, T + steps - 1] (the token after each position, then the
         teacher-forced continuation); valid [B, T] key mask. Step 0 runs at every position;
         steps >= 1 only at `rows` ((b, t) index pair; default all): step k at (b, t) needs only
-        its own step k - 1 there plus the step-0 keys of sequence b, so a subset is an
-        unbiased, cheaper estimate of the later steps' loss. Returns step 0 logits [B, T, Vd]
-        and, per later step, logits [N, Vd] at rows."""
+        its own step k - 1 there plus the step-0 keys of sequence b (each layer its own), so
+        a subset is an unbiased, cheaper estimate of the later steps' loss. Returns step 0
+        logits [B, T, Vd] and, per later step, logits [N, Vd] at rows."""
         import torch
 
         p = self.params
         B, T, _ = aux.shape
         scale = self.hd**-0.5
         pos = torch.arange(T)[None].expand(B, T)
-        q, k0, v0, hn = self._qkv(self.embed[next_ids[:, :T]], aux @ p["fc.weight"].T, pos)
-        q, k0, v0 = q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2)  # [B, nh, T, hd]
+        emb = self.embed[next_ids[:, :T]]
         mask0 = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
-        s0 = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~mask0, float("-inf"))
-        att = (s0.softmax(-1) @ v0).transpose(1, 2)
-        hidden, logits = self._finish(hn, att)
-        out = [logits]
+        stream = aux @ p["fc.weight"].T
+        k0s, v0s = [], []  # each layer's step-0 keys / values [B, nh, T, hd]
+        for layer in range(self.num_layers):
+            q, k0, v0, res = self._qkv(layer, emb, stream, pos)
+            q, k0, v0 = q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2)
+            s0 = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~mask0, float("-inf"))
+            att = (s0.softmax(-1) @ v0).transpose(1, 2)
+            stream = self._finish(layer, res, att)
+            k0s.append(k0)
+            v0s.append(v0)
+        out = [self._logits(stream)]
         if steps == 1:
             return out
         if rows is None:
             rows = torch.nonzero(valid, as_tuple=True)
         b, t = rows
-        hidden = hidden[b, t]
+        hidden = stream[b, t]
         row_mask = mask0[b, 0, t]  # [N, T]: step-0 keys row (b, t) may attend
-        keys, values = [], []
+        keys: list[list] = [[] for _ in range(self.num_layers)]
+        values: list[list] = [[] for _ in range(self.num_layers)]
         for k in range(1, steps):
-            q, kk, vv, hn = self._qkv(self.embed[next_ids[b, t + k]], hidden, t + k)
-            keys.append(kk)
-            values.append(vv)
-            qf = q.new_zeros(B, T, self.nh, self.hd).index_put((b, t), q)
-            s0 = (qf.transpose(1, 2) @ k0.transpose(-1, -2)).transpose(1, 2)[b, t] * scale
-            s0 = s0.masked_fill(~row_mask[:, None, :], float("-inf"))  # [N, nh, T]
-            diag = torch.stack([(q * kj).sum(-1) * scale for kj in keys], -1)  # [N, nh, k]
-            w = torch.cat([s0, diag], -1).softmax(-1)
-            wf = w.new_zeros(B, T, self.nh, T).index_put((b, t), w[..., :T])
-            att = (wf.transpose(1, 2) @ v0).transpose(1, 2)[b, t]  # [N, nh, hd]
-            for j, vj in enumerate(values):
-                att = att + w[..., T + j : T + j + 1] * vj
-            hidden, logits = self._finish(hn, att)
-            out.append(logits)
+            emb_k = self.embed[next_ids[b, t + k]]
+            for layer in range(self.num_layers):
+                q, kk, vv, res = self._qkv(layer, emb_k, hidden, t + k)
+                keys[layer].append(kk)
+                values[layer].append(vv)
+                qf = q.new_zeros(B, T, self.nh, self.hd).index_put((b, t), q)
+                s0 = (qf.transpose(1, 2) @ k0s[layer].transpose(-1, -2)).transpose(1, 2)[b, t]
+                s0 = s0.masked_fill(~row_mask[:, None, :], float("-inf")) * scale  # [N, nh, T]
+                diag = torch.stack([(q * kj).sum(-1) * scale for kj in keys[layer]], -1)
+                w = torch.cat([s0, diag], -1).softmax(-1)
+                wf = w.new_zeros(B, T, self.nh, T).index_put((b, t), w[..., :T])
+                att = (wf.transpose(1, 2) @ v0s[layer]).transpose(1, 2)[b, t]  # [N, nh, hd]
+                for j, vj in enumerate(values[layer]):
+                    att = att + w[..., T + j : T + j + 1] * vj
+                hidden = self._finish(layer, res, att)
+            out.append(self._logits(hidden))
         return out
 
 
@@ -833,13 +861,16 @@ def stage_train(
     init: Path | None = None,
     bf16: bool = False,
     first_chunk: int = 0,
+    layers: int = 1,
 ) -> None:
     """EAGLE3 training with training-time test (TTT_STEPS unrolled steps, the draft's own
     hidden fed back), KL to the target over the draft vocabulary, checkpoints every 10 min.
 
     init: a head folder (speculators format) whose layer weights start the run (its draft
     vocabulary is not reused: the LM-head rows are the target's, frozen, so the vocabulary can
-    be chosen afresh from the data). bf16: the head's matmuls under bf16 autocast (fp32 master
+    be chosen afresh from the data; a head of more layers than init's starts its extra layers
+    from random weights, their output projections scaled down). layers: the head's decoder
+    layers (DraftHead). bf16: the head's matmuls under bf16 autocast (fp32 master
     weights and loss): measured ~1.25x faster per step on an AVX512-BF16 CPU (the shipped
     head was trained in fp32)."""
     import torch
@@ -868,14 +899,17 @@ def stage_train(
         "head_dim": tcfg.get("head_dim") or tcfg["hidden_size"] // tcfg["num_attention_heads"],
         "rms_norm_eps": tcfg["rms_norm_eps"],
         "rope_theta": tcfg["rope_parameters"]["rope_theta"],
+        "num_layers": layers,
     }
     head = DraftHead(cfg, embed, lm_rows, SEED)
     if init is not None:
         start = load_file(str(Path(init) / "model.safetensors"))
+        fresh = [k for k in head.params if k not in start]
         with torch.no_grad():
             for k, v in head.params.items():
-                v.copy_(start[k].float())
-        print(f"train: layer weights from {init}", flush=True)
+                if k in start:
+                    v.copy_(start[k].float())
+        print(f"train: weights from {init}; {len(fresh)} tensors start fresh", flush=True)
     opt = torch.optim.AdamW(list(head.params.values()), lr=lr, weight_decay=0.0)
     ckpt = work / "train_ckpt.pt"
     run = {
@@ -887,6 +921,7 @@ def stage_train(
         "seed": SEED,
         "init": None if init is None else str(init),
         "bf16": bf16,
+        "layers": layers,
     }
     state = {"step": 0, "run": run, "log": []}
     if ckpt.exists():
@@ -1071,7 +1106,8 @@ def stage_export(work: Path, target: str, out: Path) -> None:
             "vocab_size",
         )
     }
-    layer.update(model_type="llama", num_hidden_layers=1, tie_word_embeddings=False)
+    layers = int(tr["run"].get("layers", 1))
+    layer.update(model_type="llama", num_hidden_layers=layers, tie_word_embeddings=False)
     cfg = {
         "architectures": ["Eagle3DraftModel"],
         "speculators_model_type": "eagle3",
@@ -1255,6 +1291,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--init", default=None, help="train: start from this head folder's weights")
     ap.add_argument("--bf16", action="store_true", help="train: bf16 autocast for the matmuls")
+    ap.add_argument("--layers", type=int, default=1, help="train: the head's decoder layers")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     ap.add_argument(
         "--temperature", type=float, default=0.0, help="eval: sample at this temperature"
@@ -1310,6 +1347,7 @@ def main() -> None:
                 init=None if args.init is None else Path(args.init),
                 bf16=args.bf16,
                 first_chunk=args.first_chunk,
+                layers=args.layers,
             )
         elif s == "export":
             stage_export(work, args.target, Path(args.out))

@@ -1,0 +1,96 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""The EAGLE3 trainer's head (tools/train_eagle3_smollm2.py DraftHead) computes what
+speculators' Eagle3DraftModel computes, for one decoder layer and for two: the same random
+weights, read by the trainer under the names its export writes, give the same logits at every
+training-time-test step (step 0 over the target's taps at every position, steps 1 and 2
+feeding back the head's own hidden state with teacher-forced tokens). What the trainer
+optimises is then what the engine serves (the engine is held to speculators by
+tests/v1/spec_decode/test_eagle3_speculators.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vllm.testing.speculators_heads import SpeculatorsReference, make_speculators_eagle3
+
+pytest.importorskip("speculators", reason="speculators is a test dependency (see README)")
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "train_eagle3_smollm2.py"
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("train_eagle3_smollm2_parity", TOOL)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _trainer_head(tool, head_dir: str, target_dir: str, num_layers: int, embed: torch.Tensor):
+    t = json.loads((Path(target_dir) / "config.json").read_text())
+    cfg = {
+        "hidden_size": t["hidden_size"],
+        "intermediate_size": t["intermediate_size"],
+        "num_attention_heads": t["num_attention_heads"],
+        "num_key_value_heads": t["num_key_value_heads"],
+        "head_dim": t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"],
+        "rms_norm_eps": t["rms_norm_eps"],
+        "rope_theta": t["rope_parameters"]["rope_theta"],
+        "num_layers": num_layers,
+    }
+    w = load_file(str(Path(head_dir) / "model.safetensors"))
+    head = tool.DraftHead(cfg, embed, w["lm_head.weight"].float(), seed=0)
+    # Every trained tensor is one the speculators format names, and every tensor of the
+    # format but the frozen / mapping ones is trained.
+    frozen = {"lm_head.weight", "d2t", "t2d", "embed_tokens.weight"}
+    assert set(head.params) == {k for k in w if k not in frozen and not k.startswith("verifier_")}
+    with torch.no_grad():
+        for k, v in head.params.items():
+            assert v.shape == w[k].shape, k
+            v.copy_(w[k].float())
+    return head
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_trainer_head_matches_speculators(tool, llama_dir, tmp_path, num_layers):
+    aux_layers = (1, 2, 3)
+    head_dir = make_speculators_eagle3(
+        tmp_path / "head",
+        llama_dir,
+        aux_layers=aux_layers,
+        own_embed=False,
+        draft_vocab_size=200,
+        norm_before_residual=True,
+        num_layers=num_layers,
+        seed=3,
+    )
+    ref = SpeculatorsReference(head_dir, llama_dir)
+    embed = ref.hf.model.embed_tokens.weight.detach().float()
+    head = _trainer_head(tool, head_dir, llama_dir, num_layers, embed)
+
+    g = torch.Generator().manual_seed(5)
+    T = 14
+    ids = torch.randint(3, embed.shape[0], (T + STEPS,), generator=g).tolist()
+    aux = ref.aux_hidden_states(ids[:T])  # [T, 3H]
+    next_ids = ids[1 : T + STEPS]  # the token after each position, then the continuation
+    want = ref.step_logits(aux, next_ids, STEPS)
+
+    valid = torch.ones(1, T, dtype=torch.bool)
+    rows = (torch.zeros(T, dtype=torch.long), torch.arange(T))
+    with torch.no_grad():
+        got = head.forward(aux[None], torch.tensor([next_ids]), valid, STEPS, rows=rows)
+    assert len(got) == STEPS
+    torch.testing.assert_close(got[0][0], want[0], rtol=1e-4, atol=1e-4)
+    for k in range(1, STEPS):
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
+    # A real check: the head's steps differ from each other and from a head missing a layer.
+    assert not torch.allclose(want[1], want[0], atol=1e-2)
