@@ -740,15 +740,18 @@ class DraftHead:
     def _logits(self, stream):
         return _rms(stream, self.params["norm.weight"], self.eps) @ self.lm_head.T
 
-    def forward(self, aux, next_ids, valid, steps: int, rows=None):
+    def forward(self, aux, next_ids, valid, steps: int, rows=None, rows0=None):
         """The training-time test over a padded batch (norm_before_residual).
 
         aux [B, T, 3H]; next_ids [B, T + steps - 1] (the token after each position, then the
-        teacher-forced continuation); valid [B, T] key mask. Step 0 runs at every position;
-        steps >= 1 only at `rows` ((b, t) index pair; default all): step k at (b, t) needs only
-        its own step k - 1 there plus the step-0 keys of sequence b (each layer its own), so
-        a subset is an unbiased, cheaper estimate of the later steps' loss. Returns step 0
-        logits [B, T, Vd] and, per later step, logits [N, Vd] at rows."""
+        teacher-forced continuation); valid [B, T] key mask. Step 0's keys and values come
+        from every position, its output (the last layer's attention output, MLP and logits)
+        only at `rows0` ((b, t) index pair, default every valid position: the positions a loss
+        reads - a prompt position's output is never used); steps >= 1 run only at `rows`
+        (a subset of rows0; default rows0): step k at (b, t) needs only its own step k - 1
+        there plus the step-0 keys of sequence b (each layer its own), so a subset is an
+        unbiased, cheaper estimate of the later steps' loss. Returns step 0 logits [N0, Vd]
+        at rows0 and, per later step, logits [N, Vd] at rows."""
         import torch
 
         p = self.params
@@ -757,13 +760,18 @@ class DraftHead:
         pos = torch.arange(T)[None].expand(B, T)
         emb = self.embed[next_ids[:, :T]]
         mask0 = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & valid[:, None, None, :]
+        if rows0 is None:
+            rows0 = torch.nonzero(valid, as_tuple=True)
         stream = aux @ p["fc.weight"].T
         k0s, v0s = [], []  # each layer's step-0 keys / values [B, nh, T, hd]
+        last = self.num_layers - 1
         for layer in range(self.num_layers):
             q, k0, v0, res = self._qkv(layer, emb, stream, pos)
             q, k0, v0 = q.transpose(1, 2), k0.transpose(1, 2), v0.transpose(1, 2)
             s0 = ((q @ k0.transpose(-1, -2)) * scale).masked_fill(~mask0, float("-inf"))
             att = (s0.softmax(-1) @ v0).transpose(1, 2)
+            if layer == last:  # only the rows whose output is read
+                res, att = res[rows0], att[rows0]
             stream = self._finish(layer, res, att)
             k0s.append(k0)
             v0s.append(v0)
@@ -771,9 +779,14 @@ class DraftHead:
         if steps == 1:
             return out
         if rows is None:
-            rows = torch.nonzero(valid, as_tuple=True)
+            rows = rows0
         b, t = rows
-        hidden = stream[b, t]
+        at0 = torch.full((B, T), -1, dtype=torch.long)
+        at0[rows0] = torch.arange(len(rows0[0]))
+        where = at0[b, t]
+        if bool((where < 0).any()):
+            raise ValueError("rows must be a subset of rows0")
+        hidden = stream[where]
         row_mask = mask0[b, 0, t]  # [N, T]: step-0 keys row (b, t) may attend
         keys: list[list] = [[] for _ in range(self.num_layers)]
         values: list[list] = [[] for _ in range(self.num_layers)]
@@ -842,11 +855,14 @@ def _collate(seqs: list[dict], idx: list[int], steps: int, lm_rows):
         final[b, :n] = s["final"].float()
         answer[b, s["prompt_len"] : n] = True
     with torch.no_grad():
-        tgt_logits = final @ lm_rows.T
+        # The target's log-probabilities where a loss reads them (answer positions; 0 at the
+        # others, which every mask leaves out).
+        tgt_lp = torch.zeros(B, T + steps, lm_rows.shape[0])
+        tgt_lp[answer] = (final[answer] @ lm_rows.T).log_softmax(-1)
     targets, masks = [], []
     for k in range(steps):
         # step k at index t predicts what the target predicts at position t + 1 + k
-        targets.append(tgt_logits[:, 1 + k : 1 + k + T].log_softmax(-1))
+        targets.append(tgt_lp[:, 1 + k : 1 + k + T])
         masks.append(answer[:, 1 + k : 1 + k + T] & valid)
     return aux, nxt, valid, targets, masks
 
@@ -975,14 +991,15 @@ def stage_train(
         if cand is not None:
             keep = torch.rand(len(cand[0]), generator=g) < LATER_STEP_FRACTION
             rows = (cand[0][keep], cand[1][keep])
+        rows0 = _output_rows(masks)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits = head.forward(aux, nxt, valid, TTT_STEPS, rows=rows)
+            logits = head.forward(aux, nxt, valid, TTT_STEPS, rows=rows, rows0=rows0)
         logits = [x.float() for x in logits]
         loss = torch.zeros(())
         accs = []
         for k in range(TTT_STEPS):
             lp = logits[k].log_softmax(-1)
-            tk, m = _step_targets(targets, masks, k, rows)
+            tk, m = _step_targets(targets, masks, k, rows0 if k == 0 else rows)
             kl = (tk.exp() * (tk - lp)).sum(-1)
             loss = loss + (kl * m).sum() / m.sum().clamp(min=1)
             with torch.no_grad():
@@ -1027,10 +1044,18 @@ def stage_train(
     print(f"train: done in {time.time() - t_start:.0f}s", flush=True)
 
 
+def _output_rows(masks):
+    """The positions whose step-0 output is read: step 0's loss positions and those the later
+    steps start from (a step-1 position can be one before step 0's first)."""
+    import torch
+
+    return torch.nonzero(masks[0] | masks[1] if len(masks) > 1 else masks[0], as_tuple=True)
+
+
 def _step_targets(targets, masks, k: int, rows):
-    """TTT step k's target log-probabilities and loss mask: every position at step 0, `rows`
-    (the positions the later steps run at) after."""
-    return (targets[k], masks[k]) if k == 0 else (targets[k][rows], masks[k][rows])
+    """TTT step k's target log-probabilities and loss mask at `rows` (the positions step k
+    ran at: step 0's loss positions, then the later steps' subset)."""
+    return targets[k][rows], masks[k][rows]
 
 
 def _top1_hits(logits, tk, m) -> tuple[int, int]:
@@ -1050,9 +1075,11 @@ def heldout_agreement(head: DraftHead, seqs: list[dict], lm_rows, tokens_per_bat
         for idx in _batches(seqs, tokens_per_batch, random.Random(0)):
             aux, nxt, valid, targets, masks = _collate(seqs, idx, TTT_STEPS, lm_rows)
             rows = torch.nonzero(masks[1], as_tuple=True)
-            logits = head.forward(aux, nxt, valid, TTT_STEPS, rows=rows)
+            rows0 = _output_rows(masks)
+            logits = head.forward(aux, nxt, valid, TTT_STEPS, rows=rows, rows0=rows0)
             for k in range(TTT_STEPS):
-                h, c = _top1_hits(logits[k], *_step_targets(targets, masks, k, rows))
+                at = rows0 if k == 0 else rows
+                h, c = _top1_hits(logits[k], *_step_targets(targets, masks, k, at))
                 hits[k] += h
                 counts[k] += c
     return [h / max(1, c) for h, c in zip(hits, counts)]

@@ -4,7 +4,8 @@
 speculators' Eagle3DraftModel computes, for one decoder layer and for two: the same random
 weights, read by the trainer under the names its export writes, give the same logits at every
 training-time-test step (step 0 over the target's taps at every position, steps 1 and 2
-feeding back the head's own hidden state with teacher-forced tokens). What the trainer
+feeding back the head's own hidden state with teacher-forced tokens), also when step 0's
+output and the later steps run at a subset of the positions, as training runs them. What the trainer
 optimises is then what the engine serves (the engine is held to speculators by
 tests/v1/spec_decode/test_eagle3_speculators.py)."""
 
@@ -85,12 +86,20 @@ def test_trainer_head_matches_speculators(tool, llama_dir, tmp_path, num_layers)
     want = ref.step_logits(aux, next_ids, STEPS)
 
     valid = torch.ones(1, T, dtype=torch.bool)
-    rows = (torch.zeros(T, dtype=torch.long), torch.arange(T))
-    with torch.no_grad():
-        got = head.forward(aux[None], torch.tensor([next_ids]), valid, STEPS, rows=rows)
-    assert len(got) == STEPS
-    torch.testing.assert_close(got[0][0], want[0], rtol=1e-4, atol=1e-4)
-    for k in range(1, STEPS):
-        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=1e-4)
+
+    def at(lo: int):  # positions lo .. T - 1 of the one sequence
+        return (torch.zeros(T - lo, dtype=torch.long), torch.arange(lo, T))
+
+    # Every position, then (as training runs) step 0's output only where a loss reads it
+    # and the later steps at a subset of those.
+    for lo0, lo in ((0, 0), (3, 5)):
+        with torch.no_grad():
+            got = head.forward(
+                aux[None], torch.tensor([next_ids]), valid, STEPS, rows=at(lo), rows0=at(lo0)
+            )
+        assert len(got) == STEPS
+        torch.testing.assert_close(got[0], want[0][lo0:], rtol=1e-4, atol=1e-4)
+        for k in range(1, STEPS):
+            torch.testing.assert_close(got[k], want[k][lo:], rtol=1e-4, atol=1e-4)
     # A real check: the head's steps differ from each other and from a head missing a layer.
     assert not torch.allclose(want[1], want[0], atol=1e-2)
