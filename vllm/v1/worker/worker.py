@@ -68,6 +68,9 @@ class Worker:
         # The VLLM_TEST_FAULT_RAISE test hook (None: off) and its step count.
         self._fault: tuple[int, str, int] | None = envs.VLLM_TEST_FAULT_RAISE
         self._fault_steps = 0
+        # CPU stages without OMP_NUM_THREADS: (threads for a step run alone, threads when
+        # steps overlap); None: the thread count is never changed per step.
+        self._cpu_threads: tuple[int, int] | None = None
         # Seconds spent in stage-to-stage transfers (see comm_stats).
         self._comm = {
             "steps": 0,
@@ -76,6 +79,9 @@ class Worker:
             "recv_wait_s": 0.0,
             "recv_payload_s": 0.0,
             "send_s": 0.0,
+            # CPU stages choosing their thread count per step: steps run alone / overlapping
+            "steps_alone": 0,
+            "steps_shared": 0,
         }
         # record_drafts(): every draft proposal of this stage per request (None: off).
         self._draft_log: dict[str, list[list[int]]] | None = None
@@ -93,8 +99,13 @@ class Worker:
                 )
             if self.device.type == "cpu" and envs.OMP_NUM_THREADS is None:
                 # Workers share the host's cores (those this process may run on: a
-                # data-parallel replica's); oversubscribing them slows every one.
-                torch.set_num_threads(max(1, usable_cores() // self.num_workers))
+                # data-parallel replica's); oversubscribing them slows every one. A step the
+                # stages run one after another (nothing else in flight) may use the cores
+                # of every stage: the others wait meanwhile (_stage_threads).
+                cores = usable_cores()
+                shared = max(1, cores // self.num_workers)
+                self._cpu_threads = (max(1, cores // self.tp_size), shared)
+                torch.set_num_threads(shared)
             init_distributed(
                 self.rank,
                 self.num_workers,
@@ -161,6 +172,7 @@ class Worker:
             self._comm["steps"] += 1
             return self._log_drafts(self._runner().execute_model(so, intermediate_tensors))
         pp = get_pp_group()
+        self._stage_threads(so)
         if not pp.is_first_rank and so.total_num_scheduled_tokens > 0:
             intermediate_tensors = IntermediateTensors(self._recv(pp.prev_rank))
         t0, c0 = time.perf_counter(), time.process_time()
@@ -175,6 +187,22 @@ class Worker:
             self._pending_sends.append(send_tensor_dict(out.tensors, pp.next_rank))
             self._comm["send_s"] += time.perf_counter() - t0
         return None
+
+    def _stage_threads(self, so: SchedulerOutput) -> None:
+        """CPU, P > 1: a step run alone (so.batches_in_flight == 1, e.g. batch 1: one stage
+        computes while the others wait for it) gets the cores of every stage (this TP rank's
+        share); overlapping steps get this worker's share, so the stages computing at once
+        never oversubscribe the cores. The output does not change: the small-M kernel computes
+        each output element in one thread, and outputs at P = 1 (every core) and P > 1 are
+        held equal by the tests."""
+        if self._cpu_threads is None or so.total_num_scheduled_tokens == 0:
+            return
+        alone, shared = self._cpu_threads
+        run_alone = so.batches_in_flight <= 1
+        want = alone if run_alone else shared
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
+        self._comm["steps_alone" if run_alone else "steps_shared"] += 1
 
     def _maybe_fail(self, so: SchedulerOutput) -> None:
         """The VLLM_TEST_FAULT_RAISE test hook: raise as a failing forward would."""
@@ -236,6 +264,9 @@ class Worker:
             tp_comm_s=tp.comm_s,
             tp_collectives=tp.num_collectives,
             mm_pixel_bytes=(mm.pixel_bytes_received if mm is not None else 0),
+            threads_alone=self._cpu_threads[0] if self._cpu_threads else 0,
+            threads_shared=self._cpu_threads[1] if self._cpu_threads else 0,
+            threads_now=torch.get_num_threads(),
         )
 
     def record_drafts(self) -> None:

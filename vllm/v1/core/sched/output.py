@@ -64,6 +64,10 @@ class SchedulerOutput:
     state_checkpoint_saves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     """Hybrid models with prefix caching: per request, (tokens, checkpoint id) of the
     linear-attention states this step saves, the state after that many of its tokens."""
+    batches_in_flight: int = 1
+    """Steps the engine had started and not finished when it started this one, this one
+    included (pipeline parallelism). 1: the stages run it alone - at batch 1 one stage works
+    while the others wait - so a CPU stage may take every core (Worker.execute_model)."""
     kv_block_copies: list[tuple[int, int]] = field(default_factory=list)
     """(source, destination) KV blocks every stage copies, in every attention layer's cache,
     before this step's forward: a request resuming from a cached prompt tail gets its own copy
