@@ -68,7 +68,11 @@ FEATURE_BATCH = 16  # sequences per HF forward in `features`
 HELDOUT_EVERY = 100  # train: held-out agreement every this many steps (when feat_heldout/ exists)
 # The shipped head's first run: the first NUM_CHUNKS chunks of the (seeded, shuffled) training
 # prompts, EPOCHS epochs (its second run: --num-chunks 20 --epochs 10 --lr 6e-4 --init FIRST).
-# A chunk costs ~40 s of generation and ~45 s of features on a quiet 2-core machine.
+# A chunk costs ~40 s of generation and ~45 s of features on a quiet 2-core AVX512-BF16 EPYC;
+# on a 2-core AVX2-only one ~180 s and ~150 s with the two stages side by side, each on one
+# core (OMP_NUM_THREADS=1 taskset -c 0 ... generate, taskset -c 1 ... features --follow: two
+# processes of two threads each on two cores were ~2x slower). A training step (2048 tokens,
+# one layer, 2 threads) ~2.5 s there: 82 chunks are ~850 steps per epoch.
 NUM_CHUNKS = 5
 EPOCHS = 5.0
 DEFAULT_OUT = ROOT / "vllm" / "model_zoo" / "smollm2-135m-eagle3"
