@@ -72,8 +72,8 @@ HELDOUT_EVERY = 100  # train: held-out agreement every this many steps (when fea
 # on a 2-core AVX2-only one ~180 s and ~150 s with the two stages side by side, each on one
 # core (OMP_NUM_THREADS=1 taskset -c 0 ... generate, taskset -c 1 ... features --follow: two
 # processes of two threads each took up to 460 s per generate chunk, not measured quietly). A
-# training step (2048 tokens, one layer, 2 threads) ~2.5 s there: 82 chunks are ~850 steps per
-# epoch.
+# training step (2048 tokens, one layer, 2 threads) ~2.5 s there: 82 chunks are ~780 steps per
+# epoch (the shipped run: 191 over 20 chunks).
 NUM_CHUNKS = 5
 EPOCHS = 5.0
 DEFAULT_OUT = ROOT / "vllm" / "model_zoo" / "smollm2-135m-eagle3"
