@@ -650,6 +650,21 @@ def _rope(x, cos, sin):
     return x * cos + rot * sin
 
 
+def head_config(target_config: dict, layers: int = 1) -> dict:
+    """DraftHead's cfg from the target's config.json: its layer shapes, layers decoder layers."""
+    t = target_config
+    return {
+        "hidden_size": t["hidden_size"],
+        "intermediate_size": t["intermediate_size"],
+        "num_attention_heads": t["num_attention_heads"],
+        "num_key_value_heads": t["num_key_value_heads"],
+        "head_dim": t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"],
+        "rms_norm_eps": t["rms_norm_eps"],
+        "rope_theta": t["rope_parameters"]["rope_theta"],
+        "num_layers": layers,
+    }
+
+
 class DraftHead:
     """The EAGLE3 head being trained, in plain torch (weights named as in the speculators
     format). forward() unrolls the training-time test over a padded batch.
@@ -912,17 +927,7 @@ def stage_train(
         f"{DRAFT_VOCAB} covers {covered:.1%} of answer tokens",
         flush=True,
     )
-    cfg = {
-        "hidden_size": tcfg["hidden_size"],
-        "intermediate_size": tcfg["intermediate_size"],
-        "num_attention_heads": tcfg["num_attention_heads"],
-        "num_key_value_heads": tcfg["num_key_value_heads"],
-        "head_dim": tcfg.get("head_dim") or tcfg["hidden_size"] // tcfg["num_attention_heads"],
-        "rms_norm_eps": tcfg["rms_norm_eps"],
-        "rope_theta": tcfg["rope_parameters"]["rope_theta"],
-        "num_layers": layers,
-    }
-    head = DraftHead(cfg, embed, lm_rows, SEED)
+    head = DraftHead(head_config(tcfg, layers), embed, lm_rows, SEED)
     if init is not None:
         start = load_file(str(Path(init) / "model.safetensors"))
         fresh = [k for k in head.params if k not in start]

@@ -11,7 +11,6 @@ tests/v1/spec_decode/test_eagle3_speculators.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -23,31 +22,11 @@ from vllm.testing.speculators_heads import SpeculatorsReference, make_speculator
 
 pytest.importorskip("speculators", reason="speculators is a test dependency (see README)")
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "train_eagle3_smollm2.py"
-STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def tool():
-    spec = importlib.util.spec_from_file_location("train_eagle3_smollm2_parity", TOOL)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+STEPS = 3  # the `tool` fixture (the trainer's module): conftest.py
 
 
 def _trainer_head(tool, head_dir: str, target_dir: str, num_layers: int, embed: torch.Tensor):
-    t = json.loads((Path(target_dir) / "config.json").read_text())
-    cfg = {
-        "hidden_size": t["hidden_size"],
-        "intermediate_size": t["intermediate_size"],
-        "num_attention_heads": t["num_attention_heads"],
-        "num_key_value_heads": t["num_key_value_heads"],
-        "head_dim": t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"],
-        "rms_norm_eps": t["rms_norm_eps"],
-        "rope_theta": t["rope_parameters"]["rope_theta"],
-        "num_layers": num_layers,
-    }
+    cfg = tool.head_config(json.loads((Path(target_dir) / "config.json").read_text()), num_layers)
     w = load_file(str(Path(head_dir) / "model.safetensors"))
     head = tool.DraftHead(cfg, embed, w["lm_head.weight"].float(), seed=0)
     # Every trained tensor is one the speculators format names, and every tensor of the

@@ -6,25 +6,12 @@ and the first head's prompts stay the prefix of the list (so its chunks are repr
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 from vllm.model_zoo import SMOLLM2_EAGLE3_DIR
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "train_eagle3_smollm2.py"
-
-
-@pytest.fixture(scope="module")
-def tool():
-    spec = importlib.util.spec_from_file_location("train_eagle3_smollm2", TOOL)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_heldout_split_is_the_shipped_one(tool):

@@ -71,7 +71,7 @@ class Worker:
         # CPU stages without OMP_NUM_THREADS: (threads for a step run alone, threads when
         # steps overlap); None: the thread count is never changed per step.
         self._cpu_threads: tuple[int, int] | None = None
-        # Seconds spent in stage-to-stage transfers (see comm_stats).
+        # Steps and seconds spent in stage-to-stage transfers (see comm_stats).
         self._comm = {
             "steps": 0,
             "run_s": 0.0,

@@ -212,18 +212,15 @@ class PPHandler(RunnerFeature):
         tokens = torch.empty(num_reqs, self.max_sample_len, dtype=torch.int64, device=self.device)
         counts = torch.empty(2, num_reqs, dtype=torch.int32, device=self.device)
         works = [self._bcast(tokens), self._bcast(counts)]
-        drafts = None
-        if self.num_speculative_steps > 0:
-            drafts = torch.empty(
-                num_reqs, self.num_speculative_steps, dtype=torch.int64, device=self.device
-            )
-            works.append(self._bcast(drafts))
-        parents = None
-        if self.draft_parents:
-            parents = torch.empty(
-                num_reqs, self.num_speculative_steps, dtype=torch.int64, device=self.device
-            )
-            works.append(self._bcast(parents))
+
+        def per_draft() -> torch.Tensor:  # [R, K] int64: the drafts, a tree's parents
+            K = self.num_speculative_steps
+            t = torch.empty(num_reqs, K, dtype=torch.int64, device=self.device)
+            works.append(self._bcast(t))
+            return t
+
+        drafts = per_draft() if self.num_speculative_steps > 0 else None
+        parents = per_draft() if self.draft_parents else None
         self.queue.append(
             PendingRecv(
                 works=works,
@@ -268,7 +265,9 @@ class PPHandler(RunnerFeature):
             num_sampled=counts[0],
             num_rejected=counts[1],
             drafts=None if entry.draft_tokens is None else entry.draft_tokens.cpu().numpy(),
-            draft_parents=None if entry.draft_parents is None else entry.draft_parents.numpy(),
+            draft_parents=(
+                None if entry.draft_parents is None else entry.draft_parents.cpu().numpy()
+            ),
         )
         return idx_mapping, result
 
