@@ -73,7 +73,9 @@ HELDOUT_EVERY = 100  # train: held-out agreement every this many steps (when fea
 # core (OMP_NUM_THREADS=1 taskset -c 0 ... generate, taskset -c 1 ... features --follow: two
 # processes of two threads each took up to 460 s per generate chunk, not measured quietly). A
 # training step (2048 tokens, one layer, 2 threads) ~2.5 s there: 82 chunks are ~780 steps per
-# epoch (the shipped run: 191 over 20 chunks).
+# epoch (the shipped run: 191 over 20 chunks). On the AVX512-BF16 one, four one-thread
+# processes (two `generate` and two `features --follow` over disjoint --first-chunk ranges)
+# did the 62 chunks after the first 20 in 76 min; a two-layer step took ~1.5 s (577 per epoch).
 NUM_CHUNKS = 5
 EPOCHS = 5.0
 DEFAULT_OUT = ROOT / "vllm" / "model_zoo" / "smollm2-135m-eagle3"
