@@ -26,6 +26,7 @@
 //   1 portable:   plain C++ over 8 fp32 partial sums
 // Each path is batch-invariant on its own; two paths round differently.
 
+#include <cmath>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -86,9 +87,12 @@ void micro_portable(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t 
       const TX* xr = x + i * ldx;
       const TW* wr = w + j * ldw;
       int64_t k = 0;
+      // std::fma, not a * b + c: whether the compiler contracts the latter into an FMA can
+      // differ between the fp32 and the bf16 instantiation (it did under -march=native on an
+      // AVX512-BF16 CPU), and a bf16 weight must give its exact fp32 widening's product.
       for (; k + kLanes <= K; k += kLanes)
-        for (int l = 0; l < kLanes; ++l) acc[l] += to_f(xr[k + l]) * to_f(wr[k + l]);
-      for (int l = 0; k + l < K; ++l) acc[l] += to_f(xr[k + l]) * to_f(wr[k + l]);
+        for (int l = 0; l < kLanes; ++l) acc[l] = std::fma(to_f(xr[k + l]), to_f(wr[k + l]), acc[l]);
+      for (int l = 0; k + l < K; ++l) acc[l] = std::fma(to_f(xr[k + l]), to_f(wr[k + l]), acc[l]);
       float s = 0.f;
       for (int l = 0; l < kLanes; ++l) s += acc[l];
       out[i * NR + j] = s;
