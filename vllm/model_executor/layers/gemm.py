@@ -45,17 +45,6 @@ def linear(
     return _blas_linear(x, weight, bias)
 
 
-def linear_every_row_invariant(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [T, K] @ weight^T with every row, prefill rows included, through the CPU small-M
-    kernel: a row's result is the same whatever else shares the call and in every process
-    (the prefill BLAS route is measured per process). For small products whose last bits
-    decide a selection (the DSA indexer's head weights); F.linear where the kernel does not
-    run."""
-    if x.dim() == 2 and _kernel_takes(x, weight, None):
-        return linear_small_m(x, weight, None)
-    return F.linear(x, weight)
-
-
 def _kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (
         x.dtype in _KERNEL_DTYPES

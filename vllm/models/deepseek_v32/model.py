@@ -14,13 +14,13 @@ from torch import nn
 
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import get_pp_group
-from vllm.forward_context import ForwardContext
+from vllm.forward_context import ALL_SHORT, ForwardContext
 from vllm.model_executor.layers.attention import AttentionLayerBase
 from vllm.model_executor.layers.attention.sparse_mla_attention import (
     TOPK_PAD,
     SparseMLAAttention,
 )
-from vllm.model_executor.layers.gemm import linear_every_row_invariant
+from vllm.model_executor.layers.gemm import linear
 from vllm.model_executor.layers.linear import ReplicatedLinear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope, rope_params
 from vllm.model_executor.models.deepseek_v2 import (
@@ -167,11 +167,11 @@ class DeepseekV32Indexer(nn.Module):
         k = self.k_norm(self.wk(hidden_states[:T], ctx.rows)).unsqueeze(1)
         q, k = self.rotary_emb(positions[:T], q, k)
         cache[meta.slot_mapping] = k[:, 0].to(cache.dtype)
-        # Every row through the small-M kernel: a row's head weights do not depend on how many
-        # rows share the call or on the process (with BLAS, nearly tied top-k scores changed
-        # with speculation on an AVX512 CPU).
+        # Every row as a short row (the small-M kernel): a row's head weights do not depend on
+        # how many rows share the call or on the process (with BLAS, nearly tied top-k scores
+        # changed with speculation on an AVX512 CPU).
         wp = self.weights_proj.weight
-        w = linear_every_row_invariant(hidden_states[:T].to(wp.dtype), wp).float()
+        w = linear(hidden_states[:T].to(wp.dtype), wp, None, ALL_SHORT).float()
         w = w * self.n_heads**-0.5
         q_pad = torch.cat([q.float(), q.new_zeros(1, self.n_heads, self.head_dim).float()])
         w_pad = torch.cat([w, w.new_zeros(1, self.n_heads)])
