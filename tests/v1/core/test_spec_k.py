@@ -141,3 +141,35 @@ def test_measured_verify_times_are_made_monotone():
     fit = _monotone([229.0, 377.0, 521.0, 366.0, 436.0, 752.0])
     assert fit == sorted(fit) and fit[2] < 521.0 and fit[:2] == [229.0, 377.0]
     assert abs(sum(fit) - (229 + 377 + 521 + 366 + 436 + 752)) < 1e-6
+
+
+def test_the_engine_wide_prior_outlives_one_requests_tail():
+    """The last request of a batch is often the one accepting least (it took the most steps):
+    its tail alone must not become every new request's prior. 300 steps of requests accepting
+    nearly everything, then 15 of one accepting nothing: a new request still drafts."""
+    p = _policy()
+    for s in range(300):
+        p.decide([f"r{s % 6}"], 1)
+        p.observe(f"r{s % 6}", K, K if s % 10 else 0)
+    for _ in range(15):
+        if p.decide(["slow"], 1)["slow"]:
+            p.observe("slow", K, 0)
+    assert p.alphas("new")[0] > 0.6
+    assert p.decide(["new"], 1)["new"] > 0
+
+
+def test_requests_idle_together_probe_one_per_step():
+    """Eight requests that went idle in the same step are due to probe in the same step: they
+    take turns (a step verifying everyone's whole K costs several plain steps)."""
+    p = _policy()
+    rids = [f"r{i}" for i in range(8)]
+    steps = []
+    for _ in range(60):
+        ks = p.decide(rids, len(rids))
+        steps.append(sum(k > 0 for k in ks.values()))
+        for r in rids:
+            if ks[r]:
+                p.observe(r, ks[r], 0)
+    probe_steps = [n for n in steps[10:] if n]
+    assert len(probe_steps) >= 8
+    assert max(probe_steps) == 1

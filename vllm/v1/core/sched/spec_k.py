@@ -8,7 +8,8 @@ each request's K is chosen every step so the batch's expected tokens per second 
 
 - acceptance: per request and draft position i, a running (decaying) estimate of the
   probability that draft i is accepted given drafts 0..i-1 were, with the engine-wide estimate
-  for that position as its prior (a new request starts from what the head does elsewhere), and
+  for that position (a longer memory: ~200 observations) as its prior (a new request starts
+  from what the head does elsewhere, not from the last request of the previous batch), and
   a position not observed anywhere yet taken to be accepted like the one before it;
   draft j adds prod_{i<j} alpha_i expected tokens;
 - a draft tree (static or dynamic, config/spec_tree.py): a request verifies a prefix of its
@@ -29,10 +30,11 @@ each request's K is chosen every step so the batch's expected tokens per second 
   longest prefix needs (draft_passes) costs one at the whole batch;
 - drafts (blocks) are added in order of expected gain while gain / added cost beats the batch's
   current tokens per second; a request left at K = 0 is probed again after a number of steps
-  that doubles after each probe that does not pay (8 up to 128), with the longest prefix that
-  would pay were every draft accepted (a chain's k drafts give k tokens, a tree prefix its
-  depth passes): the full K where verifying is cheap, less or nothing in a batch where even
-  perfect drafts cost more than they bring.
+  that doubles after each probe that does not pay (8 up to 128), one request a step (the
+  longest overdue first: requests idle since the same step take turns), with the longest
+  prefix that would pay were every draft accepted (a chain's k drafts give k tokens, a tree
+  prefix its depth passes): the full K where verifying is cheap, less or nothing in a batch
+  where even perfect drafts cost more than they bring.
 
 The output never depends on any of this: the verifier emits the target's own (keyed) sample at
 every position whatever was drafted.
@@ -48,6 +50,8 @@ from vllm.config.spec_tree import parse_token_tree, tree_parents
 
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the engine-wide estimate in a request's
 DECAY = 0.95  # weight of older observations per new one (acceptance drifts with the text)
+GLOBAL_DECAY = 0.995  # the engine-wide prior's: ~200 observations, so the last requests of a
+# batch (the slowest to finish are those that accept least) do not become every new one's prior
 PROBE_FIRST, PROBE_MAX = 8, 128
 
 
@@ -167,27 +171,29 @@ class _Acceptance:
 
     reached: list[float]
     accepted: list[float]
+    decay: float = DECAY
 
     @classmethod
-    def zeros(cls, k: int) -> _Acceptance:
-        return cls([0.0] * k, [0.0] * k)
+    def zeros(cls, k: int, decay: float = DECAY) -> _Acceptance:
+        return cls([0.0] * k, [0.0] * k, decay)
 
     def observe(self, num_drafts: int, num_accepted: int) -> None:
+        d = self.decay
         for i in range(min(num_drafts, num_accepted + 1)):
-            self.reached[i] = self.reached[i] * DECAY + 1.0
-            self.accepted[i] = self.accepted[i] * DECAY + (1.0 if i < num_accepted else 0.0)
+            self.reached[i] = self.reached[i] * d + 1.0
+            self.accepted[i] = self.accepted[i] * d + (1.0 if i < num_accepted else 0.0)
 
     def observe_tree(self, num_nodes: int, path: list[int]) -> None:
         """A tree step: nodes 0..num_nodes-1 verified, the path's nodes accepted."""
-        on = set(path)
+        on, d = set(path), self.decay
         for j in range(num_nodes):
-            self.reached[j] = self.reached[j] * DECAY + 1.0
-            self.accepted[j] = self.accepted[j] * DECAY + (1.0 if j in on else 0.0)
+            self.reached[j] = self.reached[j] * d + 1.0
+            self.accepted[j] = self.accepted[j] * d + (1.0 if j in on else 0.0)
         # Nodes past the prefix age too: what was seen of them fades back to the prior, so
         # one early miss does not keep a good node out of every later prefix.
         for j in range(num_nodes, len(self.reached)):
-            self.reached[j] *= DECAY
-            self.accepted[j] *= DECAY
+            self.reached[j] *= d
+            self.accepted[j] *= d
 
 
 @dataclass
@@ -209,7 +215,7 @@ class SpecKPolicy:
 
     def __post_init__(self) -> None:
         self.K = self.spec.num_speculative_tokens
-        self._global = _Acceptance.zeros(self.K)
+        self._global = _Acceptance.zeros(self.K, GLOBAL_DECAY)
         self.passes = draft_passes(self.spec)
         """Draft passes per number of tree nodes (None: a chain)."""
         self._per_request_rows = draft_rows_per_request(self.spec)
@@ -315,14 +321,20 @@ class SpecKPolicy:
                 draft.grow(p_old, p_new)
                 ks[rid], cost = end, new_cost
                 tokens, num_tokens = tokens + gain, n
+        due: list[tuple[int, str]] = []
         for rid in req_ids:
             r = self._req(rid)
             if ks[rid] > 0:
                 r.idle_steps, r.probe_interval = 0, PROBE_FIRST
                 continue
             r.idle_steps += 1
-            if r.idle_steps < r.probe_interval:
-                continue
+            if r.idle_steps >= r.probe_interval:
+                due.append((r.idle_steps - r.probe_interval, rid))
+        # One probe a step, the longest overdue first: requests that went idle together (a
+        # batch that started together) would otherwise all probe at once, and a step verifying
+        # every request's whole tree costs several plain steps. The others wait their turn.
+        for _, rid in sorted(due, key=lambda d: -d[0]):
+            r = self._req(rid)
             # Probe, so the estimate can recover: the longest prefix that would pay if every
             # draft were accepted (none where even that would not: the request waits, and
             # probes as soon as the batch makes it pay).
@@ -336,4 +348,6 @@ class SpecKPolicy:
                     r.idle_steps = 0
                     r.probe_interval = min(2 * r.probe_interval, PROBE_MAX)
                     break
+            if ks[rid]:
+                break
         return ks
