@@ -32,12 +32,15 @@ HEAD = str(SMOLLM2_EAGLE3_DIR)
 NUM_PROMPTS = 3
 MAX_TOKENS = 40
 # Floors on the mean acceptance length (1 + accepted / drafts) over these prompts, below what was
-# measured on them with the retrained head (fp32, 3 held-out prompts x 40 tokens, greedy,
-# deterministic): K=1 1.65 (46 of 71 drafts accepted), K=3 2.16 (64 of 165 draft tokens; per
-# position 35, 18, 11 of 55). The first head (640 training sequences) measured 1.42 and 1.76
-# here, under both floors; the retrained head with its taps shifted by one measured 2.02 at K=3.
-FLOOR_K1 = 1.55
-FLOOR_K3 = 2.05
+# measured on them with the shipped head (fp32, 3 held-out prompts x 40 tokens, greedy,
+# deterministic): K=1 1.56 (42 of 75 drafts accepted), K=3 2.02 (59 of 174 draft tokens; per
+# position 32, 17, 10 of 58). Three prompts are a small sample: the head before it measured
+# 1.65 / 2.16 here but less on all 43 held-out prompts (the card's table: K=3 2.02 vs 2.12);
+# the first head (640 training sequences) 1.42 / 1.76. A path that feeds the head the wrong
+# hidden states is caught by the logit test below (the shipped head with its taps shifted by
+# one still measured 1.95 here at K=3).
+FLOOR_K1 = 1.50
+FLOOR_K3 = 1.95
 # Engine vs speculators draft logits (fp32; the head's weights are bf16 values in both):
 # measured 2e-5; with the taps shifted by one, 3.4.
 ATOL = 2e-3

@@ -260,7 +260,9 @@ def test_forbidden_drafts_are_never_emitted(name, aware) -> None:
     assert texts[0] == texts[1] and re.fullmatch("[0-9]{20}", texts[1]), texts
     drafted, accepted = counts[1][1], counts[1][2]
     if not aware:
-        assert drafted > 0 and accepted < drafted / 2, counts[1]
+        # Rejections, not a share: how often a head guesses the digits right is its quality
+        # (the shipped SmolLM2 head accepts half of its drafts here).
+        assert drafted > 0 and accepted < drafted, counts[1]
         assert cut == masked == 0
     else:
         # The draft model chose under the grammar's mask: what it verifies is all digits.
