@@ -29,9 +29,11 @@ the answers sampled at SAMPLE_TEMPERATURE (seeded) instead of greedy; --layers L
 decoder layers (EAGLE3's first layer, then plain Llama layers; --init from a shallower head
 starts the extra layers afresh).
 
-The shipped head is two runs (both in its model card, vllm/model_zoo/smollm2-135m-eagle3):
+The shipped head is three runs (all in its model card, vllm/model_zoo/smollm2-135m-eagle3):
 the defaults (seed SEED, NUM_CHUNKS, EPOCHS, lr 1e-3) are the first; the second continues from
-it (--init) on 20 chunks, 10 epochs, lr 6e-4.
+it (--init) on 20 chunks, 10 epochs, lr 6e-4; the third from the second on chunks 20-81
+(--first-chunk 20 --num-chunks 62, answers generated with --sample-share 0.5), 3 epochs,
+lr 6e-4.
 
 Tap convention (as vLLM and speculators): layer id L is the residual stream entering target
 decoder layer L, which is HF's `output_hidden_states[L]` for L < num_hidden_layers.
