@@ -68,8 +68,13 @@ inline float to_f(T v) {
 }
 
 // What a micro-kernel pulls into cache as it goes: `step` bytes from p per step over k (p null:
-// nothing). The tiles of one weight block share the next block between them, so the memory
-// stream keeps going while later tiles multiply out of L1.
+// nothing). The tiles of one weight block share the block kPrefetchBlocks ahead between them,
+// so the memory stream keeps going while later tiles multiply out of L1. Into L2 (T1), not L1:
+// on the AVX512-BF16 EPYC, T1 two blocks ahead streams M = 1 at 22 GB/s (a plain sum's rate)
+// where T0 one block ahead reached 16, and M = 8 fp32 went from 51 to 30 ms over SmolLM2's
+// weights (benchmarks/RESULTS.md, Run 12): L1 prefetches of a whole block left the tiles'
+// own loads waiting behind them.
+constexpr int64_t kPrefetchBlocks = 2;
 struct Prefetch {
   const char* p = nullptr;
   int64_t step = 0;
@@ -112,9 +117,16 @@ struct Full {};  // a whole vector: a plain load
   Acc a##I##_0 = z, a##I##_1 = z, a##I##_2 = z, a##I##_3 = z, a##I##_4 = z, a##I##_5 = z,          \
       a##I##_6 = z, a##I##_7 = z;
 
+// Each weight vector is loaded once per step into a register: without the (empty) asm, GCC
+// folds the load into every FMA that reads it as a memory operand - MR loads of the same
+// vector instead of one, which made the 4 x 6 AVX512 tile load-bound (28 loads per 24 FMAs).
+#define VLLM_IN_REG(J, V) \
+  if constexpr (NR > (J) && MR > 1) asm("" : "+v"(V));
+
 #define VLLM_FMA_ROW(I, LOAD, M, FMA)                                                        \
   if constexpr (MR > (I)) {                                                                  \
-    const auto xv = LOAD(x + (I) * ldx + k, M);                                              \
+    auto xv = LOAD(x + (I) * ldx + k, M);                                                    \
+    if constexpr (NR > 1) asm("" : "+v"(xv));                                                \
     a##I##_0 = FMA(a##I##_0, xv, w0);                                                          \
     if constexpr (NR > 1) a##I##_1 = FMA(a##I##_1, xv, w1);                                    \
     if constexpr (NR > 2) a##I##_2 = FMA(a##I##_2, xv, w2);                                    \
@@ -127,7 +139,7 @@ struct Full {};  // a whole vector: a plain load
 
 #define VLLM_STEP(LOAD, M, FMA)                                                              \
   {                                                                                          \
-    const Wv w0 = LOAD(w + k, M);                                                            \
+    Wv w0 = LOAD(w + k, M);                                                                  \
     Wv w1 = w0, w2 = w0, w3 = w0, w4 = w0, w5 = w0, w6 = w0, w7 = w0;                        \
     if constexpr (NR > 1) w1 = LOAD(w + 1 * ldw + k, M);                                     \
     if constexpr (NR > 2) w2 = LOAD(w + 2 * ldw + k, M);                                     \
@@ -136,16 +148,23 @@ struct Full {};  // a whole vector: a plain load
     if constexpr (NR > 5) w5 = LOAD(w + 5 * ldw + k, M);                                     \
     if constexpr (NR > 6) w6 = LOAD(w + 6 * ldw + k, M);                                     \
     if constexpr (NR > 7) w7 = LOAD(w + 7 * ldw + k, M);                                     \
+    VLLM_IN_REG(0, w0) VLLM_IN_REG(1, w1) VLLM_IN_REG(2, w2) VLLM_IN_REG(3, w3)              \
+    VLLM_IN_REG(4, w4) VLLM_IN_REG(5, w5) VLLM_IN_REG(6, w6) VLLM_IN_REG(7, w7)              \
     VLLM_FMA_ROW(0, LOAD, M, FMA)                                                            \
     VLLM_FMA_ROW(1, LOAD, M, FMA)                                                            \
     VLLM_FMA_ROW(2, LOAD, M, FMA)                                                            \
     VLLM_FMA_ROW(3, LOAD, M, FMA)                                                            \
   }
 
-#define VLLM_OUT_ROW(I, HSUM)                                                                \
-  if constexpr (MR > (I)) {                                                                  \
-    const Acc r[8] = {a##I##_0, a##I##_1, a##I##_2, a##I##_3, a##I##_4, a##I##_5, a##I##_6, a##I##_7}; \
-    for (int j = 0; j < NR; ++j) out[(I) * NR + j] = HSUM(r[j]);                             \
+// The horizontal sums: HSUM::tile<MR, NR>(r, out) writes out[i * NR + j] = the sum of
+// accumulator (i, j), r[i * 8 + j].
+#define VLLM_OUT_TILE(HSUM)                                                                  \
+  {                                                                                          \
+    const Acc r[32] = {a0_0, a0_1, a0_2, a0_3, a0_4, a0_5, a0_6, a0_7,                        \
+                       a1_0, a1_1, a1_2, a1_3, a1_4, a1_5, a1_6, a1_7,                        \
+                       a2_0, a2_1, a2_2, a2_3, a2_4, a2_5, a2_6, a2_7,                        \
+                       a3_0, a3_1, a3_2, a3_3, a3_4, a3_5, a3_6, a3_7};                       \
+    HSUM::template tile<MR, NR>(r, out);                                                     \
   }
 
 #define VLLM_MICRO_BODY(ACC, WV, STEP, MASK, LOAD, FMA, HSUM, ZERO)                          \
@@ -158,7 +177,7 @@ struct Full {};  // a whole vector: a plain load
   int64_t k = 0;                                                                             \
   for (; k + (STEP) <= K; k += (STEP)) {                                                     \
     if (pfp != nullptr) { /* a share of the next block: one sequential stream */            \
-      for (int64_t b = 0; b < pf.step; b += 64) _mm_prefetch(pfp + b, _MM_HINT_T0);          \
+      for (int64_t b = 0; b < pf.step; b += 64) _mm_prefetch(pfp + b, _MM_HINT_T1);          \
       pfp += pf.step;                                                                        \
     }                                                                                        \
     VLLM_STEP(LOAD, Full{}, FMA)                                                             \
@@ -167,7 +186,7 @@ struct Full {};  // a whole vector: a plain load
     const auto tail = MASK(K - k);                                                           \
     VLLM_STEP(LOAD, tail, FMA)                                                               \
   }                                                                                          \
-  VLLM_OUT_ROW(0, HSUM) VLLM_OUT_ROW(1, HSUM) VLLM_OUT_ROW(2, HSUM) VLLM_OUT_ROW(3, HSUM)
+  VLLM_OUT_TILE(HSUM)
 
 // ---- AVX2 + FMA: 8 fp32 lanes --------------------------------------------------------------
 #define VLLM_AVX2 __attribute__((target("avx2,fma")))
@@ -191,6 +210,13 @@ VLLM_AVX2 inline float hsum8(__m256 v) {
   s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
   return _mm_cvtss_f32(s);
 }
+struct Hsum8Tile {
+  template <int MR, int NR>
+  VLLM_AVX2 static void tile(const __m256* r, float* out) {
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) out[i * NR + j] = hsum8(r[i * 8 + j]);
+  }
+};
 
 // A bf16 row widened to fp32 (exact), 8 at a time.
 VLLM_AVX2 inline void widen_avx2(const c10::BFloat16* src, float* dst, int64_t K) {
@@ -202,7 +228,7 @@ VLLM_AVX2 inline void widen_avx2(const c10::BFloat16* src, float* dst, int64_t K
 template <int MR, int NR, typename TX, typename TW>
 VLLM_AVX2 void micro_avx2(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t K,
                           Prefetch pf, float* out) {
-  VLLM_MICRO_BODY(__m256, __m256, 8, mask8, load8, fma8, hsum8, _mm256_setzero_ps())
+  VLLM_MICRO_BODY(__m256, __m256, 8, mask8, load8, fma8, Hsum8Tile, _mm256_setzero_ps())
 }
 
 // ---- AVX512F (+BW, VL): 16 fp32 lanes ------------------------------------------------------
@@ -223,12 +249,58 @@ VLLM_AVX512 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
   return widen16(_mm256_maskz_loadu_epi16(m, p));
 }
 VLLM_AVX512 inline __m512 fma16(__m512 acc, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, acc); }
-VLLM_AVX512 inline float hsum16(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+// The horizontal sums of up to 16 accumulators at once, each by exactly _mm512_reduce_add_ps's
+// pairing (lane i + lane i+8, then + 4, then + 2, then + 1; fp32 addition is commutative, so
+// the results are bit for bit one reduce_add each) but transposed: every shuffle and add works
+// on several accumulators' partial sums, 45 shuffles and adds for 16 sums instead of ~130.
+// v[4k + c] holds accumulator 4c + k (a 4 x 4 transpose of the order), so lane j of the result
+// is accumulator j's sum.
+VLLM_AVX512 inline __m512 sums16(const __m512* v) {
+  __m512 x[8], y[4], z[2];
+  for (int p = 0; p < 8; ++p)  // s_i = a_i + a_{i+8}: two accumulators per vector
+    x[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
+  for (int q = 0; q < 4; ++q)  // t_i = s_i + s_{i+4}: four per vector, one per 128-bit chunk
+    y[q] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * q], x[2 * q + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * q], x[2 * q + 1], 0xDD));
+  for (int r = 0; r < 2; ++r)  // u_i = t_i + t_{i+2}
+    z[r] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * r], y[2 * r + 1], 0x44),
+                         _mm512_shuffle_ps(y[2 * r], y[2 * r + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88),  // u_0 + u_1
+                       _mm512_shuffle_ps(z[0], z[1], 0xDD));
+}
+
+struct Hsum16Tile {
+  // out[i * NR + j] = the sum of accumulator (i, j) (r[i * 8 + j]), 16 at a time.
+  template <int MR, int NR>
+  VLLM_AVX512 static void tile(const __m512* r, float* out) {
+    constexpr int n = MR * NR;
+    if constexpr (n < 4) {
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NR; ++j) out[i * NR + j] = _mm512_reduce_add_ps(r[i * 8 + j]);
+    } else {
+      for (int g = 0; g < n; g += 16) {
+        __m512 v[16];
+        for (int j = 0; j < 16; ++j) {
+          const int a = g + 4 * (j % 4) + j / 4;  // v[4k + c] = accumulator g + 4c + k
+          v[j] = a < n ? r[(a / NR) * 8 + a % NR] : _mm512_setzero_ps();
+        }
+        const __m512 s = sums16(v);
+        const int left = n - g;
+        if (left >= 16)
+          _mm512_storeu_ps(out + g, s);
+        else
+          _mm512_mask_storeu_ps(out + g, static_cast<__mmask16>((1u << left) - 1u), s);
+      }
+    }
+  }
+};
 
 template <int MR, int NR, typename TX, typename TW>
 VLLM_AVX512 void micro_avx512(const TX* x, int64_t ldx, const TW* w, int64_t ldw, int64_t K,
                               Prefetch pf, float* out) {
-  VLLM_MICRO_BODY(__m512, __m512, 16, mask16, load16, fma16, hsum16, _mm512_setzero_ps())
+  VLLM_MICRO_BODY(__m512, __m512, 16, mask16, load16, fma16, Hsum16Tile, _mm512_setzero_ps())
 }
 
 // ---- AVX512-BF16: vdpbf16ps over bf16 pairs (32 per step) ----------------------------------
@@ -247,13 +319,12 @@ VLLM_AVX512BF16 inline __m512bh load32bh(const c10::BFloat16* p, __mmask32 m) {
 VLLM_AVX512BF16 inline __m512 dot32(__m512 acc, __m512bh x, __m512bh w) {
   return _mm512_dpbf16_ps(acc, x, w);
 }
-VLLM_AVX512BF16 inline float hsum16bh(__m512 v) { return _mm512_reduce_add_ps(v); }
 
 template <int MR, int NR>
 VLLM_AVX512BF16 void micro_avx512bf16(const c10::BFloat16* x, int64_t ldx,
                                       const c10::BFloat16* w, int64_t ldw, int64_t K,
                                       Prefetch pf, float* out) {
-  VLLM_MICRO_BODY(__m512, __m512bh, 32, mask32, load32bh, dot32, hsum16bh, _mm512_setzero_ps())
+  VLLM_MICRO_BODY(__m512, __m512bh, 32, mask32, load32bh, dot32, Hsum16Tile, _mm512_setzero_ps())
 }
 #endif  // VLLM_LINEAR_X86
 
@@ -351,9 +422,10 @@ void run_columns(const TX* xp, int64_t ldx, int64_t M, const T* wp, int64_t ldw,
         // share of it, while this one is multiplied: NR interleaved row streams alone reach
         // about half the bandwidth of one sequential read.
         Prefetch pf;
-        if (ldw == K && n + 2 * NR <= n1) {
+        if (ldw == K && n + (kPrefetchBlocks + 1) * NR <= n1) {
           const int64_t tile_no = m / MR, share = (block_bytes + tiles - 1) / tiles;
-          pf.p = reinterpret_cast<const char*>(wp + (n + NR) * ldw) + tile_no * share;
+          pf.p = reinterpret_cast<const char*>(wp + (n + kPrefetchBlocks * NR) * ldw) +
+                 tile_no * share;
           pf.step = ((share + steps - 1) / steps + 63) / 64 * 64;
         }
         if (wide != nullptr) {

@@ -121,6 +121,26 @@ def test_kernel_row_is_bit_identical_whatever_shares_the_call(isa, dtype):
             assert torch.equal(got, batch[7]), (n, k, m)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_weight_row_gives_the_same_bits_in_a_tile_and_alone(isa, dtype):
+    """Output column j is the same bits whether its weight row sits in a full register tile
+    (whose horizontal sums the AVX512 paths take 16 at a time, transposed) or among the last
+    N % NR rows, which run one at a time (one horizontal sum each): the tile's sums must pair
+    the lanes exactly as the single sum does. N = 13 leaves 5 rows alone at M = 1 (tiles of 8
+    weight rows) and 1 at M > 1 (tiles of 6 on AVX512, 3 on AVX2)."""
+    g = torch.Generator().manual_seed(5)
+    n, k = 13, 577
+    w = torch.randn(n, k, generator=g).to(dtype)
+    for m in (1, 2, 4, 7):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        full = ops.linear_small_m(x, w, None)
+        for j in range(n):
+            order = [i for i in range(n) if i != j] + [j]  # row j last: computed alone
+            last = ops.linear_small_m(x, w[order].contiguous(), None)
+            assert torch.equal(last[:, -1], full[:, j]), (m, j)
+            assert torch.equal(last[:, :-1], full[:, order[:-1]]), (m, j)
+
+
 def test_paths_agree_with_each_other_to_rounding():
     """Every path this CPU runs computes the same product (they differ only in rounding)."""
     g = torch.Generator().manual_seed(4)
@@ -266,7 +286,11 @@ def test_avx512_paths_compile_with_explicit_isa_flags(tmp_path):
     """The AVX512F and AVX512-BF16 paths, which an AVX2-only CPU cannot run, compile to
     machine code with the instruction sets switched on by -m flags (not only through the
     target attributes of the normal build): linear.cpp alone to an object file, whose
-    micro-kernels hold 512-bit FMAs and vdpbf16ps."""
+    micro-kernels hold 512-bit FMAs and vdpbf16ps. And the register tiles' loops load each
+    weight and x vector once per step: under -O3 with Zen tuning (what -march=native picks on
+    the project's EPYC machines) GCC folded the weight loads into every FMA that reads them
+    (24 loads per 24 FMAs in the 4 x 6 tile, load-bound), so no FMA of a tile may take a
+    memory operand other than the stack (the AVX2 tail step's zero-padded copy)."""
     import shutil
     import subprocess
 
@@ -277,7 +301,7 @@ def test_avx512_paths_compile_with_explicit_isa_flags(tmp_path):
         pytest.skip("needs g++ and objdump")
     obj = tmp_path / "linear_avx512.o"
     flags = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx2", "-mfma"]
-    cmd = [cxx, "-std=c++17", "-O2", "-fopenmp", "-c", *flags]
+    cmd = [cxx, "-std=c++17", "-O3", "-mtune=znver3", "-fopenmp", "-c", *flags]
     cmd += [f"-I{p}" for p in include_paths()]
     cmd += [str(ops.CSRC / "linear.cpp"), "-o", str(obj)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=500)
@@ -288,12 +312,23 @@ def test_avx512_paths_compile_with_explicit_isa_flags(tmp_path):
         text=True,
         check=True,
     ).stdout
+    tiles = (
+        "micro_avx512bf16<4, 6>",
+        "micro_avx512<4, 6, float, float>",
+        "micro_avx512<4, 6, float, c10::BFloat16>",
+        "micro_avx2<4, 3, float, float>",
+    )
     bodies: dict[str, str] = {}
     for chunk in asm.split("\n\n"):
         head = chunk.strip().split("\n", 1)[0]
-        for name in ("micro_avx512bf16<4, 6>", "micro_avx512<4, 6, float, float>"):
+        for name in tiles:
             if name in head and head.endswith(">:"):
                 bodies[name] = chunk
-    assert set(bodies) == {"micro_avx512bf16<4, 6>", "micro_avx512<4, 6, float, float>"}
+    assert set(bodies) == set(tiles)
     assert "vdpbf16ps" in bodies["micro_avx512bf16<4, 6>"]
     assert re.search(r"vfmadd\d+ps\s+%zmm", bodies["micro_avx512<4, 6, float, float>"])
+    for name, body in bodies.items():
+        products = re.findall(r"(?:vfmadd\d+ps|vdpbf16ps)\s+(\S+)", body)
+        assert len(products) >= 12, name
+        folded = [op for op in products if "(" in op and "%rsp" not in op]
+        assert not folded, f"{name}: {len(folded)} of {len(products)} FMAs load an operand"
