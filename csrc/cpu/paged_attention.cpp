@@ -23,11 +23,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "ops.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -62,6 +67,180 @@ inline void store_row(T* __restrict dst, const float* __restrict src, float mul,
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * mul);
 }
 
+// exp(x) for x <= 0 in plain arithmetic the compiler vectorizes (std::exp stays a scalar libm
+// call per score): x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (Cephes'
+// expf coefficients, ~1 ulp), times 2^n built in the exponent bits. exp(-inf) = 0 exactly
+// (masked keys add nothing); below -87.3 (e^x under 1e-38) the result is that limit's value,
+// against a max term of 1.
+inline float exp_nonpos(float x) {
+  const float xc = std::max(x, -87.3f);
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return x == kNegInf ? 0.f : y * two_n;
+}
+
+#if defined(__AVX512F__)
+// exp_nonpos over 16 lanes (the same steps with explicit FMAs).
+inline __m512 exp_nonpos16(__m512 x) {
+  const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(xc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512 v = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+  return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(x, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ),
+                            _mm512_setzero_ps());
+}
+#endif
+
+// One query row against up to kChunk keys of a block, head size D (a multiple of 16): the
+// keys transposed once per chunk (kt[d * kChunk + j], shared by every query row of the item)
+// so that each row's kChunk scores are one vector of FMAs over d (four partial sums, no
+// horizontal sum per key); then the online softmax step and acc += P V with each 16 channels
+// of acc held in a register over the chunk's keys.
+constexpr int64_t kChunk = 16;
+
+#if defined(__AVX512F__)
+// 16 x 16 floats transposed in registers (unpack pairs, then 64-bit pairs, then 128-bit lanes
+// twice): 64 shuffles where a scalar copy takes 256 strided stores.
+inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] =
+        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(
+        _mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(
+        _mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+#endif
+
+template <int D>
+inline void transpose_keys(float* __restrict kt, const float* __restrict kb, int64_t kstride,
+                           int64_t n_keys) {
+#if defined(__AVX512F__)
+  static_assert(kChunk == 16);
+  for (int c = 0; c < D; c += 16) {
+    __m512 r[16];
+    for (int64_t j = 0; j < 16; ++j)
+      r[j] = j < n_keys ? _mm512_loadu_ps(kb + j * kstride + c) : _mm512_setzero_ps();
+    transpose16(r);
+    for (int t = 0; t < 16; ++t) _mm512_storeu_ps(kt + (c + t) * kChunk, r[t]);
+  }
+#else
+  for (int64_t j = 0; j < kChunk; ++j)
+    for (int d = 0; d < D; ++d) kt[d * kChunk + j] = j < n_keys ? kb[j * kstride + d] : 0.f;
+#endif
+}
+
+// Returns false when the row sees no key of the chunk (nothing changes).
+template <int D>
+inline bool attend_chunk(const float* __restrict qr, const float* __restrict kt,
+                         const float* __restrict vb, int64_t vstride, uint32_t vis,
+                         int64_t n_keys, float& m, float& l, float* __restrict acc) {
+  static_assert(D % 16 == 0 && D >= 16, "head size");
+  static_assert(kChunk == 16);
+#if defined(__AVX512F__)
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  for (int d = 0; d < D; d += 4) {
+    s0 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), _mm512_loadu_ps(kt + d * kChunk), s0);
+    s1 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 1]), _mm512_loadu_ps(kt + (d + 1) * kChunk), s1);
+    s2 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 2]), _mm512_loadu_ps(kt + (d + 2) * kChunk), s2);
+    s3 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 3]), _mm512_loadu_ps(kt + (d + 3) * kChunk), s3);
+  }
+  const __mmask16 vm = static_cast<__mmask16>(vis);
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  __m512 sc = _mm512_mask_mov_ps(ninf, vm, _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+  const float bmax = _mm512_reduce_max_ps(sc);
+  if (bmax == kNegInf) return false;
+  const float m_new = std::max(m, bmax);
+  const float alpha = m == kNegInf ? 0.f : std::exp(m - m_new);
+  m = m_new;
+  alignas(64) float pr[kChunk];
+  const __m512 pv = exp_nonpos16(_mm512_sub_ps(sc, _mm512_set1_ps(m_new)));
+  _mm512_store_ps(pr, pv);
+  l = l * alpha + _mm512_reduce_add_ps(pv);
+  for (int c = 0; c < D; c += 16) {
+    __m512 a = _mm512_loadu_ps(acc + c);
+    if (alpha != 1.f) a = _mm512_mul_ps(a, _mm512_set1_ps(alpha));
+    for (int64_t j = 0; j < n_keys; ++j)
+      a = _mm512_fmadd_ps(_mm512_set1_ps(pr[j]), _mm512_loadu_ps(vb + j * vstride + c), a);
+    _mm512_storeu_ps(acc + c, a);
+  }
+  return true;
+#else
+  bool visible_key[kChunk];
+  for (int64_t j = 0; j < kChunk; ++j) visible_key[j] = (vis >> j) & 1u;
+  float s0[kChunk] = {}, s1[kChunk] = {}, s2[kChunk] = {}, s3[kChunk] = {};
+  for (int d = 0; d < D; d += 4)
+    for (int64_t j = 0; j < kChunk; ++j) {
+      s0[j] += qr[d] * kt[d * kChunk + j];
+      s1[j] += qr[d + 1] * kt[(d + 1) * kChunk + j];
+      s2[j] += qr[d + 2] * kt[(d + 2) * kChunk + j];
+      s3[j] += qr[d + 3] * kt[(d + 3) * kChunk + j];
+    }
+  float sc[kChunk];
+  float bmax = kNegInf;
+  for (int64_t j = 0; j < kChunk; ++j) {
+    sc[j] = j < n_keys && visible_key[j] ? (s0[j] + s1[j]) + (s2[j] + s3[j]) : kNegInf;
+    bmax = std::max(bmax, sc[j]);
+  }
+  if (bmax == kNegInf) return false;
+  const float m_new = std::max(m, bmax);
+  const float alpha = m == kNegInf ? 0.f : std::exp(m - m_new);
+  m = m_new;
+  float sum = 0.f;
+  for (int64_t j = 0; j < kChunk; ++j) {
+    sc[j] = exp_nonpos(sc[j] - m_new);
+    sum += sc[j];
+  }
+  l = l * alpha + sum;
+  for (int c = 0; c < D; c += 16) {
+    float r[16];
+    for (int t = 0; t < 16; ++t) r[t] = alpha == 1.f ? acc[c + t] : acc[c + t] * alpha;
+    for (int64_t j = 0; j < n_keys; ++j)
+      for (int t = 0; t < 16; ++t) r[t] += sc[j] * vb[j * vstride + c + t];
+    for (int t = 0; t < 16; ++t) acc[c + t] = r[t];
+  }
+  return true;
+#endif
+}
+
 struct Split {
   int64_t req;          // index into query_start_loc / seq_lens / block_table
   int64_t block_begin;  // logical cache blocks [block_begin, block_end) of this item
@@ -69,7 +248,7 @@ struct Split {
   int64_t part;  // slot in the partial-result buffers, -1 when this item owns the request
 };
 
-template <typename scalar_t>
+template <typename scalar_t, int D>
 void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
          const at::Tensor& v_cache, const at::Tensor& block_table, const at::Tensor& seq_lens,
          const at::Tensor& query_start_loc, const at::Tensor& rows, int64_t block_size,
@@ -113,8 +292,8 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
     const int64_t items_now = std::max<int64_t>(num_rows * Hkv, 1);
     const int64_t per_row = std::max<int64_t>(total_blocks / std::max<int64_t>(num_rows, 1), 1);
     const int64_t nsplit = std::max<int64_t>((want_items + items_now - 1) / items_now, 1);
-    // At least 4 blocks per split: merging partials is not free.
-    bps = std::max<int64_t>((per_row + nsplit - 1) / nsplit, 4);
+    // At least 8 blocks per split: merging partials (and a parallel region) is not free.
+    bps = std::max<int64_t>((per_row + nsplit - 1) / nsplit, 8);
   }
   int64_t num_parts = 0;
   for (int64_t i = 0; i < num_rows; ++i) {
@@ -137,7 +316,7 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   const int64_t num_items = static_cast<int64_t>(splits.size()) * Hkv;
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qbuf, acc, m, l, kbuf(block_size * Dk), vbuf(block_size * Dv),
-        scores(block_size);
+        scores(block_size), kt(D > 0 ? D * kChunk : 0);
     for (int64_t item = begin; item < end; ++item) {
       const Split& sp = splits[item / Hkv];
       const int64_t hk = item % Hkv;
@@ -174,6 +353,30 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
           }
           kb = kbuf.data(), kstride = Dk;
           vb = vbuf.data(), vstride = Dv;
+        }
+        if constexpr (D > 0) {
+          // Chunks of kChunk keys: transposed once, then every query row of the item.
+          for (int64_t c0 = 0; c0 < n_keys; c0 += kChunk) {
+            const int64_t nk = std::min(kChunk, n_keys - c0);
+            if (ctx + q_len - 1 < first + c0) break;  // no row sees this chunk (causal)
+            transpose_keys<D>(kt.data(), kb + c0 * kstride, kstride, nk);
+            for (int64_t i = 0; i < q_len; ++i) {
+              const int64_t visible = std::min(nk, ctx + i + 1 - first - c0);
+              if (visible <= 0) continue;
+              uint32_t vis = 0;  // bit j: key c0 + j is visible to this row
+              const uint8_t* bits = tree ? tree + (r * tree_m + i) * tree_m : nullptr;
+              for (int64_t j = 0; j < visible; ++j) {
+                const int64_t p = first + c0 + j;
+                vis |= static_cast<uint32_t>(bits == nullptr || p < ctx || bits[p - ctx]) << j;
+              }
+              for (int64_t g = 0; g < G; ++g) {
+                const int64_t row = i * G + g;
+                attend_chunk<D>(&qbuf[row * Dk], kt.data(), vb + c0 * vstride, vstride, vis,
+                                visible, m[row], l[row], &acc[row * Dv]);
+              }
+            }
+          }
+          continue;
         }
         for (int64_t i = 0; i < q_len; ++i) {
           const int64_t visible = std::min(n_keys, ctx + i + 1 - first);
@@ -315,19 +518,35 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
     }
     tree = static_cast<const uint8_t*>(tm.const_data_ptr());
   }
+  // Head sizes of 32, 64 and 128 (keys and values alike) take the chunked path; others
+  // (MLA's absorbed latent, odd sizes) the generic one.
+  const int64_t Dk = q.size(2), Dv = v_cache.size(2);
+  const int D = Dk == Dv && (Dk == 32 || Dk == 64 || Dk == 128) ? static_cast<int>(Dk) : 0;
+  auto go = [&](auto tag) {
+    using scalar_t = decltype(tag);
+    auto call = [&](auto d) {
+      run<scalar_t, decltype(d)::value>(out, q, k_cache, v_cache, block_table, seq_lens,
+                                        query_start_loc, rows, block_size, scale,
+                                        blocks_per_split, tree, tree_m);
+    };
+    switch (D) {
+      case 32:
+        return call(std::integral_constant<int, 32>{});
+      case 64:
+        return call(std::integral_constant<int, 64>{});
+      case 128:
+        return call(std::integral_constant<int, 128>{});
+      default:
+        return call(std::integral_constant<int, 0>{});
+    }
+  };
   switch (q.scalar_type()) {
     case at::kFloat:
-      run<float>(out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, rows,
-                 block_size, scale, blocks_per_split, tree, tree_m);
-      break;
+      return go(float{});
     case at::kBFloat16:
-      run<c10::BFloat16>(out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, rows,
-                         block_size, scale, blocks_per_split, tree, tree_m);
-      break;
+      return go(c10::BFloat16{});
     case at::kHalf:
-      run<c10::Half>(out, q, k_cache, v_cache, block_table, seq_lens, query_start_loc, rows,
-                     block_size, scale, blocks_per_split, tree, tree_m);
-      break;
+      return go(c10::Half{});
     default:
       TORCH_CHECK(false, "paged_attention: unsupported dtype ", q.scalar_type());
   }

@@ -90,6 +90,7 @@ HEADS = {
     "gqa3": (9, 3, 64, 64),
     "gqa4": (8, 2, 16, 16),
     "mqa": (6, 1, 32, 32),
+    "gqa2_d128": (4, 2, 128, 128),  # head sizes 32 / 64 / 128 take the chunked path
 }
 MLA = (8, 1, 48, 32)  # 8 heads over one latent head: rank 32 + rope 16
 
