@@ -67,31 +67,11 @@ inline void store_row(T* __restrict dst, const float* __restrict src, float mul,
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * mul);
 }
 
-// exp(x) for x <= 0 in plain arithmetic the compiler vectorizes (std::exp stays a scalar libm
-// call per score): x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (Cephes'
-// expf coefficients, ~1 ulp), times 2^n built in the exponent bits. exp(-inf) = 0 exactly
-// (masked keys add nothing); below -87.3 (e^x under 1e-38) the result is that limit's value,
-// against a max term of 1.
-inline float exp_nonpos(float x) {
-  const float xc = std::max(x, -87.3f);
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float two_n;
-  std::memcpy(&two_n, &bits, sizeof(two_n));
-  return x == kNegInf ? 0.f : y * two_n;
-}
-
 #if defined(__AVX512F__)
-// exp_nonpos over 16 lanes (the same steps with explicit FMAs).
+// exp(x) for x <= 0 over 16 lanes (std::exp is a scalar libm call per score): x = n ln2 + r,
+// |r| <= ln2 / 2, e^r by a degree-6 polynomial (Cephes' expf coefficients, ~1 ulp), times 2^n
+// built in the exponent bits. exp(-inf) = 0 exactly (masked keys add nothing); below -87.3
+// (e^x under 1e-38) the result is that limit's value, against a max term of 1.
 inline __m512 exp_nonpos16(__m512 x) {
   const __m512 xc = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
   const __m512 n = _mm512_roundscale_ps(
@@ -163,8 +143,7 @@ inline void transpose_keys(float* __restrict kt, const float* __restrict kb, int
     for (int t = 0; t < 16; ++t) _mm512_storeu_ps(kt + (c + t) * kChunk, r[t]);
   }
 #else
-  for (int64_t j = 0; j < kChunk; ++j)
-    for (int d = 0; d < D; ++d) kt[d * kChunk + j] = j < n_keys ? kb[j * kstride + d] : 0.f;
+  TORCH_CHECK(false, "paged_attention: the chunked path is built for AVX512 only");
 #endif
 }
 
@@ -204,39 +183,7 @@ inline bool attend_chunk(const float* __restrict qr, const float* __restrict kt,
   }
   return true;
 #else
-  bool visible_key[kChunk];
-  for (int64_t j = 0; j < kChunk; ++j) visible_key[j] = (vis >> j) & 1u;
-  float s0[kChunk] = {}, s1[kChunk] = {}, s2[kChunk] = {}, s3[kChunk] = {};
-  for (int d = 0; d < D; d += 4)
-    for (int64_t j = 0; j < kChunk; ++j) {
-      s0[j] += qr[d] * kt[d * kChunk + j];
-      s1[j] += qr[d + 1] * kt[(d + 1) * kChunk + j];
-      s2[j] += qr[d + 2] * kt[(d + 2) * kChunk + j];
-      s3[j] += qr[d + 3] * kt[(d + 3) * kChunk + j];
-    }
-  float sc[kChunk];
-  float bmax = kNegInf;
-  for (int64_t j = 0; j < kChunk; ++j) {
-    sc[j] = j < n_keys && visible_key[j] ? (s0[j] + s1[j]) + (s2[j] + s3[j]) : kNegInf;
-    bmax = std::max(bmax, sc[j]);
-  }
-  if (bmax == kNegInf) return false;
-  const float m_new = std::max(m, bmax);
-  const float alpha = m == kNegInf ? 0.f : std::exp(m - m_new);
-  m = m_new;
-  float sum = 0.f;
-  for (int64_t j = 0; j < kChunk; ++j) {
-    sc[j] = exp_nonpos(sc[j] - m_new);
-    sum += sc[j];
-  }
-  l = l * alpha + sum;
-  for (int c = 0; c < D; c += 16) {
-    float r[16];
-    for (int t = 0; t < 16; ++t) r[t] = alpha == 1.f ? acc[c + t] : acc[c + t] * alpha;
-    for (int64_t j = 0; j < n_keys; ++j)
-      for (int t = 0; t < 16; ++t) r[t] += sc[j] * vb[j * vstride + c + t];
-    for (int t = 0; t < 16; ++t) acc[c + t] = r[t];
-  }
+  TORCH_CHECK(false, "paged_attention: the chunked path is built for AVX512 only");
   return true;
 #endif
 }
@@ -518,10 +465,15 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
     }
     tree = static_cast<const uint8_t*>(tm.const_data_ptr());
   }
-  // Head sizes of 32, 64 and 128 (keys and values alike) take the chunked path; others
-  // (MLA's absorbed latent, odd sizes) the generic one.
+  // Head sizes of 32, 64 and 128 (keys and values alike) take the chunked path where the build
+  // has AVX512 (-march=native on such a CPU); others (MLA's absorbed latent, odd sizes) and
+  // other CPUs the generic one.
   const int64_t Dk = q.size(2), Dv = v_cache.size(2);
+#if defined(__AVX512F__)
   const int D = Dk == Dv && (Dk == 32 || Dk == 64 || Dk == 128) ? static_cast<int>(Dk) : 0;
+#else
+  const int D = 0;
+#endif
   auto go = [&](auto tag) {
     using scalar_t = decltype(tag);
     auto call = [&](auto d) {
