@@ -19,8 +19,11 @@ pytestmark = pytest.mark.usefixtures("pp_forkserver")
 K = 3
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# Low enough that the bigram target's sampled text still mostly follows its map, so lookups
+# are accepted whatever the random stream (seeds 11-13: 3-16 accepted tokens at 0.3; at 0.8
+# none for any of them - acceptance there was one stream's luck).
 SEEDED = SamplingParams(
-    temperature=0.8, top_p=0.95, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True
+    temperature=0.3, top_p=0.95, seed=11, max_tokens=MAX_TOKENS, ignore_eos=True
 )
 # Chunked prefill (a budget smaller than the longest prompt) and prefix caching (on by default;
 # the repeated prompt hits the cache).
