@@ -393,8 +393,12 @@ def test_logprobs_are_raw_by_default(client):
     kw = dict(model=NAME, prompt=[318, 288, 10, 90, 311], max_tokens=1, logprobs=5, seed=3)
     low = client.completions.create(temperature=0.3, **kw).choices[0].logprobs.top_logprobs[0]
     high = client.completions.create(temperature=1.7, **kw).choices[0].logprobs.top_logprobs[0]
-    assert len(low) == 5 and low.keys() == high.keys()
-    for t in low:
+    # Each holds the top 5 plus the sampled token when that one is not among them (at 1.7 it
+    # may well not be), keyed by text (two tokens of one text share a key): the tokens in both
+    # are at least the top 5 less a collision or two.
+    common = low.keys() & high.keys()
+    assert len(low) >= 4 and len(common) >= 4, (low, high)
+    for t in common:
         assert low[t] == pytest.approx(high[t], abs=1e-4)
 
 
