@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -86,7 +85,8 @@ inline __m512 exp_nonpos16(__m512 x) {
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
   y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
   y = _mm512_fmadd_ps(_mm512_mul_ps(y, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __m512i e =
+      _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   const __m512 v = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
   return _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(x, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ),
                             _mm512_setzero_ps());
@@ -110,7 +110,8 @@ inline void transpose16(__m512* r) {
     t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
   }
   for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i] =
+        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
     r[i + 1] =
         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
     r[i + 2] = _mm512_castpd_ps(
@@ -164,7 +165,8 @@ inline bool attend_chunk(const float* __restrict qr, const float* __restrict kt,
   }
   const __mmask16 vm = static_cast<__mmask16>(vis);
   const __m512 ninf = _mm512_set1_ps(kNegInf);
-  __m512 sc = _mm512_mask_mov_ps(ninf, vm, _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+  const __m512 sum4 = _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3));
+  const __m512 sc = _mm512_mask_mov_ps(ninf, vm, sum4);
   const float bmax = _mm512_reduce_max_ps(sc);
   if (bmax == kNegInf) return false;
   const float m_new = std::max(m, bmax);
