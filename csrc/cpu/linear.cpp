@@ -117,16 +117,17 @@ struct Full {};  // a whole vector: a plain load
   Acc a##I##_0 = z, a##I##_1 = z, a##I##_2 = z, a##I##_3 = z, a##I##_4 = z, a##I##_5 = z,          \
       a##I##_6 = z, a##I##_7 = z;
 
-// Each weight vector is loaded once per step into a register: without the (empty) asm, GCC
+// Each weight (and x) vector is loaded once per step into a register: without the (empty) asm, GCC
 // folds the load into every FMA that reads it as a memory operand - MR loads of the same
 // vector instead of one, which made the 4 x 6 AVX512 tile load-bound (28 loads per 24 FMAs).
+#define VLLM_PIN(V) asm("" : "+v"(V));
 #define VLLM_IN_REG(J, V) \
-  if constexpr (NR > (J) && MR > 1) asm("" : "+v"(V));
+  if constexpr (NR > (J) && MR > 1) VLLM_PIN(V)
 
 #define VLLM_FMA_ROW(I, LOAD, M, FMA)                                                        \
   if constexpr (MR > (I)) {                                                                  \
     auto xv = LOAD(x + (I) * ldx + k, M);                                                    \
-    if constexpr (NR > 1) asm("" : "+v"(xv));                                                \
+    if constexpr (NR > 1) VLLM_PIN(xv)                                                       \
     a##I##_0 = FMA(a##I##_0, xv, w0);                                                          \
     if constexpr (NR > 1) a##I##_1 = FMA(a##I##_1, xv, w1);                                    \
     if constexpr (NR > 2) a##I##_2 = FMA(a##I##_2, xv, w2);                                    \
