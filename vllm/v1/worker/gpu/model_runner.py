@@ -213,6 +213,8 @@ class ModelRunner:
             s = st.remove(rid)
             for f in self.features.remove_request:
                 f.remove_request(rid, s)
+        if self.speculator is not None and so.finished_req_ids:
+            self.speculator.after_requests_removed()
         self._new_slots = np.array([st.add(d) for d in so.scheduled_new_reqs], dtype=np.int64)
         copy_kv_blocks(self.kv_caches, so.kv_block_copies, self.block_size, self.num_blocks)
         slots = self._new_slots.tolist()

@@ -90,6 +90,9 @@ class HybridSpeculator(BaseSpeculator):
         self.drafter.on_request_removed(slot, output_token_ids)
         self.free.on_request_removed(slot, output_token_ids)
 
+    def after_requests_removed(self) -> None:
+        self.drafter.after_requests_removed()
+
     def propose(self, inputs: ProposeInputs) -> np.ndarray:
         drafts = self.drafter.propose(inputs)
         free = self.free.propose(inputs)

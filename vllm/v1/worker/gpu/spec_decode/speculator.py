@@ -179,6 +179,10 @@ class BaseSpeculator(ABC):
         """A request left request-state slot `slot` (finished, aborted or preempted) having
         written output_token_ids (suffix decoding learns from them). Default: nothing."""
 
+    def after_requests_removed(self) -> None:  # noqa: B027 - optional hook
+        """After the on_request_removed calls of one step, before the slots are reused (a
+        draft writes what it owes the removed requests' KV blocks). Default: nothing."""
+
 
 class DraftFreeSpeculator(BaseSpeculator):
     """A speculator without a draft model (prompt lookup, suffix decoding, jump-forward): its

@@ -22,15 +22,21 @@ import torch
 
 from vllm.attention.backends.torch_paged import AttentionMetadata, build_attn_metadata
 from vllm.config import VllmConfig
-from vllm.forward_context import ALL_SHORT, ForwardContext
+from vllm.forward_context import ALL_SHORT, ForwardContext, RowKinds
 from vllm.logger import init_logger
 from vllm.model_executor.models.draft import DraftModel
 from vllm.model_executor.models.interfaces import CombinesHiddenStates, TargetShares
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
+from vllm.v1.worker.gpu.spec_decode.autoregressive.deferral import (
+    FirstPassDeferral,
+    no_drafts,
+    verified_next,
+)
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator, ProposeInputs
 from vllm.v1.worker.gpu.states import PAD_TOKEN_ID
 
 if TYPE_CHECKING:
+    from vllm.model_executor.models.base import CausalLMBase
     from vllm.v1.worker.gpu.sample.structured_outputs import DraftGrammar
 
 logger = init_logger(__name__)
@@ -96,6 +102,10 @@ class StepInputs:
 
 
 class AutoRegressiveSpeculator(DraftModelSpeculator):
+    # The first pass may be put off while nobody drafts (deferral.py; drafts with one
+    # attention layer only).
+    defers_first_pass = False
+
     def __init__(self, vllm_config: VllmConfig, device: torch.device | str) -> None:
         super().__init__(vllm_config, device)
         # Index (into the flattened step-0 pass) of each request's last accepted row.
@@ -104,10 +114,25 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         self.combiner: CombinesHiddenStates | None = None
         # First-pass rows that read an image's encoder outputs (the multimodal gather), so far.
         self.num_mm_rows_gathered = 0
+        self.deferral: FirstPassDeferral | None = None
 
     def on_draft_bound(self, draft: DraftModel, shares: TargetShares) -> None:
         if isinstance(draft, CombinesHiddenStates) and shares.aux_hidden_state_layers:
             self.combiner = draft
+
+    def load_model(self, target_model: CausalLMBase) -> None:
+        super().load_model(target_model)
+        if self.defers_first_pass and len(self.draft_attn_layer_names) == 1:
+            width = self.target_hidden_size * max(1, self._num_aux_hidden_states())
+            self.deferral = FirstPassDeferral.for_speculator(self, width)
+
+    def on_request_removed(self, slot: int, output_token_ids: np.ndarray) -> None:
+        if self.deferral is not None:
+            self.deferral.on_removed(slot)
+
+    def after_requests_removed(self) -> None:
+        if self.deferral is not None:
+            self.deferral.flush_removed()
 
     # ---- lifecycle hooks (no-ops here; MTP top-k sharing uses them) ------------------------
     def on_prefill_begin(self, num_reqs: int) -> None:
@@ -158,6 +183,13 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             return self.combiner.combine_hidden_states(aux, layout.rows)
         return last_hidden_states
 
+    def combine_kept(self, raw: torch.Tensor) -> torch.Tensor:
+        """_prefill_hidden of decode rows kept by the deferral (raw: the aux taps side by
+        side, or the last hidden states)."""
+        if self.combiner is not None:
+            return self.combiner.combine_hidden_states(raw, ALL_SHORT)
+        return raw
+
     def _num_aux_hidden_states(self) -> int:
         bound = self.draft.bound_shares
         return len(bound.aux_hidden_state_layers) if self.combiner and bound else 0
@@ -191,15 +223,18 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         attn_metadata: AttentionMetadata,
         draft_step: int,
         inputs_embeds: torch.Tensor | None = None,
+        row_kinds: RowKinds | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden for the logits, hidden fed back to the next draft step)."""
+        """(hidden for the logits, hidden fed back to the next draft step); row_kinds: the
+        rows' kinds whatever the layout (None: by the layout)."""
+        ctx = ForwardContext(attn_metadata)
         return self.draft(
             input_ids=None if inputs_embeds is not None else input_ids,
             positions=positions,
             hidden_states=hidden_states.to(self.dtype),
             spec_step_idx=draft_step,
             inputs_embeds=inputs_embeds,
-            ctx=ForwardContext(attn_metadata),
+            ctx=ctx if row_kinds is None else ctx.with_rows(row_kinds),
         )
 
     # ---- the draft loop shared by capture() and propose() ------------------------------------
@@ -408,15 +443,10 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         input_ids[last_idx] = next_tokens[:, 0]
         positions = np.zeros(num_tokens_padded, dtype=np.int64)
         positions[:num_tokens] = b.positions_np
-        # EAGLE3's fc over the target's rows: their kinds are the target step's layout.
-        target_layout = ForwardContext.laid_out_as(b.attn_metadata)
-        hidden = self.stage_hidden_states(
-            self._prefill_hidden(inputs.last_hidden_states, inputs.aux_hidden_states, target_layout)
-        )
-        if hidden.shape[0] != num_tokens_padded:
+        if inputs.last_hidden_states.shape[0] != num_tokens_padded:
             raise RuntimeError(
-                f"the target's hidden states have {hidden.shape[0]} rows but the batch has "
-                f"{num_tokens_padded} (padded) tokens"
+                f"the target's hidden states have {inputs.last_hidden_states.shape[0]} rows but "
+                f"the batch has {num_tokens_padded} (padded) tokens"
             )
         db = DraftBatch(
             slots=b.idx_mapping_np,
@@ -442,6 +472,20 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                 )
             db.mm_rows, db.mm_embeds = inputs.mm_embeds
             self.num_mm_rows_gathered += len(db.mm_rows)
+        # EAGLE3's fc over the target's rows: their kinds are the target step's layout.
+        target_layout = ForwardContext.laid_out_as(b.attn_metadata)
+        if self.deferral is not None:
+            raw = inputs.last_hidden_states
+            if self.combiner is not None and inputs.aux_hidden_states:
+                raw = torch.cat(inputs.aux_hidden_states, dim=-1)
+            rows = target_layout.rows
+            ks = verified_next(inputs, self.num_speculative_steps)
+            if self.deferral.try_defer(db, raw, ks, rows is not None and rows.all_short):
+                return no_drafts(self, db.num_reqs)
+            self.deferral.catch_up_batch(db)
+        hidden = self.stage_hidden_states(
+            self._prefill_hidden(inputs.last_hidden_states, inputs.aux_hidden_states, target_layout)
+        )
         self.draft_grammar = inputs.draft_grammar
         steps = inputs.req_draft_steps
         try:

@@ -29,6 +29,10 @@ class EagleSpeculator(AutoRegressiveSpeculator):
     # speculative_token_tree: the drafts are that tree's nodes (spec_decode/tree_draft.py).
     tree: StaticTree | None = None
 
+    # One draft layer reading the target's hidden states: its first pass may wait while
+    # nobody drafts (autoregressive/deferral.py).
+    defers_first_pass = True
+
     def on_draft_bound(self, draft: DraftModel, shares: TargetShares) -> None:
         super().on_draft_bound(draft, shares)
         self.tree = StaticTree.from_config(self.vllm_config)
