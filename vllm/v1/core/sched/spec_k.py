@@ -114,9 +114,12 @@ class _DraftCost:
         self.costs, self.batch_size, self.per_request = costs, batch_size, per_request
         self.rows: list[int] = []  # rows[s]: requests running pass s + 1 (len: the deepest)
         self.total = 0.0
+        # A pass's cost by the requests it runs (0 .. batch_size), looked up, not interpolated,
+        # in the candidates' loop.
+        self._by_rows = [0.0] + [costs.draft_step(r) for r in range(1, batch_size + 1)]
 
     def _pass(self, rows: int) -> float:
-        return self.costs.draft_step(rows) if rows else 0.0
+        return self._by_rows[rows] if rows < len(self._by_rows) else self.costs.draft_step(rows)
 
     def grown(self, old_passes: int, new_passes: int) -> float:
         """The total if one request's passes grow from old_passes to new_passes."""
