@@ -69,9 +69,12 @@ class FirstPassDeferral:
         max_blocks = -(-spec.max_model_len // spec.block_size) + 1
         self.block_table = np.zeros((R, max_blocks), dtype=np.int64)
         self.removed: list[int] = []
-        # Rows kept and rows caught up (or flushed), since start-up.
+        # Since start-up: rows kept, rows written by a catch-up (flushes included), rows
+        # flushed after their request left, steps whose rows would have outgrown a slot.
         self.num_deferred_rows = 0
         self.num_caught_up_rows = 0
+        self.num_flushed_rows = 0
+        self.num_overflows = 0
 
     @classmethod
     def for_speculator(cls, spec: AutoRegressiveSpeculator, width: int) -> FirstPassDeferral | None:
@@ -100,7 +103,10 @@ class FirstPassDeferral:
         kept = self.count[slots]
         # A request's kept rows end where this step's begin (else: catch up, run the pass).
         contiguous = (kept == 0) | (self.start[slots] + kept == db.start)
-        if not contiguous.all() or (kept + n > self.cap).any() or (n < 1).any():
+        if not contiguous.all() or (n < 1).any():
+            return False
+        if (kept + n > self.cap).any():
+            self.num_overflows += 1
             return False
         first = np.where(kept == 0, db.start, self.start[slots])
         self.start[slots] = first
@@ -143,6 +149,7 @@ class FirstPassDeferral:
         """The kept rows of the requests that left their slots (before the slots are reused)."""
         if self.removed:
             slots, self.removed = np.array(sorted(set(self.removed)), dtype=np.int64), []
+            self.num_flushed_rows += int(self.count[slots].sum())
             self.catch_up(slots)
 
     def catch_up(self, slots: np.ndarray) -> None:

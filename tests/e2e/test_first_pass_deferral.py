@@ -1,0 +1,182 @@
+# SPDX-License-Identifier: Apache-2.0
+# Copyright 2026 The vllm-pp-spec contributors
+"""The EAGLE3 first pass deferred while nobody drafts (spec_decode/autoregressive/deferral.py).
+
+A plan gives whole steps where no request drafts (runs of them, so kept rows pile up over
+decode steps and over verify steps with rejected drafts), between steps where the requests draft
+different counts. Two waves of requests, the second extending the first's prompts and answers
+(prefix-cache hits on blocks whose rows were kept when their request finished). Checked against
+the same engine with the deferral off:
+- every draft (all of propose's output) is the same at every step: the catch-up before a pass
+  and the flush when a request leaves write the draft KV the deferred passes would have;
+- the text equals no speculation's, and the draft KV at every position a request computed is
+  bit-identical (the catch-up runs the rows through the same small-M kernel route);
+- rows were kept, caught up before a pass and flushed after their request left;
+- with a slot holding at most 3 rows, rows that would outgrow it are caught up first.
+Each mechanism is load-bearing: a catch-up that writes nothing, or no flush, changes drafts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm import SamplingParams
+from vllm.engine.arg_utils import EngineArgs
+from vllm.testing.engine_utils import make_prompts
+from vllm.testing.spec_checkpoints import make_eagle3_draft
+from vllm.v1.engine.llm_engine import LLMEngine
+from vllm.v1.worker.gpu.spec_decode.autoregressive.deferral import FirstPassDeferral
+
+K = 3
+BLOCK = 16
+# Step t: nobody drafts where DORMANT[t % len] (runs of 1 .. 4 steps), else request i drafts
+# (t + i) % (K + 1).
+DORMANT = [False, True, True, False, True, True, True, True, False, False, True]
+PROMPTS = make_prompts(512, [21, 6, 13], seed=41)
+# Each request's computed positions (prompt + max_tokens - 1) end on a block boundary (16
+# tokens): the rows it leaves its slot with lie in full blocks, which the second wave hits.
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=28, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=5, max_tokens=27, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+]
+
+
+@pytest.fixture(scope="module")
+def head(llama_dir, tmp_path_factory):
+    return make_eagle3_draft(tmp_path_factory.mktemp("deferral_eagle3"), llama_dir)
+
+
+def _engine(target: str, spec: dict | None) -> LLMEngine:
+    args = EngineArgs(
+        model=target,
+        speculative_config=spec,
+        dtype="float32",
+        max_model_len=160,
+        max_num_seqs=3,
+        enable_prefix_caching=True,
+    )
+    return LLMEngine.from_engine_args(args)
+
+
+def _wave(
+    eng: LLMEngine, prompts: list[list[int]], tag: str, params: list[SamplingParams] = PARAMS
+) -> list[list[int]]:
+    out: dict[str, list[int]] = {}
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        eng.add_request(f"{tag}{i}", {"prompt_token_ids": p}, sp)
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                out[o.request_id] = list(o.outputs[0].token_ids)
+    return [out[f"{tag}{i}"] for i in range(len(prompts))]
+
+
+def _run(target: str, spec: dict | None, deferral: str = "on"):
+    """Two waves (the second: each prompt + its first answer + a few tokens); the outputs, every
+    propose's drafts, and the speculator's deferral."""
+    eng = _engine(target, spec)
+    drafts: list[np.ndarray] = []
+    written: set[int] = set()
+    sp_obj = None
+    try:
+        if spec is not None:
+            policy = eng.scheduler.spec_k
+            assert policy is not None
+            decide, t = policy.decide, [0]
+
+            def planned(req_ids, batch_size):
+                decide(req_ids, batch_size)
+                step, t[0] = t[0], t[0] + 1
+                reqs = [eng.scheduler.requests[rid] for rid in req_ids]
+                # Dormant too near a request's end: it leaves its slot with rows kept.
+                ending = any(r.sampling_params.max_tokens - r.num_output_tokens < 6 for r in reqs)
+                ks = {
+                    rid: 0 if ending or DORMANT[step % len(DORMANT)] else (step + i) % (K + 1)
+                    for i, rid in enumerate(req_ids)
+                }
+                for rid, k in ks.items():
+                    policy._req(rid).k_next = k
+                return ks
+
+            policy.decide = planned  # type: ignore[method-assign]
+            sp_obj = eng.executor.worker.model_runner.speculator
+            if deferral == "off":
+                sp_obj.deferral = None
+            elif deferral == "small":
+                d = sp_obj.deferral
+                sp_obj.deferral = FirstPassDeferral(sp_obj, d.width, sp_obj.dtype, 3)
+            propose = sp_obj.propose
+
+            def recording(inputs):
+                got = propose(inputs)
+                drafts.append(got.copy())
+                # The draft KV slots of every valid position of the step's requests.
+                b = inputs.input_batch
+                last = b.positions_np[inputs.last_valid_indices()]
+                for i, n in enumerate(last.tolist()):
+                    pos = np.arange(n + 1)
+                    blocks = b.block_table_np[i, pos // BLOCK]
+                    written.update((blocks * BLOCK + pos % BLOCK).tolist())
+                return got
+
+            sp_obj.propose = recording
+        first = _wave(eng, PROMPTS, "a")
+        second_prompts = [p + o + [7, 8, 9] for p, o in zip(PROMPTS, first)]
+        second = _wave(eng, second_prompts, "b")
+        kv = None
+        if sp_obj is not None:
+            # One more step: the second wave's kept rows are flushed as it starts (a prefill of
+            # more rows than a decode step, and nothing after it: nothing of its own is kept).
+            _wave(eng, [list(range(5, 17))], "c", [SamplingParams(max_tokens=1)])
+            runner = eng.executor.worker.model_runner
+            kv = torch.stack([c for n, c in runner.kv_caches.items() if n.startswith("drafter")])
+        deferral = sp_obj.deferral if sp_obj is not None else None
+        return first + second, drafts, deferral, kv, written
+    finally:
+        eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir):
+    return _run(llama_dir, None)[0]
+
+
+def _spec(head: str) -> dict:
+    return {
+        "method": "eagle3",
+        "model": head,
+        "num_speculative_tokens": K,
+        "adaptive_num_speculative_tokens": False,
+    }
+
+
+@pytest.fixture(scope="module")
+def without(llama_dir, head):
+    return _run(llama_dir, _spec(head), deferral="off")
+
+
+@pytest.mark.parametrize("mode", ["on", "small"])
+def test_deferred_first_pass_drafts_exactly_the_same(llama_dir, head, reference, without, mode):
+    out, drafts, d, kv, written = _run(llama_dir, _spec(head), deferral=mode)
+    out_off, drafts_off, d_off, kv_off, written_off = without
+    assert d_off is None and d is not None
+    assert out == reference
+    assert out_off == reference
+    assert len(drafts) == len(drafts_off)
+    for step, (a, b) in enumerate(zip(drafts, drafts_off)):
+        assert np.array_equal(a, b), (step, a, b)
+    assert sum(int((a >= 0).sum()) for a in drafts) >= 40, "the plan drafts"
+    assert d.num_deferred_rows >= 60, d.num_deferred_rows
+    # Kept rows were written before a pass and after their request left.
+    assert d.num_flushed_rows > 0
+    assert d.num_caught_up_rows - d.num_flushed_rows > 0
+    if mode == "small":
+        assert d.num_overflows > 0
+    # The draft KV at every position a request computed: bit-identical.
+    assert written == written_off
+    slots = torch.tensor(sorted(written))
+    assert torch.equal(kv[:, :, slots], kv_off[:, :, slots])
+    assert d.num_deferred_rows == d.num_caught_up_rows and not d.count.any()
