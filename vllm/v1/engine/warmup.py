@@ -113,9 +113,7 @@ def measure_step_costs(
     and one verifying K drafting K steps (the fastest of 3 interleaved repeats: on a shared
     CPU other work only ever adds time, and a busy moment taken for a real cost would mislead
     every later choice); a draft step is the difference over the draft passes K drafts take
-    (a chain's K steps, a tree's depth passes: spec_k.draft_passes), the draft's first pass
-    included where it waits while nobody drafts (then the steps drafting nothing do not run
-    it). Bounded in time: batch
+    (a chain's K steps, a tree's depth passes: spec_k.draft_passes). Bounded in time: batch
     sizes are measured in increasing order while the next one is expected to end within
     VLLM_STEP_COST_BUDGET_S of the start (the first two always; the model extrapolates
     linearly past the last one measured). None when speculation or the adaptive K is off or
@@ -136,8 +134,7 @@ def measure_step_costs(
     # a line from 0 to K drafts would price the first few drafts far above their cost.
     mids = sorted({max(1, k // 3), max(1, (2 * k) // 3)} - {k})
     configs = [(0, 0), *((m, 0) for m in mids), (k, 0), (k, k)]
-    # (+1 config: the untimed step before each drafting one, below)
-    per_req = prompt + 1 + (len(configs) + 1) * reps * (k + 1) + k + 1
+    per_req = prompt + 1 + len(configs) * reps * (k + 1) + k + 1
     blocks = -(-per_req // vllm_config.cache_config.block_size)
     limit = min(sc.max_num_seqs, 16, num_blocks // max(blocks, 1))
     limit = min(limit, sc.max_num_batched_tokens // (k + 1))
@@ -174,14 +171,6 @@ def measure_step_costs(
                 for rid in ids:
                     sched.requests[rid].num_drafts = m
                 policy.force_k = ds
-                if ds:
-                    # Untimed, the same step first: it writes the draft KV the steps before
-                    # put off (a draft whose first pass waits while nobody drafts), owed
-                    # whatever the next step drafts; the timed one prices drafting itself.
-                    so = sched.schedule()
-                    sched.update_from_output(so, executor.execute_model(so))
-                    for rid in ids:
-                        sched.requests[rid].num_drafts = m
                 t = time.perf_counter()
                 so = sched.schedule()
                 out = executor.execute_model(so)
