@@ -180,3 +180,29 @@ def test_deferred_first_pass_drafts_exactly_the_same(llama_dir, head, reference,
     slots = torch.tensor(sorted(written))
     assert torch.equal(kv[:, :, slots], kv_off[:, :, slots])
     assert d.num_deferred_rows == d.num_caught_up_rows and not d.count.any()
+
+
+def test_a_count_forced_on_every_request_never_defers(llama_dir, head, reference):
+    """The start-up's step-cost measurement forces one count on all (policy.force_k): those
+    steps must cost what a drafting batch's steps cost, first pass included."""
+    eng = _engine(llama_dir, _spec(head))
+    try:
+        policy = eng.scheduler.spec_k
+        assert policy is not None
+        policy.force_k = 0
+        spec_obj = eng.executor.worker.model_runner.speculator
+        d = spec_obj.deferral
+        assert d is not None
+        passes = []
+        run_model = spec_obj._run_model
+
+        def counting(input_ids, *a, **kw):
+            passes.append(int(input_ids.shape[0]))
+            return run_model(input_ids, *a, **kw)
+
+        spec_obj._run_model = counting
+        assert _wave(eng, PROMPTS, "f") == reference[: len(PROMPTS)]
+        assert d.num_deferred_rows == 0
+        assert len(passes) >= max(sp.max_tokens for sp in PARAMS) - 1, passes
+    finally:
+        eng.shutdown()

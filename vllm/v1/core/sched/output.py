@@ -60,7 +60,8 @@ class SchedulerOutput:
     draft steps after them); None: num_speculative_tokens."""
     req_draft_steps: dict[str, int] | None = None
     """The drafts each request of this step verifies next step (a draft model drafts only
-    those rows that deep); None: num_draft_steps for every request."""
+    those rows that deep; a one-layer EAGLE draft puts its first pass off while every count
+    is 0); None: num_draft_steps for every request (a count forced on all, never deferring)."""
     state_checkpoint_saves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     """Hybrid models with prefix caching: per request, (tokens, checkpoint id) of the
     linear-attention states this step saves, the state after that many of its tokens."""

@@ -363,6 +363,11 @@ class Scheduler:
         if self.spec_k is not None and num_scheduled:
             ks = self.spec_k.decide(list(num_scheduled), len(num_scheduled))
             num_draft_steps = max(ks.values())
+            if self.spec_k.force_k is not None:
+                # One count forced on every request (the start-up's step-cost measurement):
+                # not a decision per request, so the worker runs every step as a drafting
+                # batch would (its draft's first pass included).
+                ks = None
         finished, self.finished_req_ids = self.finished_req_ids, set()
         self._step_id += 1
         return SchedulerOutput(

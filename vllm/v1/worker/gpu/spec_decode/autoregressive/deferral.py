@@ -89,15 +89,18 @@ class FirstPassDeferral:
 
     # ---- the decision ---------------------------------------------------------------------
     def try_defer(
-        self, db: DraftBatch, raw: torch.Tensor, ks: np.ndarray, all_decode: bool
+        self, db: DraftBatch, raw: torch.Tensor, ks: np.ndarray | None, all_decode: bool
     ) -> bool:
         """Keep this step's rows instead of running the first pass, when nobody drafts next
-        step (ks all 0), every row is a decode row and every request's rows fit its slot;
-        returns whether they were kept. raw: what the first pass reads [T, width] (before the
-        EAGLE3 fc), in the target's row layout."""
+        step (ks: the scheduler's counts per request, all 0; None: a forced count), every row
+        is a decode row and every request's rows fit its slot; returns whether they were kept.
+        raw: what the first pass reads [T, width] (before the EAGLE3 fc), in the target's row
+        layout."""
         slots = db.slots
         self._forget(slots[db.new_req])
-        if ks.any() or not all_decode or (db.mm_rows is not None and len(db.mm_rows)):
+        if ks is None or ks.any() or not all_decode:
+            return False
+        if db.mm_rows is not None and len(db.mm_rows):
             return False
         n = db.last - db.start + 1  # valid rows (rejected drafts' rows are not kept)
         kept = self.count[slots]
@@ -194,13 +197,13 @@ class FirstPassDeferral:
         self.num_caught_up_rows += int(counts.sum())
 
 
-def verified_next(inputs: ProposeInputs, k: int) -> np.ndarray:
-    """[R] the drafts each request verifies next step (what the scheduler asked for; None:
-    k for every request)."""
-    if inputs.req_draft_steps is not None:
-        return np.asarray(inputs.req_draft_steps, dtype=np.int64)
-    n = k if inputs.num_draft_steps is None else inputs.num_draft_steps
-    return np.full(inputs.input_batch.num_reqs, n, dtype=np.int64)
+def verified_next(inputs: ProposeInputs) -> np.ndarray | None:
+    """[R] the drafts each request verifies next step, where the scheduler decided them per
+    request; None where one count was forced on every request (the start-up's step-cost
+    measurement prices steps as a drafting batch runs them: never deferred)."""
+    if inputs.req_draft_steps is None:
+        return None
+    return np.asarray(inputs.req_draft_steps, dtype=np.int64)
 
 
 def no_drafts(spec: AutoRegressiveSpeculator, num_reqs: int) -> np.ndarray:

@@ -479,7 +479,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             if self.combiner is not None and inputs.aux_hidden_states:
                 raw = torch.cat(inputs.aux_hidden_states, dim=-1)
             rows = target_layout.rows
-            ks = verified_next(inputs, self.num_speculative_steps)
+            ks = verified_next(inputs)
             if self.deferral.try_defer(db, raw, ks, rows is not None and rows.all_short):
                 return no_drafts(self, db.num_reqs)
             self.deferral.catch_up_batch(db)
