@@ -2,9 +2,10 @@
 # Copyright 2026 The vllm-pp-spec contributors
 """Where a speculative decode step's time goes: SmolLM2-135M-Instruct + the bundled EAGLE3 head.
 
-Each engine (no speculation, chains, trees; names as in tree_smollm2.py) generates for B
-held-out chat prompts at once; wall time of the engine's own phases is summed over the timed
-run and divided by its scheduled steps: the target's forward and LM head, the speculator's
+Each engine (no speculation, chains, trees; names as in tree_smollm2.py, NAME-nodefer: the
+draft's first pass every step) generates for B held-out chat prompts at once; wall time of the
+engine's own phases is summed over the timed run and divided by its scheduled steps: the
+target's forward and LM head, the speculator's
 propose (its first pass over the step's rows, the EAGLE3 fc, every draft forward, the draft
 LM head, sampling, the inputs of the later draft steps), the scheduler. A phase nested in
 another is counted in both (the draft forwards are part of propose). Medians of the repeats
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import cpu_flags, smollm2
 from benchmarks.eagle3_smollm2 import heldout_chats
-from benchmarks.tree_smollm2 import spec_of
+from benchmarks.tree_smollm2 import no_deferral, spec_of
 
 # (owner, method, label): owner "engine", "scheduler", "runner", "model", "spec", "draft".
 PHASES = [
@@ -102,6 +103,8 @@ def main() -> None:
             max_model_len=1024,
             max_num_seqs=args.batch,
         )
+        if e.endswith("-nodefer"):
+            no_deferral(llm)
         try:
             acc: dict[str, float] = defaultdict(float)
             instrument(llm, acc)

@@ -22,7 +22,8 @@ included), the acceptance per depth, and whether the text equals no speculation'
 
 An engine named NAME-f32w is NAME with the head's weights widened to fp32 at load (as before
 the engine kept a bf16 head's linear weights in bf16 under an fp32 target): the same drafts,
-twice the weight bytes - the paired reference for that change.
+twice the weight bytes - the paired reference for that change. NAME-nodefer is NAME with the
+draft's first pass run every step, also while no request drafts (before the deferral).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def spec_of(name: str, alt_head: str | None = None) -> dict | None:
     if name == "none":
         return None
     head = str(SMOLLM2_EAGLE3_DIR)
-    name = name.removesuffix("-f32w")
+    name = name.removesuffix("-f32w").removesuffix("-nodefer")
     if name.endswith("-alt"):
         if alt_head is None:
             raise SystemExit(f"engine {name!r} needs --alt-head")
@@ -95,6 +96,12 @@ def fp32_head_weights(on: bool) -> Iterator[None]:
         yield
     finally:
         LlamaForCausalLMEagle3.keeps_exact_bf16_weights = True
+
+
+def no_deferral(llm) -> None:
+    """The engine's draft runs its first pass every step, also while nobody drafts (the
+    paired reference for the deferral, spec_decode/autoregressive/deferral.py)."""
+    llm.llm_engine.executor.worker.model_runner.speculator.deferral = None
 
 
 def counters(llm) -> tuple[float, float, list[float], float]:
@@ -202,6 +209,8 @@ def main() -> None:
                 max_num_seqs=max(args.batch),
                 disable_log_stats=False,
             )
+        if e.endswith("-nodefer"):
+            no_deferral(llms[e])
     try:
         for llm in llms.values():
             llm.bench_steps = count_steps(llm)

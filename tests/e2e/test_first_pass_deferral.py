@@ -7,8 +7,10 @@ decode steps and over verify steps with rejected drafts), between steps where th
 different counts. Two waves of requests, the second extending the first's prompts and answers
 (prefix-cache hits on blocks whose rows were kept when their request finished). Checked against
 the same engine with the deferral off:
-- every draft (all of propose's output) is the same at every step: the catch-up before a pass
-  and the flush when a request leaves write the draft KV the deferred passes would have;
+- every draft (all of propose's output, and a dynamic tree's parents) is the same at every
+  step, chains and trees: the catch-up before a pass and the flush when a request leaves write
+  the draft KV the deferred passes would have, and requests drafting while others keep their
+  rows draft from their own rows laid out alone;
 - the text equals no speculation's, and the draft KV at every position a request computed is
   bit-identical (the catch-up runs the rows through the same small-M kernel route);
 - rows were kept, caught up before a pass and flushed after their request left;
@@ -79,6 +81,7 @@ def _run(target: str, spec: dict | None, deferral: str = "on"):
     propose's drafts, and the speculator's deferral."""
     eng = _engine(target, spec)
     drafts: list[np.ndarray] = []
+    parents: list[np.ndarray] = []  # a dynamic tree's, after each propose
     written: set[int] = set()
     sp_obj = None
     try:
@@ -113,6 +116,8 @@ def _run(target: str, spec: dict | None, deferral: str = "on"):
             def recording(inputs):
                 got = propose(inputs)
                 drafts.append(got.copy())
+                if "num_tree_nodes" in spec:
+                    parents.append(sp_obj.tree_parents.copy())
                 # The draft KV slots of every valid position of the step's requests.
                 b = inputs.input_batch
                 last = b.positions_np[inputs.last_valid_indices()]
@@ -134,7 +139,7 @@ def _run(target: str, spec: dict | None, deferral: str = "on"):
             runner = eng.executor.worker.model_runner
             kv = torch.stack([c for n, c in runner.kv_caches.items() if n.startswith("drafter")])
         deferral = sp_obj.deferral if sp_obj is not None else None
-        return first + second, drafts, deferral, kv, written
+        return first + second, drafts + parents, deferral, kv, written
     finally:
         eng.shutdown()
 
@@ -144,24 +149,43 @@ def reference(llama_dir):
     return _run(llama_dir, None)[0]
 
 
-def _spec(head: str) -> dict:
+SHAPES = {
+    "chain": {"num_speculative_tokens": K},
+    "static_tree": {"speculative_token_tree": "[(0,), (1,), (0, 0)]"},
+    "dynamic_tree": {"num_tree_nodes": K, "tree_top_k": 2},
+}
+
+
+def _spec(head: str, shape: str = "chain") -> dict:
     return {
         "method": "eagle3",
         "model": head,
-        "num_speculative_tokens": K,
         "adaptive_num_speculative_tokens": False,
+        **SHAPES[shape],
     }
 
 
 @pytest.fixture(scope="module")
 def without(llama_dir, head):
-    return _run(llama_dir, _spec(head), deferral="off")
+    runs: dict[str, tuple] = {}
+
+    def get(shape: str) -> tuple:
+        if shape not in runs:
+            runs[shape] = _run(llama_dir, _spec(head, shape), deferral="off")
+        return runs[shape]
+
+    return get
 
 
-@pytest.mark.parametrize("mode", ["on", "small"])
-def test_deferred_first_pass_drafts_exactly_the_same(llama_dir, head, reference, without, mode):
-    out, drafts, d, kv, written = _run(llama_dir, _spec(head), deferral=mode)
-    out_off, drafts_off, d_off, kv_off, written_off = without
+@pytest.mark.parametrize(
+    "shape, mode",
+    [("chain", "on"), ("chain", "small"), ("static_tree", "on"), ("dynamic_tree", "on")],
+)
+def test_deferred_first_pass_drafts_exactly_the_same(
+    llama_dir, head, reference, without, shape, mode
+):
+    out, drafts, d, kv, written = _run(llama_dir, _spec(head, shape), deferral=mode)
+    out_off, drafts_off, d_off, kv_off, written_off = without(shape)
     assert d_off is None and d is not None
     assert out == reference
     assert out_off == reference
@@ -170,6 +194,8 @@ def test_deferred_first_pass_drafts_exactly_the_same(llama_dir, head, reference,
         assert np.array_equal(a, b), (step, a, b)
     assert sum(int((a >= 0).sum()) for a in drafts) >= 40, "the plan drafts"
     assert d.num_deferred_rows >= 60, d.num_deferred_rows
+    # Steps where some requests drafted and the others kept their rows.
+    assert d.num_partial_steps >= 5, d.num_partial_steps
     # Kept rows were written before a pass and after their request left.
     assert d.num_flushed_rows > 0
     assert d.num_caught_up_rows - d.num_flushed_rows > 0

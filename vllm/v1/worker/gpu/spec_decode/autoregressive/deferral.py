@@ -1,35 +1,40 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""The draft's first pass, deferred while nobody drafts.
+"""The draft's first pass, deferred for the requests nobody drafts for.
 
 A draft head's first pass (step 0) runs over every row the target computed, and most of its
 cost is writing the draft's KV there: a request drafting later attends to it. When the
-scheduler verifies no draft next step for any request of a decode batch (the adaptive K at a
-batch where drafting does not pay: the first pass is then all the speculation costs), the pass
-is put off: each valid row's input - the token after it, its position, the target's hidden
-states the draft reads (EAGLE3: the aux taps, before the fc) - is kept per request-state slot,
-and the draft's KV there is written later in one batched pass ("catch-up") over every kept row
-of a request, before its next first pass, when its kept rows would outgrow the buffer, or when
-it leaves its slot (finished, aborted, preempted: its blocks may be served from the prefix
-cache, so their draft KV must be complete before anything can hit them).
+scheduler verifies no draft next step for a request of a decode batch (the adaptive K where
+drafting does not pay: at batch 16 the first pass was then all that speculation cost), that
+request's pass is put off: each valid row's input - the token after it, its position, the
+target's hidden states the draft reads (EAGLE3: the aux taps, before the fc) - is kept per
+request-state slot, and the draft's KV there is written later in one batched pass
+("catch-up") over the kept rows, before the request's next first pass, when its kept rows
+would outgrow the buffer, or when it leaves its slot (finished, aborted, preempted: its blocks
+may be served from the prefix cache, so their draft KV must be complete before anything can
+hit them). In a step where some requests draft, the first pass runs over their rows alone
+(laid out on their own, each row in the KV slot the whole step's pass writes).
 
 The catch-up runs the kept rows through the same products as the pass it replaces (all of them
 decode rows: the small-M kernel, whose rows never depend on their neighbours), so the draft KV
 it writes is bit-identical to what the deferred passes would have written, and so are every
 later draft and the acceptance. Only drafts with one attention layer defer: a row's KV there
 depends on nothing but the row's own inputs (a deeper layer's KV would read the attention
-over the row's context, which a request that has left its slot no longer owns).
+over the row's context, which a request that has left its slot no longer owns). A count forced
+on every request (the start-up's step-cost measurement) never defers, so the adaptive K prices
+a drafting step's first pass as before (it is owed whether it runs now or at a catch-up).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from vllm.attention.backends.torch_paged import build_attn_metadata
-from vllm.forward_context import ALL_SHORT
+from vllm.forward_context import ALL_SHORT, ForwardContext
 from vllm.logger import init_logger
 from vllm.v1.worker.gpu.states import PAD_TOKEN_ID
 
@@ -70,11 +75,13 @@ class FirstPassDeferral:
         self.block_table = np.zeros((R, max_blocks), dtype=np.int64)
         self.removed: list[int] = []
         # Since start-up: rows kept, rows written by a catch-up (flushes included), rows
-        # flushed after their request left, steps whose rows would have outgrown a slot.
+        # flushed after their request left, requests whose rows would have outgrown a slot.
         self.num_deferred_rows = 0
         self.num_caught_up_rows = 0
         self.num_flushed_rows = 0
         self.num_overflows = 0
+        # Steps where some requests drafted (their first pass alone) and the others kept.
+        self.num_partial_steps = 0
 
     @classmethod
     def for_speculator(cls, spec: AutoRegressiveSpeculator, width: int) -> FirstPassDeferral | None:
@@ -88,33 +95,43 @@ class FirstPassDeferral:
         return cls(spec, width, spec.dtype, cap)
 
     # ---- the decision ---------------------------------------------------------------------
-    def try_defer(
-        self, db: DraftBatch, raw: torch.Tensor, ks: np.ndarray | None, all_decode: bool
-    ) -> bool:
-        """Keep this step's rows instead of running the first pass, when nobody drafts next
-        step (ks: the scheduler's counts per request, all 0; None: a forced count), every row
-        is a decode row and every request's rows fit its slot; returns whether they were kept.
+    def keepable(
+        self, db: DraftBatch, ks: np.ndarray | None, all_decode: bool, grammar: bool
+    ) -> np.ndarray:
+        """[R] bool: the requests whose rows this step may keep instead of running the first
+        pass - nobody drafts for them next step (ks: the scheduler's counts per request; None:
+        a count forced on all, never kept), every row of the step is a decode row, and their
+        rows fit their slot after the ones kept before. With some requests drafting, the
+        others keep theirs only without a grammar (grammar-aware drafting's forks are the whole
+        batch's rows)."""
+        slots = db.slots
+        self._forget(slots[db.new_req])
+        none = np.zeros(db.num_reqs, dtype=bool)
+        if ks is None or not all_decode or (db.mm_rows is not None and len(db.mm_rows)):
+            return none
+        idle = ks == 0
+        if not idle.all() and grammar:
+            return none
+        n = db.last - db.start + 1  # valid rows (rejected drafts' rows are not kept)
+        kept = self.count[slots]
+        # A request's kept rows end where this step's begin (else: caught up, the pass runs).
+        contiguous = (kept == 0) | (self.start[slots] + kept == db.start)
+        fits = kept + n <= self.cap
+        self.num_overflows += int((idle & contiguous & ~fits).sum())
+        return idle & contiguous & fits & (n >= 1)
+
+    def keep(self, db: DraftBatch, raw: torch.Tensor) -> None:
+        """Keep the valid rows of db's requests (db may be a take() of the step's batch).
         raw: what the first pass reads [T, width] (before the EAGLE3 fc), in the target's row
         layout."""
         slots = db.slots
-        self._forget(slots[db.new_req])
-        if ks is None or ks.any() or not all_decode:
-            return False
-        if db.mm_rows is not None and len(db.mm_rows):
-            return False
-        n = db.last - db.start + 1  # valid rows (rejected drafts' rows are not kept)
+        n = db.last - db.start + 1
         kept = self.count[slots]
-        # A request's kept rows end where this step's begin (else: catch up, run the pass).
-        contiguous = (kept == 0) | (self.start[slots] + kept == db.start)
-        if not contiguous.all() or (n < 1).any():
-            return False
-        if (kept + n > self.cap).any():
-            self.num_overflows += 1
-            return False
-        first = np.where(kept == 0, db.start, self.start[slots])
-        self.start[slots] = first
-        # Flat rows of the target's layout -> flat rows of the kept buffer.
-        src = np.concatenate([db.query_start_loc[i] + np.arange(n[i]) for i in range(len(n))])
+        self.start[slots] = np.where(kept == 0, db.start, self.start[slots])
+        # Flat rows of the target's layout (a request's valid rows end at its last row) ->
+        # flat rows of the kept buffer.
+        first_row = db.last_token_indices - (n - 1)
+        src = np.concatenate([first_row[i] + np.arange(n[i]) for i in range(len(n))])
         base = slots * self.cap + kept
         dst = np.concatenate([base[i] + np.arange(n[i]) for i in range(len(n))])
         rows = raw[torch.from_numpy(src).to(raw.device)]
@@ -125,7 +142,6 @@ class FirstPassDeferral:
         self.block_table[slots, :width] = db.block_table[:, :width]
         self.count[slots] = kept + n
         self.num_deferred_rows += int(n.sum())
-        return True
 
     def _forget(self, slots: np.ndarray) -> None:
         """Slots whose request is new this step: nothing of theirs is kept."""
@@ -197,6 +213,38 @@ class FirstPassDeferral:
         self.num_caught_up_rows += int(counts.sum())
 
 
+def drafting_part(db: DraftBatch, run: np.ndarray) -> tuple[DraftBatch, np.ndarray]:
+    """The step as the requests `run` alone see it: their rows laid out on their own (the
+    first pass over them only, each row in the KV slot the whole step's pass writes), and
+    their rows' indices in the step's flat layout."""
+    part = db.take(run)
+    qsl = db.query_start_loc
+    num = db.num_scheduled[run]
+    rows = np.concatenate([qsl[i] + np.arange(num[j]) for j, i in enumerate(run.tolist())])
+    new_qsl = np.concatenate([[0], np.cumsum(num)]).astype(np.int64)
+    meta = db.attn_metadata
+    sub_meta = build_attn_metadata(
+        new_qsl,
+        meta.seq_lens_np[run],
+        db.block_table[run],
+        meta.block_size,
+        meta.device,
+        slot_mapping=meta.slot_mapping[torch.from_numpy(rows).to(meta.slot_mapping.device)],
+        positions=db.positions[rows],
+        short_query_len=meta.short_query_len,
+    )
+    part = replace(
+        part,
+        last_token_indices=new_qsl[:-1] + (db.last_token_indices[run] - qsl[run]),
+        query_start_loc=new_qsl,
+        target_ids=db.target_ids[rows],
+        input_ids=db.input_ids[rows],
+        positions=db.positions[rows],
+        attn_metadata=sub_meta,
+    )
+    return part, rows
+
+
 def verified_next(inputs: ProposeInputs) -> np.ndarray | None:
     """[R] the drafts each request verifies next step, where the scheduler decided them per
     request; None where one count was forced on every request (the start-up's step-cost
@@ -215,3 +263,52 @@ def no_drafts(spec: AutoRegressiveSpeculator, num_reqs: int) -> np.ndarray:
         parents[:, 1:] = np.arange(width - 1)
         spec.tree_parents = parents
     return np.full((num_reqs, width), PAD_TOKEN_ID, dtype=np.int64)
+
+
+def propose_deferring(
+    spec: AutoRegressiveSpeculator,
+    inputs: ProposeInputs,
+    db: DraftBatch,
+    target_layout: ForwardContext,
+) -> np.ndarray | None:
+    """propose() with the deferral: keep the rows of the requests nobody drafts for next step;
+    when some do, draft for them alone (their kept rows caught up first) and return the step's
+    drafts; None: every request runs the first pass (their kept rows caught up)."""
+    deferral = spec.deferral
+    assert deferral is not None
+    raw = inputs.last_hidden_states
+    if spec.combiner is not None and inputs.aux_hidden_states:
+        raw = torch.cat(inputs.aux_hidden_states, dim=-1)
+    kinds = target_layout.rows
+    all_decode = kinds is not None and kinds.all_short
+    ks = verified_next(inputs)
+    ok = deferral.keepable(db, ks, all_decode, inputs.draft_grammar is not None)
+    if ok.all():
+        deferral.keep(db, raw)
+        return no_drafts(spec, db.num_reqs)
+    if not ok.any():
+        deferral.catch_up_batch(db)
+        return None
+    assert ks is not None
+    deferral.keep(db.take(np.flatnonzero(ok)), raw)
+    deferral.num_partial_steps += 1
+    run = np.flatnonzero(~ok)
+    part, rows = drafting_part(db, run)
+    deferral.catch_up_batch(part)
+    rows_t = torch.from_numpy(rows).to(raw.device)
+    aux = inputs.aux_hidden_states
+    hidden = spec.stage_hidden_states(
+        spec._prefill_hidden(
+            inputs.last_hidden_states[rows_t],
+            [a[rows_t] for a in aux] if aux else None,
+            ForwardContext.laid_out_as(part.attn_metadata),
+        )
+    )
+    got = spec._draft(part, hidden, ks[run])
+    part_parents = spec.tree_parents
+    drafts = no_drafts(spec, db.num_reqs)
+    drafts[run] = got
+    if spec.speculative_config.num_tree_nodes is not None:
+        assert part_parents is not None and spec.tree_parents is not None
+        spec.tree_parents[run] = part_parents
+    return drafts

@@ -29,8 +29,7 @@ from vllm.model_executor.models.interfaces import CombinesHiddenStates, TargetSh
 from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
 from vllm.v1.worker.gpu.spec_decode.autoregressive.deferral import (
     FirstPassDeferral,
-    no_drafts,
-    verified_next,
+    propose_deferring,
 )
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator, ProposeInputs
 from vllm.v1.worker.gpu.states import PAD_TOKEN_ID
@@ -475,14 +474,9 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         # EAGLE3's fc over the target's rows: their kinds are the target step's layout.
         target_layout = ForwardContext.laid_out_as(b.attn_metadata)
         if self.deferral is not None:
-            raw = inputs.last_hidden_states
-            if self.combiner is not None and inputs.aux_hidden_states:
-                raw = torch.cat(inputs.aux_hidden_states, dim=-1)
-            rows = target_layout.rows
-            ks = verified_next(inputs)
-            if self.deferral.try_defer(db, raw, ks, rows is not None and rows.all_short):
-                return no_drafts(self, db.num_reqs)
-            self.deferral.catch_up_batch(db)
+            out = propose_deferring(self, inputs, db, target_layout)
+            if out is not None:
+                return out
         hidden = self.stage_hidden_states(
             self._prefill_hidden(inputs.last_hidden_states, inputs.aux_hidden_states, target_layout)
         )
