@@ -95,6 +95,7 @@ def main() -> None:
     chats = heldout_chats(n)
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     rows: dict[str, dict[str, float]] = {}
+    built: dict = {}  # engines run so far (shut down; their step costs are kept)
     for e in args.engines:
         llm = LLM(
             model=model,
@@ -104,7 +105,10 @@ def main() -> None:
             max_num_seqs=args.batch,
         )
         if e.endswith("-nodefer"):
-            no_deferral(llm)
+            # The step costs of the same engine with the deferral where it ran before (list
+            # it first), so that both decide the same drafts.
+            no_deferral(llm, built.get(e.removesuffix("-nodefer")))
+        built[e] = llm
         try:
             acc: dict[str, float] = defaultdict(float)
             instrument(llm, acc)

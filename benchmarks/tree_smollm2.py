@@ -98,10 +98,17 @@ def fp32_head_weights(on: bool) -> Iterator[None]:
         LlamaForCausalLMEagle3.keeps_exact_bf16_weights = True
 
 
-def no_deferral(llm) -> None:
-    """The engine's draft runs its first pass every step, also while nobody drafts (the
-    paired reference for the deferral, spec_decode/autoregressive/deferral.py)."""
+def no_deferral(llm, partner=None) -> None:
+    """The engine's draft runs its first pass every step, also for requests nobody drafts for
+    (the paired reference for the deferral, spec_decode/autoregressive/deferral.py). partner:
+    the same engine with the deferral, whose start-up step costs this one takes, so that both
+    decide the same drafts (their drafts and acceptance being bit-identical) and only the
+    deferral differs."""
     llm.llm_engine.executor.worker.model_runner.speculator.deferral = None
+    if partner is not None:
+        mine, theirs = llm.llm_engine.scheduler.spec_k, partner.llm_engine.scheduler.spec_k
+        if mine is not None and theirs is not None:
+            mine.costs = theirs.costs
 
 
 def counters(llm) -> tuple[float, float, list[float], float]:
@@ -209,8 +216,9 @@ def main() -> None:
                 max_num_seqs=max(args.batch),
                 disable_log_stats=False,
             )
+    for e in args.engines:
         if e.endswith("-nodefer"):
-            no_deferral(llms[e])
+            no_deferral(llms[e], llms.get(e.removesuffix("-nodefer")))
     try:
         for llm in llms.values():
             llm.bench_steps = count_steps(llm)

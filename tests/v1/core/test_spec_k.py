@@ -173,3 +173,19 @@ def test_requests_idle_together_probe_one_per_step():
     probe_steps = [n for n in steps[10:] if n]
     assert len(probe_steps) >= 8
     assert max(probe_steps) == 1
+
+
+def test_no_probe_that_only_pays_at_perfect_acceptance():
+    """Each verified row costs 0.83 of a token's worth (a large batch on a CPU): every draft
+    accepted would still pay, 80% of them would not - a probe there only ever loses, so none
+    is made; where a row costs half a token's worth the probes come back."""
+    dear_rows = StepCostModel(
+        tokens=[1, 64], verify_s=[1.0, 1.0 + 63 * 0.8333], batch_sizes=[1], draft_step_s=[0.0]
+    )
+    never = lambda s, k: 0
+    assert _run(_policy(costs=dear_rows), "a", 100, never) == [0] * 100
+    cheaper = StepCostModel(
+        tokens=[1, 64], verify_s=[1.0, 1.0 + 63 * 0.5], batch_sizes=[1], draft_step_s=[0.0]
+    )
+    ks = _run(_policy(costs=cheaper), "a", 100, never)
+    assert [k for k in ks[ks.index(0) :] if k] == [K] * 3, ks

@@ -53,6 +53,11 @@ DECAY = 0.95  # weight of older observations per new one (acceptance drifts with
 GLOBAL_DECAY = 0.995  # the engine-wide prior's: ~200 observations, so the last requests of a
 # batch (the slowest to finish are those that accept least) do not become every new one's prior
 PROBE_FIRST, PROBE_MAX = 8, 128
+# A probe is priced as if this share of its drafts' tokens were accepted: one that would only
+# break even were every draft accepted loses at any real acceptance (at batch 16 on a CPU,
+# where a verified row costs about what a token is worth, such probes cost ~15% of every step
+# and found nothing).
+PROBE_ACCEPTANCE = 0.8
 
 
 @dataclass
@@ -338,14 +343,14 @@ class SpecKPolicy:
         # every request's whole tree costs several plain steps. The others wait their turn.
         for _, rid in sorted(due, key=lambda d: -d[0]):
             r = self._req(rid)
-            # Probe, so the estimate can recover: the longest prefix that would pay if every
-            # draft were accepted (none where even that would not: the request waits, and
-            # probes as soon as the batch makes it pay).
+            # Probe, so the estimate can recover: the longest prefix that would pay were
+            # PROBE_ACCEPTANCE of its tokens accepted (none where even that would not: the
+            # request waits, and probes as soon as the batch makes it pay).
             for k in range(cap, 0, -1):
                 p_new = k if passes is None else passes[k]
                 n = num_tokens + k
                 new_cost = costs.verify(n) + draft.grown(0, p_new)
-                if (tokens + p_new) * cost > tokens * new_cost:
+                if (tokens + PROBE_ACCEPTANCE * p_new) * cost > tokens * new_cost:
                     draft.grow(0, p_new)
                     ks[rid], cost, num_tokens = k, new_cost, n
                     r.idle_steps = 0
