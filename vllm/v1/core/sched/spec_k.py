@@ -69,6 +69,8 @@ class StepCostModel:
     verify_s: list[float]
     batch_sizes: list[int]
     draft_step_s: list[float]
+    # verify() by token count, filled as asked (the policy asks the same counts every step).
+    _verify_memo: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
 
     @staticmethod
     def _interp(xs: list[int], ys: list[float], x: float) -> float:
@@ -79,7 +81,10 @@ class StepCostModel:
         return max(y0 + (y1 - y0) * (x - x0) / max(x1 - x0, 1e-9), 0.0)
 
     def verify(self, num_tokens: int) -> float:
-        return self._interp(self.tokens, self.verify_s, num_tokens)
+        v = self._verify_memo.get(num_tokens)
+        if v is None:
+            v = self._verify_memo[num_tokens] = self._interp(self.tokens, self.verify_s, num_tokens)
+        return v
 
     def draft_step(self, batch_size: int) -> float:
         return self._interp(self.batch_sizes, self.draft_step_s, batch_size)
