@@ -51,14 +51,14 @@ def head(llama_dir, tmp_path_factory):
     return make_eagle3_draft(tmp_path_factory.mktemp("deferral_eagle3"), llama_dir)
 
 
-def _engine(target: str, spec: dict | None) -> LLMEngine:
+def _engine(target: str, spec: dict | None, prefix_caching: bool = True) -> LLMEngine:
     args = EngineArgs(
         model=target,
         speculative_config=spec,
         dtype="float32",
         max_model_len=160,
         max_num_seqs=3,
-        enable_prefix_caching=True,
+        enable_prefix_caching=prefix_caching,
     )
     return LLMEngine.from_engine_args(args)
 
@@ -76,10 +76,10 @@ def _wave(
     return [out[f"{tag}{i}"] for i in range(len(prompts))]
 
 
-def _run(target: str, spec: dict | None, deferral: str = "on"):
+def _run(target: str, spec: dict | None, deferral: str = "on", prefix_caching: bool = True):
     """Two waves (the second: each prompt + its first answer + a few tokens); the outputs, every
     propose's drafts, and the speculator's deferral."""
-    eng = _engine(target, spec)
+    eng = _engine(target, spec, prefix_caching)
     drafts: list[np.ndarray] = []
     parents: list[np.ndarray] = []  # a dynamic tree's, after each propose
     written: set[int] = set()
@@ -232,3 +232,16 @@ def test_a_count_forced_on_every_request_never_defers(llama_dir, head, reference
         assert len(passes) >= max(sp.max_tokens for sp in PARAMS) - 1, passes
     finally:
         eng.shutdown()
+
+
+def test_without_prefix_caching_rows_leave_with_their_request(llama_dir, head, reference):
+    """Nothing can read a finished request's blocks without prefix caching: its kept rows are
+    dropped, not flushed, and every draft is still the no-deferral engine's."""
+    out, drafts, d, _, _ = _run(llama_dir, _spec(head), prefix_caching=False)
+    out_off, drafts_off, *_ = _run(llama_dir, _spec(head), deferral="off", prefix_caching=False)
+    assert out == reference and out_off == reference
+    assert len(drafts) == len(drafts_off)
+    for step, (a, b) in enumerate(zip(drafts, drafts_off)):
+        assert np.array_equal(a, b), (step, a, b)
+    assert d.num_flushed_rows == 0 and d.num_dropped_rows > 0
+    assert d.num_caught_up_rows > 0

@@ -12,8 +12,9 @@ request-state slot, and the draft's KV there is written later in one batched pas
 ("catch-up") over the kept rows, before the request's next first pass, when its kept rows
 would outgrow the buffer, or when it leaves its slot (finished, aborted, preempted: its blocks
 may be served from the prefix cache, so their draft KV must be complete before anything can
-hit them). In a step where some requests draft, the first pass runs over their rows alone
-(laid out on their own, each row in the KV slot the whole step's pass writes).
+hit them; without prefix caching such rows are dropped). In a step where some requests draft,
+the first pass runs over their rows alone (laid out on their own, each row in the KV slot the
+whole step's pass writes).
 
 The catch-up runs the kept rows through the same products as the pass it replaces (all of them
 decode rows: the small-M kernel, whose rows never depend on their neighbours), so the draft KV
@@ -74,11 +75,13 @@ class FirstPassDeferral:
         max_blocks = -(-spec.max_model_len // spec.block_size) + 1
         self.block_table = np.zeros((R, max_blocks), dtype=np.int64)
         self.removed: list[int] = []
+        self.flush_on_removal = spec.vllm_config.cache_config.enable_prefix_caching is not False
         # Since start-up: rows kept, rows written by a catch-up (flushes included), rows
         # flushed after their request left, requests whose rows would have outgrown a slot.
         self.num_deferred_rows = 0
         self.num_caught_up_rows = 0
         self.num_flushed_rows = 0
+        self.num_dropped_rows = 0  # left with their request, nothing to read them
         self.num_overflows = 0
         # Steps where some requests drafted (their first pass alone) and the others kept.
         self.num_partial_steps = 0
@@ -161,8 +164,17 @@ class FirstPassDeferral:
             self.catch_up(has)
 
     def on_removed(self, slot: int) -> None:
-        if self.count[slot] > 0:
+        """A request left `slot`: its kept rows are written before the slot is reused where
+        its blocks may be served from the prefix cache; without prefix caching nothing will read
+        them (a preempted request recomputes its prompt, rows its first pass writes), so they
+        are dropped."""
+        if self.count[slot] == 0:
+            return
+        if self.flush_on_removal:
             self.removed.append(slot)
+        else:
+            self.num_dropped_rows += int(self.count[slot])
+            self.count[slot] = 0
 
     def flush_removed(self) -> None:
         """The kept rows of the requests that left their slots (before the slots are reused)."""
