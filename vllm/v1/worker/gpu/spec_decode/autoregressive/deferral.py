@@ -54,6 +54,12 @@ MAX_ROWS = 256
 MIN_ROWS = 8
 
 
+def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """starts[i], starts[i] + 1, .., starts[i] + lens[i] - 1 for every i, one after another."""
+    offs = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+    return np.repeat(starts, lens) + offs
+
+
 class FirstPassDeferral:
     """Kept first-pass rows per request-state slot, contiguous from positions start[slot]."""
 
@@ -133,10 +139,8 @@ class FirstPassDeferral:
         self.start[slots] = np.where(kept == 0, db.start, self.start[slots])
         # Flat rows of the target's layout (a request's valid rows end at its last row) ->
         # flat rows of the kept buffer.
-        first_row = db.last_token_indices - (n - 1)
-        src = np.concatenate([first_row[i] + np.arange(n[i]) for i in range(len(n))])
-        base = slots * self.cap + kept
-        dst = np.concatenate([base[i] + np.arange(n[i]) for i in range(len(n))])
+        src = _ranges(db.last_token_indices - (n - 1), n)
+        dst = _ranges(slots * self.cap + kept, n)
         rows = raw[torch.from_numpy(src).to(raw.device)]
         self.hidden.index_copy_(0, torch.from_numpy(dst).to(self.hidden.device), rows)
         flat_ids = self.ids.reshape(-1)
@@ -154,14 +158,13 @@ class FirstPassDeferral:
     # ---- writing the draft's KV -----------------------------------------------------------
     def catch_up_batch(self, db: DraftBatch) -> None:
         """Before this step's first pass: the kept rows of its requests (their KV first)."""
-        slots = db.slots[~db.new_req]
-        has = slots[self.count[slots] > 0]
-        if len(has):
+        has = (self.count[db.slots] > 0) & ~db.new_req
+        if has.any():
+            slots = db.slots[has]
             # Rows recomputed this step (a rollback) are the pass's to write; none are
             # expected: a step starts where the last one's valid rows ended.
-            starts = db.start[~db.new_req][self.count[slots] > 0]
-            self.count[has] = np.clip(starts - self.start[has], 0, self.count[has])
-            self.catch_up(has)
+            self.count[slots] = np.clip(db.start[has] - self.start[slots], 0, self.count[slots])
+            self.catch_up(slots)
 
     def on_removed(self, slot: int) -> None:
         """A request left `slot`: its kept rows are written before the slot is reused where
@@ -199,7 +202,7 @@ class FirstPassDeferral:
         dev = spec.device
         counts = self.count[slots]
         qsl = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        offs = np.concatenate([np.arange(c) for c in counts])
+        offs = _ranges(np.zeros_like(counts), counts)
         owner = np.repeat(slots, counts)
         positions = self.start[owner] + offs
         flat = torch.from_numpy(owner * self.cap + offs).to(dev)
@@ -232,7 +235,7 @@ def drafting_part(db: DraftBatch, run: np.ndarray) -> tuple[DraftBatch, np.ndarr
     part = db.take(run)
     qsl = db.query_start_loc
     num = db.num_scheduled[run]
-    rows = np.concatenate([qsl[i] + np.arange(num[j]) for j, i in enumerate(run.tolist())])
+    rows = _ranges(qsl[run], num)
     new_qsl = np.concatenate([[0], np.cumsum(num)]).astype(np.int64)
     meta = db.attn_metadata
     sub_meta = build_attn_metadata(
@@ -288,19 +291,20 @@ def propose_deferring(
     drafts; None: every request runs the first pass (their kept rows caught up)."""
     deferral = spec.deferral
     assert deferral is not None
-    raw = inputs.last_hidden_states
-    if spec.combiner is not None and inputs.aux_hidden_states:
-        raw = torch.cat(inputs.aux_hidden_states, dim=-1)
     kinds = target_layout.rows
     all_decode = kinds is not None and kinds.all_short
     ks = verified_next(inputs)
     ok = deferral.keepable(db, ks, all_decode, inputs.draft_grammar is not None)
-    if ok.all():
-        deferral.keep(db, raw)
-        return no_drafts(spec, db.num_reqs)
     if not ok.any():
         deferral.catch_up_batch(db)
         return None
+    # What the first pass reads, side by side (only where rows are kept).
+    raw = inputs.last_hidden_states
+    if spec.combiner is not None and inputs.aux_hidden_states:
+        raw = torch.cat(inputs.aux_hidden_states, dim=-1)
+    if ok.all():
+        deferral.keep(db, raw)
+        return no_drafts(spec, db.num_reqs)
     assert ks is not None
     deferral.keep(db.take(np.flatnonzero(ok)), raw)
     deferral.num_partial_steps += 1
