@@ -121,8 +121,8 @@ def fill_tree_k(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def refuse_tree_for_hybrid(spec: Any, target: Any) -> None:
-    """Refuse a tree the target cannot verify: a linear-attention state cannot branch; a DSA
-    indexer selects among causal keys, not a tree's; MTP trees run one MTP layer."""
+    """Refuse a tree the target cannot verify: a linear-attention state cannot branch; MTP
+    trees run one MTP layer."""
     if not (spec.speculative_token_tree or spec.num_tree_nodes):
         return
     if target.is_hybrid:
@@ -130,11 +130,6 @@ def refuse_tree_for_hybrid(spec: Any, target: Any) -> None:
             f"{WHERE} / num_tree_nodes: draft trees are not supported for the hybrid model "
             f"{target.architecture} (its linear-attention layers keep one recurrent state per "
             "request, which cannot branch); use a chain (num_speculative_tokens)"
-        )
-    if getattr(target.hf_text_config, "index_topk", None) is not None:
-        raise ValueError(
-            f"{WHERE} / num_tree_nodes: draft trees are not supported for the sparse-attention "
-            f"(DSA) model {target.architecture} yet; use a chain (num_speculative_tokens)"
         )
     if spec.method == "mtp":
         from vllm.config.spec_methods import num_mtp_layers

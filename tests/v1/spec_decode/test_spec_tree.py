@@ -243,16 +243,16 @@ def test_tree_refused_for_hybrid_model(tmp_path):
         args.create_engine_config()
 
 
-def test_tree_refused_for_dsa_and_multi_layer_mtp(tmp_path, deepseek_v3_mtp2_dir):
+def test_tree_refused_for_multi_layer_mtp_not_for_dsa(tmp_path, deepseek_v3_mtp2_dir):
+    """Two chained MTP layers refuse a tree; DeepSeek-V3.2's sparse attention takes one
+    (tests/e2e/test_dsa_tree.py)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.testing.dsa_checkpoints import make_deepseek_v32
 
+    spec = {"method": "mtp", "speculative_token_tree": "[(0,), (1,)]"}
+    args = EngineArgs(model=deepseek_v3_mtp2_dir, max_model_len=128, speculative_config=spec)
+    with pytest.raises(ValueError, match="speculative_token_tree.*one MTP layer"):
+        args.create_engine_config()
     dsa = make_deepseek_v32(tmp_path / "v32", num_nextn_predict_layers=1)
-    for model, match in (
-        (dsa, "sparse-attention \\(DSA\\)"),
-        (deepseek_v3_mtp2_dir, "one MTP layer"),
-    ):
-        spec = {"method": "mtp", "speculative_token_tree": "[(0,), (1,)]"}
-        args = EngineArgs(model=str(model), max_model_len=128, speculative_config=spec)
-        with pytest.raises(ValueError, match="speculative_token_tree.*" + match):
-            args.create_engine_config()
+    cfg = EngineArgs(model=dsa, max_model_len=128, speculative_config=spec).create_engine_config()
+    assert cfg.speculative_config.speculative_token_tree is not None

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm.attention.backends.torch_paged import extra_mask
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.forward_context import ALL_SHORT, ForwardContext
@@ -108,9 +109,10 @@ class DeepseekV32IndexerCache(AttentionLayerBase):
 
 class DeepseekV32Indexer(nn.Module):
     """Lightning indexer: score(t, s) = sum_h w_h(t) * relu(q_h(t) . k(s) / sqrt(D)) over the
-    causal context; writes each token's top-index_topk positions (TOPK_PAD-padded) to the shared
-    buffer, equal scores resolved toward the lower position so the selection never depends on
-    the batch layout (every sparse backend reads this one selection). RoPE covers the first
+    causal context (a draft tree's node: its cached context and its ancestors); writes each
+    token's top-index_topk positions (TOPK_PAD-padded) to the shared buffer, equal scores
+    resolved toward the lower position so the selection never depends on the batch layout
+    (every sparse backend reads this one selection). RoPE covers the first
     qk_rope_head_dim dims: half-split for DeepSeek-V3.2, interleaved pairs for GLM-MoE-DSA (as
     HF transformers).
 
@@ -176,9 +178,12 @@ class DeepseekV32Indexer(nn.Module):
         q_pad = torch.cat([q.float(), q.new_zeros(1, self.n_heads, self.head_dim).float()])
         w_pad = torch.cat([w, w.new_zeros(1, self.n_heads)])
         buf[:T] = TOPK_PAD
+        # A draft tree's rows select among their cached context and their ancestors only.
+        tree_fn = extra_mask(meta, None) if meta.tree_mask is not None else None
         for g in meta.groups:
             rows, q_len = g.q_index.shape
             s_len = g.kv_slots.shape[1]
+            allowed = g.mask[:, 0] if tree_fn is None else g.mask[:, 0] & tree_fn(g)[:, 0]
             keys = cache[g.kv_slots].float()  # [Rg, Sg, D]
             kk = min(self.index_topk, s_len)
             sel = torch.empty(rows, q_len, kk, dtype=torch.long, device=buf.device)
@@ -187,7 +192,7 @@ class DeepseekV32Indexer(nn.Module):
                 qi = g.q_index[:, a : a + step]
                 scores = torch.einsum("rqhd,rsd->rqhs", q_pad[qi], keys) * self.softmax_scale
                 index = torch.einsum("rqh,rqhs->rqs", w_pad[qi], F.relu(scores))
-                index = index.masked_fill(~g.mask[:, 0, a : a + step], float("-inf"))
+                index = index.masked_fill(~allowed[:, a : a + step], float("-inf"))
                 vals, idx = topk_lowest_position_first(index, kk)
                 sel[:, a : a + step] = idx.masked_fill(vals == float("-inf"), TOPK_PAD)
             buf[g.token_index, :kk] = sel.reshape(rows * q_len, kk)[g.valid].to(buf.dtype)

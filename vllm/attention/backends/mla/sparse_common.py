@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from vllm.attention.backends.mla.torch_mla import MLADims, TorchMLAImpl
-from vllm.attention.backends.torch_paged import AttentionMetadata
+from vllm.attention.backends.torch_paged import AttentionMetadata, extra_mask
 
 # Entry value of an unused top-k slot (fewer selectable positions than index_topk).
 TOPK_PAD = -1
@@ -78,8 +78,6 @@ class SparseMLACommonImpl(TorchMLAImpl, SharedTopkIndicesBuffer):
             raise ValueError(f"{type(self).__name__} takes its mask from the top-k indices")
         if self.dense_when_short and int(np.max(meta.seq_lens_np, initial=0)) <= self.topk_tokens:
             return super().attend_latent(q, latent, meta)
-        if meta.tree_mask is not None:  # the indexer selects among causal keys, not a tree's
-            raise ValueError("speculative_token_tree: draft trees do not run on sparse MLA yet")
         slots = self.topk_slots(meta)
         return self.sparse_attend(q, latent, slots)
 
@@ -88,7 +86,10 @@ class SparseMLACommonImpl(TorchMLAImpl, SharedTopkIndicesBuffer):
 
         Rows of tokens whose context fits in topk select their whole causal context, whatever
         the buffer holds (a row reused from an earlier draft step may predate this position).
-        """
+        A draft tree's node (meta.tree_mask) sees its cached context and its ancestors only:
+        the buffer's entries outside them are dropped, and a node with at most topk of them
+        selects them all in position order - what the same token selects in a causal
+        sequence (its ancestors sit in increasing positions)."""
         buf = self.topk_indices_buffer
         if buf is None:
             raise RuntimeError(f"{type(self).__name__} has no top-k indices buffer")
@@ -99,14 +100,17 @@ class SparseMLACommonImpl(TorchMLAImpl, SharedTopkIndicesBuffer):
             )
         out = torch.full((T, k), -1, dtype=torch.long, device=buf.device)
         ar = torch.arange(k, device=buf.device)
+        tree_fn = extra_mask(meta, None) if meta.tree_mask is not None else None
         for g in meta.groups:
-            q_len = g.q_index.shape[1]
+            q_len, s_len = g.q_index.shape[1], g.kv_slots.shape[1]
             row = g.valid // q_len
             q_pos = g.q_positions.reshape(-1)[g.valid].unsqueeze(1)  # [n, 1]
             sel = buf[g.token_index].long()
             sel = torch.where(q_pos < k, ar.unsqueeze(0), sel)
             ok = (sel >= 0) & (sel <= q_pos)
-            slots = g.kv_slots[row].gather(1, sel.clamp(0, g.kv_slots.shape[1] - 1))
+            if tree_fn is not None:
+                sel, ok = _tree_selection(tree_fn(g), g.valid, q_pos, sel, ok)
+            slots = g.kv_slots[row].gather(1, sel.clamp(0, s_len - 1))
             out[g.token_index] = torch.where(ok, slots, -1)
         return out
 
@@ -116,3 +120,31 @@ class SparseMLACommonImpl(TorchMLAImpl, SharedTopkIndicesBuffer):
         """q [T, H, rank + rope] over latent [num_slots, 1, rank + rope] restricted to each
         token's slots [T, topk] (-1 = unused); returns [T, H, rank]."""
         raise NotImplementedError
+
+
+def _tree_selection(
+    allowed: torch.Tensor,
+    valid: torch.Tensor,
+    q_pos: torch.Tensor,
+    sel: torch.Tensor,
+    ok: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sel, ok) of a group's valid tokens under a tree mask (allowed [Rg, 1, Qg, Sg]): entries
+    outside the node's context and ancestors dropped; a node seeing at most topk keys selects
+    them all, in position order."""
+    n, k = sel.shape
+    seen = allowed.reshape(-1, allowed.shape[-1])[valid]  # [n, Sg]
+    seen = seen & (torch.arange(seen.shape[1], device=seen.device)[None, :] <= q_pos)
+    count = seen.sum(-1, keepdim=True)
+    few = count <= k
+    if bool(few.any()):
+        width = min(k, seen.shape[1])
+        # The allowed columns first, in increasing order (a stable sort of "not allowed").
+        order = torch.sort((~seen).to(torch.int8), dim=-1, stable=True).indices[:, :width]
+        asc = torch.full_like(sel, -1)
+        asc[:, :width] = order
+        asc = torch.where(torch.arange(k, device=sel.device)[None, :] < count, asc, -1)
+        sel = torch.where(few, asc, sel)
+        ok = torch.where(few, asc >= 0, ok)
+    ok = ok & seen.gather(1, sel.clamp(0, seen.shape[1] - 1))
+    return sel, ok

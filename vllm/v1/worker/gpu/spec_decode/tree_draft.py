@@ -58,6 +58,7 @@ def draft_tree(
     R = db.num_reqs
     depth, parents, ranks = tree.depth[:want], tree.parents[:want], tree.ranks[:want]
     root_fb = feedback[lti]  # [R, H] what the depth-1 nodes read
+    roots = lti.cpu().numpy()  # each root's row in the last pass (tree_pass)
     node_fb: torch.Tensor | None = None  # [R, n, H] each computed node's output hidden state
     tokens = torch.zeros(R, want, dtype=torch.int64, device=dev)
     top = _top_tokens(spec, spec._compute_logits(logits_h[lti], 0), int(ranks.max()) + 1)
@@ -67,7 +68,10 @@ def draft_tree(
         n = int(np.searchsorted(depth, d, side="right"))  # nodes of depth <= d
         nxt = np.flatnonzero(depth == d + 1)
         par = np.broadcast_to(parents[:n], (R, n))
-        logits_h, node_fb = node_pass(spec, db, tokens[:, :n], par, depth[:n], root_fb, node_fb, d)
+        logits_h, node_fb = node_pass(
+            spec, db, tokens[:, :n], par, depth[:n], root_fb, node_fb, d, roots
+        )
+        roots = np.arange(R) * n
         level = np.flatnonzero(depth == d)
         k = int(ranks[nxt].max()) + 1
         lg = spec._compute_logits(logits_h[:, level].reshape(R * len(level), -1), d)
@@ -105,12 +109,15 @@ def node_pass(
     root_fb: torch.Tensor,
     node_fb: torch.Tensor | None,
     step: int,
+    roots: np.ndarray,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One tree-masked draft forward over n nodes per request: tokens [R, n], parents [R, n]
     (-1: the root; a parent always comes before its child), depth [n] (the same for every
     request). Node j runs at position last + depth[j], writes the slot of position
     last + 1 + j and reads its parent's output hidden state (node_fb [R, >= n, H], the root's:
-    root_fb [R, H]). Returns (logits hidden [R, n, H], output hidden [R, n, H])."""
+    root_fb [R, H]). roots [R]: each request's root row in the pass before (the draft's
+    first pass, or the last node pass). Returns (logits hidden [R, n, H], output hidden
+    [R, n, H])."""
     R, n = tokens.shape
     dev = spec.device
     max_pos = spec.max_model_len - 1
@@ -140,13 +147,14 @@ def node_pass(
         hid[torch.from_numpy(rr), torch.from_numpy(jj)] = node_fb[
             torch.from_numpy(rr), torch.from_numpy(parents[rr, jj])
         ]
-    logits_h, fb = spec._run_model(
-        tokens.reshape(-1),
-        torch.from_numpy(pos.reshape(-1)).to(dev),
-        hid.reshape(R * n, -1),
-        meta,
-        step,
-    )
+    with spec.tree_pass(roots, n):
+        logits_h, fb = spec._run_model(
+            tokens.reshape(-1),
+            torch.from_numpy(pos.reshape(-1)).to(dev),
+            hid.reshape(R * n, -1),
+            meta,
+            step,
+        )
     return logits_h.view(R, n, -1), fb.view(R, n, -1)
 
 
@@ -187,6 +195,7 @@ def draft_dynamic(
     db, lti = _only(db, lti, out_rows)
     R = db.num_reqs
     root_fb = feedback[lti]
+    roots = lti.cpu().numpy()
     k = min(top_k, want)
     lp = torch.log_softmax(spec._compute_logits(logits_h[lti], 0).float(), -1)
     score, idx = lp.topk(k, dim=-1)
@@ -222,7 +231,9 @@ def draft_dynamic(
             root_fb,
             node_fb,
             d,
+            roots,
         )
+        roots = np.arange(R) * n
         lg = spec._compute_logits(logits_h[:, n - e :].reshape(R * e, -1), d)
         lp = torch.log_softmax(lg.float(), -1).view(R, e, -1)
         s, i = lp.topk(k, dim=-1)  # [R, e, k]

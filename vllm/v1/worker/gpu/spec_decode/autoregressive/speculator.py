@@ -13,7 +13,7 @@ layers run other rows; see mtp/speculator.py.)
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -145,6 +145,11 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
 
     def on_multi_step_decode_end(self, num_reqs: int) -> None:
         pass
+
+    def tree_pass(self, root_rows: np.ndarray, nodes: int) -> AbstractContextManager[None]:
+        """Around a draft tree's node pass of `nodes` rows per request, whose roots' rows in
+        the pass before it are root_rows (tree_draft.py; MTP top-k sharing uses it)."""
+        return nullcontext()
 
     @contextmanager
     def _hooked(

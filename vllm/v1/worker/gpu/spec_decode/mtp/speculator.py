@@ -15,6 +15,8 @@ per step, the plain autoregressive decode of the base class).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -146,6 +148,20 @@ class MTPSpeculator(AutoRegressiveSpeculator):
         if self.topk_sharing is not None:
             self.topk_sharing.set_skip_topk(False)
 
+    @contextmanager
+    def tree_pass(self, root_rows: np.ndarray, nodes: int) -> Iterator[None]:
+        """A draft tree's node pass with top-k sharing: every node reads the selection its
+        request's root row made in step 0 (the chain's steps 1.. read their last row's), moved
+        to the pass's rows (root_rows: where the roots' rows are now)."""
+        if self.topk_sharing is None:
+            yield
+            return
+        R = len(root_rows)
+        self.topk_src_rows = torch.from_numpy(np.repeat(root_rows, nodes)).to(self.device)
+        self.on_draft_rows_changed(R)
+        with self._hooked(self.on_multi_step_decode_begin, self.on_multi_step_decode_end, R):
+            yield
+
     # ---- the chained rows ---------------------------------------------------------------------
     def _begin_draft(self, db: DraftBatch) -> None:
         K, nc = self.num_speculative_steps, self.num_chained_layers
@@ -165,8 +181,8 @@ class MTPSpeculator(AutoRegressiveSpeculator):
     def _draft(
         self, db: DraftBatch, hidden_states: torch.Tensor, num_steps: int | np.ndarray | None = None
     ) -> np.ndarray:
-        """A draft tree (one MTP layer, no top-k sharing: config/spec_tree.py refuses the
-        rest) runs every node through that layer; else the chained drafts."""
+        """A draft tree (one MTP layer: config/spec_tree.py refuses more) runs every node
+        through that layer (tree_pass: reading the root's top-k); else the chained drafts."""
         tree = StaticTree.from_config(self.vllm_config)
         if tree is None and self.speculative_config.num_tree_nodes is None:
             return super()._draft(db, hidden_states, num_steps)
