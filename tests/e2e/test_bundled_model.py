@@ -82,6 +82,45 @@ def test_mtp_lossless_real_acceptance_and_pp2_identical(no_spec, k):
     assert m2 == m1
 
 
+# Forks at the root, the first branch three deep.
+TREE = "[(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]"
+TREES = {
+    "static": {"speculative_token_tree": TREE},
+    "dynamic": {"num_tree_nodes": 6, "tree_top_k": 2, "tree_max_depth": 4},
+}
+
+
+def _tree_run(tree: str, **par):
+    spec = {"method": "mtp", "adaptive_num_speculative_tokens": False, **TREES[tree]}
+    llm = LLM(speculative_config=spec, max_model_len=512, **par)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs], _spec_metrics(llm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.usefixtures("pp_forkserver")
+@pytest.mark.parametrize("tree", ["static", "dynamic"])
+def test_mtp_tree_greedy_identical_at_p1_p2_p4_and_tp2(no_spec, tree):
+    """A draft tree on the bundled model (two MTP layers: the tree drafts every depth with the
+    first) emits no speculation's greedy text at P = 1, 2, 4 and TP = 2, accepting paths past
+    the first node; every layout drafts and accepts exactly what P = 1 does."""
+    tokens1, m1 = _tree_run(tree)
+    assert tokens1 == no_spec
+    per_depth = m1["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert per_depth[0] > 0 and per_depth[1] > 0 and per_depth[2] > 0, per_depth
+    for par in (
+        dict(pipeline_parallel_size=2),
+        dict(pipeline_parallel_size=4),
+        dict(tensor_parallel_size=2),
+    ):
+        tokens, m = _tree_run(tree, **par)
+        assert tokens == no_spec, par
+        assert m == m1, par
+
+
 @pytest.mark.parametrize(
     "max_model_len,spec,match",
     [

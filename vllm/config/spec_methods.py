@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
 
 @dataclass(frozen=True)
 class SpecMethod:
@@ -100,3 +104,30 @@ EAGLE1_DRAFT_ARCHITECTURES = {
     "EagleLlamaForCausalLM": "EagleLlamaForCausalLM",
 }
 EAGLE1_TARGET_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+
+
+def verify_mtp_target(draft: Any, target: Any, k: int, is_tree: bool) -> None:
+    """Check that the target ships MTP layers of a supported architecture and point the draft
+    config at its MTP draft class; warn where drafts outnumber the layers (a chain)."""
+    n = num_mtp_layers(target.hf_text_config)
+    if n <= 0:
+        raise ValueError(
+            f"speculative_config.method='mtp' needs a target with MTP layers, but "
+            f"{target.model!r} has none (num_nextn_predict_layers is 0 or missing)"
+        )
+    arch = MTP_DRAFT_ARCHITECTURES.get(target.architecture)
+    if arch is None:
+        raise ValueError(
+            f"speculative_config.method='mtp' is not supported for {target.architecture}"
+            f"; supported: {sorted(MTP_DRAFT_ARCHITECTURES)}"
+        )
+    draft.hf_config.architectures = [arch]
+    if k > n and not is_tree:
+        logger.warning(
+            "num_speculative_tokens=%d exceeds the %d MTP layer(s) of %s: draft step s "
+            "reuses layer s mod %d, so acceptance decays at later positions",
+            k,
+            n,
+            target.model,
+            n,
+        )

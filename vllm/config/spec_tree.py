@@ -24,6 +24,10 @@ from __future__ import annotations
 import ast
 from typing import Any
 
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
 WHERE = "speculative_config.speculative_token_tree"
 # Methods whose draft model proposes token by token from the target's hidden states.
 TREE_METHODS = ("eagle", "eagle3", "mtp")
@@ -120,9 +124,9 @@ def fill_tree_k(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-def refuse_tree_for_hybrid(spec: Any, target: Any) -> None:
-    """Refuse a tree the target cannot verify: a linear-attention state cannot branch; MTP
-    trees run one MTP layer."""
+def check_tree_target(spec: Any, target: Any) -> None:
+    """Refuse a tree the target cannot verify (a linear-attention state cannot branch); say
+    that an MTP tree drafts with the first of several MTP layers."""
     if not (spec.speculative_token_tree or spec.num_tree_nodes):
         return
     if target.is_hybrid:
@@ -134,8 +138,11 @@ def refuse_tree_for_hybrid(spec: Any, target: Any) -> None:
     if spec.method == "mtp":
         from vllm.config.spec_methods import num_mtp_layers
 
-        if num_mtp_layers(target.hf_text_config) != 1:
-            raise ValueError(
-                f"{WHERE} / num_tree_nodes with method 'mtp' needs a target with one MTP "
-                f"layer; {target.model!r} has {num_mtp_layers(target.hf_text_config)}"
+        n = num_mtp_layers(target.hf_text_config)
+        if n > 1:
+            logger.warning(
+                "a draft tree drafts every depth with the first of the %d MTP layers of %s "
+                "(a chained layer needs one row per position; a tree has several)",
+                n,
+                target.model,
             )

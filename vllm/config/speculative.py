@@ -16,12 +16,12 @@ from vllm.config.spec_methods import (
     _METHOD_ALIASES,
     EAGLE1_DRAFT_ARCHITECTURES,
     EAGLE1_TARGET_ARCHITECTURES,
-    MTP_DRAFT_ARCHITECTURES,
     SPEC_METHODS,
     SpecMethod,
     num_mtp_layers,
+    verify_mtp_target,
 )
-from vllm.config.spec_tree import check_tree, fill_tree_k, refuse_tree_for_hybrid
+from vllm.config.spec_tree import check_tree, check_tree_target, fill_tree_k
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -381,13 +381,19 @@ class SpeculativeConfig:
         return need == "always"
 
     @property
+    def is_tree(self) -> bool:
+        return bool(self.speculative_token_tree) or self.num_tree_nodes is not None
+
+    @property
     def num_lookahead_tokens(self) -> int:
         """How many tokens after a position the draft's KV at that position depends on: 1 for
-        a draft that reads the next token there (EAGLE, one MTP layer); with n chained MTP
-        layers, layer s at position t reads token t + s + 1, so min(K, n)."""
+        a draft that reads the next token there (EAGLE, one MTP layer, an MTP tree); with n
+        chained MTP layers, layer s at position t reads token t + s + 1, so min(K, n)."""
         if not self.method_info.has_draft_model:
             return 0  # no draft KV
         if self.method_info.family == "mtp" and self.draft_model_config is not None:
+            if self.is_tree:  # every depth drafted by the first MTP layer
+                return 1
             n = num_mtp_layers(self.draft_model_config.hf_text_config)
             return max(1, min(self.num_speculative_tokens, n))
         return 1
@@ -397,30 +403,9 @@ class SpeculativeConfig:
         architecture (the MTP head of the target checkpoint, or the EAGLE head class)."""
         draft = self.draft_model_config
         k = self.num_speculative_tokens
-        refuse_tree_for_hybrid(self, target)
+        check_tree_target(self, target)
         if self.method_info.family == "mtp":
-            n = num_mtp_layers(target.hf_text_config)
-            if n <= 0:
-                raise ValueError(
-                    f"speculative_config.method='mtp' needs a target with MTP layers, but "
-                    f"{target.model!r} has none (num_nextn_predict_layers is 0 or missing)"
-                )
-            arch = MTP_DRAFT_ARCHITECTURES.get(target.architecture)
-            if arch is None:
-                raise ValueError(
-                    f"speculative_config.method='mtp' is not supported for {target.architecture}"
-                    f"; supported: {sorted(MTP_DRAFT_ARCHITECTURES)}"
-                )
-            draft.hf_config.architectures = [arch]
-            if k > n:
-                logger.warning(
-                    "num_speculative_tokens=%d exceeds the %d MTP layer(s) of %s: draft step s "
-                    "reuses layer s mod %d, so acceptance decays at later positions",
-                    k,
-                    n,
-                    target.model,
-                    n,
-                )
+            verify_mtp_target(draft, target, k, self.is_tree)
         else:
             family = self.method_info.family
             if family == "eagle":

@@ -243,16 +243,20 @@ def test_tree_refused_for_hybrid_model(tmp_path):
         args.create_engine_config()
 
 
-def test_tree_refused_for_multi_layer_mtp_not_for_dsa(tmp_path, deepseek_v3_mtp2_dir):
-    """Two chained MTP layers refuse a tree; DeepSeek-V3.2's sparse attention takes one
-    (tests/e2e/test_dsa_tree.py)."""
+def test_mtp_tree_accepted_for_dsa_and_multi_layer_mtp(tmp_path, deepseek_v3_mtp2_dir):
+    """DeepSeek-V3.2's sparse attention and a target with two MTP layers take a tree (the
+    latter drafts every depth with its first layer, one lookahead token): end to end in
+    tests/e2e/test_dsa_tree.py and tests/e2e/test_bundled_model.py."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.testing.dsa_checkpoints import make_deepseek_v32
 
-    spec = {"method": "mtp", "speculative_token_tree": "[(0,), (1,)]"}
-    args = EngineArgs(model=deepseek_v3_mtp2_dir, max_model_len=128, speculative_config=spec)
-    with pytest.raises(ValueError, match="speculative_token_tree.*one MTP layer"):
-        args.create_engine_config()
     dsa = make_deepseek_v32(tmp_path / "v32", num_nextn_predict_layers=1)
-    cfg = EngineArgs(model=dsa, max_model_len=128, speculative_config=spec).create_engine_config()
-    assert cfg.speculative_config.speculative_token_tree is not None
+    for model in (dsa, deepseek_v3_mtp2_dir):
+        for tree in ({"speculative_token_tree": "[(0,), (1,)]"}, {"num_tree_nodes": 3}):
+            spec = {"method": "mtp", **tree}
+            args = EngineArgs(model=str(model), max_model_len=128, speculative_config=spec)
+            cfg = args.create_engine_config().speculative_config
+            assert cfg.is_tree and cfg.num_lookahead_tokens == 1
+    chain = {"method": "mtp", "num_speculative_tokens": 2}
+    args = EngineArgs(model=deepseek_v3_mtp2_dir, max_model_len=128, speculative_config=chain)
+    assert args.create_engine_config().speculative_config.num_lookahead_tokens == 2
