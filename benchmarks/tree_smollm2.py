@@ -53,9 +53,10 @@ TREES = {  # (adaptive: the same name + "a")
 }
 
 
-def spec_of(name: str, alt_head: str | None = None) -> dict | None:
+def spec_of(name: str, alt_head: str | None = None, method: str = "eagle3") -> dict | None:
     """The speculative_config of an engine name; a name ending in "-alt" drafts with the head
-    folder alt_head instead of the bundled one (two heads compared in one run)."""
+    folder alt_head instead of the bundled one (two heads compared in one run). method "mtp":
+    the target's own MTP layers draft (no head folder)."""
     from vllm.model_zoo import SMOLLM2_EAGLE3_DIR
 
     if name == "none":
@@ -68,7 +69,7 @@ def spec_of(name: str, alt_head: str | None = None) -> dict | None:
         name, head = name[: -len("-alt")], alt_head
     adaptive = name.endswith("a")
     name = name[:-1] if adaptive else name
-    base = {"method": "eagle3", "model": head}
+    base = {"method": "eagle3", "model": head} if method == "eagle3" else {"method": method}
     base["adaptive_num_speculative_tokens"] = adaptive
     if name.startswith("chain"):
         return {**base, "num_speculative_tokens": int(name[5:])}

@@ -166,6 +166,44 @@ def test_mtp_tree_on_dsa_equals_no_speculation(near_dirs, prompts, kind, share):
     assert per_depth[0] > 0 and per_depth[1] > 0, per_depth  # paths past the first node
 
 
+def test_mtp_tree_on_dsa_with_chunked_prefill_prefix_hits_and_preemption(near_dirs, prompts):
+    """A small token budget (prompts arrive in chunks beside verifying trees), a repeated
+    prompt (prefix-cache hits on blocks whose latent and indexer keys were compacted) and a KV
+    cache too small for every request (preemption, recompute), top-k shared: the text equals
+    the speculation-free run's under the same limits."""
+    model = near_dirs[True]
+    ps = prompts + [prompts[3][:50] + [7, 8, 9]]
+    sps = [GREEDY if i % 2 else SEEDED for i in range(len(ps) + 1)]
+    probe = LLM(model=model, speculative_config=_spec("static"), **COMMON)  # with draft KV
+    per_block = probe.llm_engine.executor.worker.model_runner.kv_cache_bytes_per_block()
+    bs = probe.llm_engine.vllm_config.cache_config.block_size
+    probe.shutdown()
+    kw = dict(
+        max_num_batched_tokens=32,
+        max_model_len=10 * bs - 7,
+        kv_cache_memory_bytes=10 * per_block,
+        enable_prefix_caching=True,
+    )
+
+    def run(spec):
+        llm = LLM(model=model, speculative_config=spec, **{**COMMON, **kw})
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in ps], sps[:-1], use_tqdm=False)
+            # The last prompt again: its blocks are still cached.
+            outs += llm.generate([{"prompt_token_ids": ps[-1]}], sps[-1], use_tqdm=False)
+            m = {x.name: x for x in llm.get_metrics()}
+            return [list(o.outputs[0].token_ids) for o in outs], m
+        finally:
+            llm.shutdown()
+
+    ref, _ = run(None)
+    got, m = run(_spec("static"))
+    assert got == ref
+    assert m["vllm:num_preemptions"].value > 0
+    assert m["vllm:prefix_cache_hits"].value > 0
+    assert _accepted_per_depth(m)[1] > 0
+
+
 @pytest.mark.usefixtures("pp_forkserver")
 @pytest.mark.parametrize(
     "par", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)], ids=["pp2", "tp2"]

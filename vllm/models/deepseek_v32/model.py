@@ -264,11 +264,21 @@ class DeepseekV32DecoderLayer(DeepseekV2DecoderLayer):
         super().__init__(config, prefix, layer_idx=layer_idx, self_attn=attn)
 
 
-def new_topk_indices_buffer(config: Any, max_num_batched_tokens: int) -> torch.Tensor:
-    """[max_num_batched_tokens, index_topk] int32 on the default device."""
-    return torch.full(
-        (int(max_num_batched_tokens), int(config.index_topk)), TOPK_PAD, dtype=torch.int32
-    )
+def new_topk_indices_buffer(config: Any, rows: int) -> torch.Tensor:
+    """[rows, index_topk] int32 on the default device."""
+    return torch.full((int(rows), int(config.index_topk)), TOPK_PAD, dtype=torch.int32)
+
+
+def topk_buffer_rows(vllm_config: VllmConfig) -> int:
+    """Rows of the top-k buffer: the most tokens of one forward - a step's budget, or an MTP
+    draft's pass over up to K + 1 rows of every request (a tree's node passes run K rows per
+    request, which a small token budget may not cover)."""
+    rows = int(vllm_config.scheduler_config.max_num_batched_tokens)
+    spec = vllm_config.speculative_config
+    if spec is not None:
+        k = int(spec.num_speculative_tokens or 0)
+        rows = max(rows, int(vllm_config.scheduler_config.max_num_seqs) * (k + 1))
+    return rows
 
 
 class DeepseekV32Model(DeepseekV2Model):
@@ -279,7 +289,7 @@ class DeepseekV32Model(DeepseekV2Model):
         self,
         config: Any,
         prefix: str,
-        max_num_batched_tokens: int,
+        topk_rows: int,
         *,
         tied: bool | None = None,
         keep_embed: bool = False,
@@ -287,7 +297,7 @@ class DeepseekV32Model(DeepseekV2Model):
         check_dsa_config(config)
         # Before the base builds the layers, which are handed the buffer (a plain tensor
         # attribute, so it may be set before nn.Module.__init__).
-        self.topk_indices_buffer = new_topk_indices_buffer(config, max_num_batched_tokens)
+        self.topk_indices_buffer = new_topk_indices_buffer(config, topk_rows)
         super().__init__(config, prefix, tied=tied, keep_embed=keep_embed)
         if self.start_layer < self.end_layer and not layer_has_indexer(config, self.start_layer):
             raise ValueError(
@@ -313,7 +323,7 @@ class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
         return DeepseekV32Model(
             self.config,
             prefix,
-            vllm_config.scheduler_config.max_num_batched_tokens,
+            topk_buffer_rows(vllm_config),
             tied=self.tied,
             keep_embed=keep_embed,
         )
