@@ -12,7 +12,7 @@ speculation and to the better single proposer, mean acceptance length, the draft
 (vllm:spec_decode_num_*_per_proposer) and whether the greedy text equals no speculation's.
 
     python benchmarks/hybrid_smollm2.py [--dtype float32] [--repeats 2] [--output-len 64]
-        [--turns N]
+        [--turns N] [--nodefer]
 """
 
 from __future__ import annotations
@@ -81,6 +81,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--turns", type=int, default=0, help="the mix's first N requests (0: all)")
+    ap.add_argument(
+        "--nodefer",
+        action="store_true",
+        help="also hybrid-nodefer: the head's first pass on every row of every step (before "
+        "the rows suffix serves were kept, FirstPassDeferral)",
+    )
     args = ap.parse_args()
     head = str(SMOLLM2_EAGLE3_DIR)
     specs = {
@@ -97,7 +103,13 @@ def main() -> None:
     }
     turns = mix()[: args.turns or None]
     model = smollm2()
+    if args.nodefer:
+        specs["hybrid-nodefer"] = specs["hybrid"]
     llms = {name: make_llm(model, args.dtype, s) for name, s in specs.items()}
+    if args.nodefer:
+        llms[
+            "hybrid-nodefer"
+        ].llm_engine.executor.worker.model_runner.speculator.drafter.deferral = None
     print(f"CPU: {cpu_flags()}; dtype {args.dtype}; batch 1; greedy; {len(turns)} requests")
     print(f"hybrid: {specs['hybrid']}", flush=True)
     runs: dict[str, list] = {}

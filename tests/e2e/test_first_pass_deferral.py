@@ -76,9 +76,15 @@ def _wave(
     return [out[f"{tag}{i}"] for i in range(len(prompts))]
 
 
-def _run(target: str, spec: dict | None, deferral: str = "on", prefix_caching: bool = True):
-    """Two waves (the second: each prompt + its first answer + a few tokens); the outputs, every
-    propose's drafts, and the speculator's deferral."""
+def _run(
+    target: str,
+    spec: dict | None,
+    deferral: str = "on",
+    prefix_caching: bool = True,
+    repeat: bool = False,
+):
+    """Two waves (the second: each prompt + its first answer + a few tokens; repeat: the same
+    prompts again); the outputs, every propose's drafts, and the speculator's deferral."""
     eng = _engine(target, spec, prefix_caching)
     drafts: list[np.ndarray] = []
     parents: list[np.ndarray] = []  # a dynamic tree's, after each propose
@@ -106,8 +112,8 @@ def _run(target: str, spec: dict | None, deferral: str = "on", prefix_caching: b
 
             policy.decide = planned  # type: ignore[method-assign]
             sp_obj = eng.executor.worker.model_runner.speculator
-            if deferral == "off":
-                sp_obj.deferral = None
+            if deferral == "off":  # (a hybrid's: its draft model's)
+                getattr(sp_obj, "drafter", sp_obj).deferral = None
             elif deferral == "small":
                 d = sp_obj.deferral
                 sp_obj.deferral = FirstPassDeferral(sp_obj, d.width, sp_obj.dtype, 3)
@@ -129,7 +135,7 @@ def _run(target: str, spec: dict | None, deferral: str = "on", prefix_caching: b
 
             sp_obj.propose = recording
         first = _wave(eng, PROMPTS, "a")
-        second_prompts = [p + o + [7, 8, 9] for p, o in zip(PROMPTS, first)]
+        second_prompts = PROMPTS if repeat else [p + o + [7, 8, 9] for p, o in zip(PROMPTS, first)]
         second = _wave(eng, second_prompts, "b")
         kv = None
         if sp_obj is not None:
@@ -153,6 +159,12 @@ SHAPES = {
     "chain": {"num_speculative_tokens": K},
     "static_tree": {"speculative_token_tree": "[(0,), (1,), (0, 0)]"},
     "dynamic_tree": {"num_tree_nodes": K, "tree_top_k": 2},
+    # The head beside suffix decoding: rows the suffix proposer serves are kept too.
+    "hybrid": {
+        "num_speculative_tokens": 8,
+        "hybrid_method": "suffix",
+        "hybrid_model_num_speculative_tokens": K,
+    },
 }
 
 
@@ -245,3 +257,43 @@ def test_without_prefix_caching_rows_leave_with_their_request(llama_dir, head, r
         assert np.array_equal(a, b), (step, a, b)
     assert d.num_flushed_rows == 0 and d.num_dropped_rows > 0
     assert d.num_caught_up_rows > 0
+
+
+def test_rows_a_hybrids_draft_free_proposer_serves_are_kept(
+    llama_dir, head, reference, monkeypatch
+):
+    """EAGLE3 beside suffix decoding: where suffix serves a request the scheduler wants drafts
+    for, the head drafts nothing for it and keeps its rows instead of running its first pass
+    on them, as for an idle request - the drafts, the text and the draft KV are the
+    no-deferral engine's."""
+    from vllm.v1.worker.gpu.spec_decode.hybrid import HybridSpeculator
+
+    served_and_kept = [0]
+    propose = HybridSpeculator.propose
+
+    def spy(self, inputs):
+        got = propose(self, inputs)
+        d, ks = self.drafter.deferral, inputs.req_draft_steps
+        if d is not None and ks is not None:
+            free_wanted = self.last_use_free & (np.asarray(ks) > 0)
+            slots = inputs.input_batch.idx_mapping_np[free_wanted]
+            served_and_kept[0] += int((d.count[slots] > 0).sum())
+        return got
+
+    monkeypatch.setattr(HybridSpeculator, "propose", spy)
+    # The second wave repeats the first: suffix matches the first wave's answers.
+    out, drafts, d, kv, written = _run(llama_dir, _spec(head, "hybrid"), repeat=True)
+    assert served_and_kept[0] > 0
+    out_off, drafts_off, d_off, kv_off, written_off = _run(
+        llama_dir, _spec(head, "hybrid"), deferral="off", repeat=True
+    )
+    assert d_off is None and d is not None
+    want = reference[: len(PROMPTS)] * 2
+    assert out == want and out_off == want
+    assert len(drafts) == len(drafts_off)
+    for step, (a, b) in enumerate(zip(drafts, drafts_off)):
+        assert np.array_equal(a, b), (step, a, b)
+    assert d.num_deferred_rows > 0 and d.num_flushed_rows > 0
+    assert written == written_off
+    slots = torch.tensor(sorted(written))
+    assert torch.equal(kv[:, :, slots], kv_off[:, :, slots])

@@ -3,18 +3,21 @@
 """HybridSpeculator: a draft model (MTP, EAGLE, EAGLE3) and a draft-free proposer (suffix
 decoding or prompt lookup) side by side, chosen per request and per step.
 
-Both propose every step: the draft model must, since its first pass writes its own KV at every
-position the target computed (skipping it would leave holes a later step reads); the draft-free
-proposer costs a few lookups. A request takes the draft-free proposal when that proposer matched
-at least `hybrid_min_match_length` tokens (a long match is a strong sign the text repeats: code
-edits, tool-call JSON, retries), else the draft model's. The draft model drafts at most
-`hybrid_model_num_speculative_tokens` tokens; a draft-free proposal may use the whole
-`num_speculative_tokens`. Verification is the same for both, so the output is the target's; the
-scheduler's adaptive K sees one acceptance history per request, whichever proposer served it.
+Both propose every step: the draft-free proposer first (a few lookups), then the draft model,
+whose first pass writes its own KV at every position the target computed - except, for a
+one-layer EAGLE head, on the rows of requests the draft-free proposer serves: those are kept
+and caught up before the head drafts for them again (FirstPassDeferral). A request takes the
+draft-free proposal when that proposer matched at least `hybrid_min_match_length` tokens (a
+long match is a strong sign the text repeats: code edits, tool-call JSON, retries), else the
+draft model's. The draft model drafts at most `hybrid_model_num_speculative_tokens` tokens; a
+draft-free proposal may use the whole `num_speculative_tokens`. Verification is the same for
+both, so the output is the target's; the scheduler's adaptive K sees one acceptance history per
+request, whichever proposer served it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import TYPE_CHECKING, Any
 
@@ -94,11 +97,11 @@ class HybridSpeculator(BaseSpeculator):
         self.drafter.after_requests_removed()
 
     def propose(self, inputs: ProposeInputs) -> np.ndarray:
-        drafts = self.drafter.propose(inputs)
         free = self.free.propose(inputs)
-        match = getattr(self.free, "last_match_lengths", np.zeros(len(drafts), dtype=np.int64))
+        match = getattr(self.free, "last_match_lengths", np.zeros(len(free), dtype=np.int64))
         use_free = (match >= self.min_match) & (free[:, 0] != PAD_TOKEN_ID) & inputs.has_sample
         self.last_use_free = use_free
+        drafts = self.drafter.propose(_model_rows_only(inputs, use_free))
         out = drafts.copy()
         out[use_free] = free[use_free]
         sampled = inputs.has_sample
@@ -112,3 +115,14 @@ class HybridSpeculator(BaseSpeculator):
 
     def row_proposers(self, method: str, num_rows: int) -> list[str]:
         return [self.free_name if f else method for f in self.last_use_free[:num_rows].tolist()]
+
+
+def _model_rows_only(inputs: ProposeInputs, use_free: np.ndarray) -> ProposeInputs:
+    """The draft model's inputs: the rows served by the draft-free proposer verify none of its
+    drafts next step (where the scheduler decided per request), so a one-layer EAGLE head keeps
+    their rows instead of running its first pass on them (FirstPassDeferral)."""
+    if inputs.req_draft_steps is None or not use_free.any():
+        return inputs
+    ks = np.array(inputs.req_draft_steps, dtype=np.int64)
+    ks[use_free] = 0
+    return dataclasses.replace(inputs, req_draft_steps=ks)
