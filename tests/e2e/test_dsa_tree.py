@@ -166,6 +166,23 @@ def test_mtp_tree_on_dsa_equals_no_speculation(near_dirs, prompts, kind, share):
     assert per_depth[0] > 0 and per_depth[1] > 0, per_depth  # paths past the first node
 
 
+def test_mtp_tree_on_glm_dsa_with_a_shared_indexer_layer(prompts, tmp_path_factory):
+    """GLM-MoE-DSA: layer 1 has no indexer and reads layer 0's tree-masked selection."""
+    from vllm.testing.dsa_checkpoints import make_glm_moe_dsa
+
+    src = make_glm_moe_dsa(
+        tmp_path_factory.mktemp("dsa_tree_glm_src"),
+        num_nextn_predict_layers=1,
+        index_share_for_mtp_iteration=True,
+        indexer_types=["full", "shared", "full", "full"],
+    )
+    near = make_mtp_self_draft(tmp_path_factory.mktemp("dsa_tree_glm"), src, target_scale=0.2)
+    ref, _ = _run(near, prompts)
+    got, m = _run(near, prompts, _spec("static"))
+    assert got == ref
+    assert _accepted_per_depth(m)[1] > 0
+
+
 def test_mtp_tree_on_dsa_with_chunked_prefill_prefix_hits_and_preemption(near_dirs, prompts):
     """A small token budget (prompts arrive in chunks beside verifying trees), a repeated
     prompt (prefix-cache hits on blocks whose latent and indexer keys were compacted) and a KV
