@@ -143,11 +143,25 @@ def _run(
             # more rows than a decode step, and nothing after it: nothing of its own is kept).
             _wave(eng, [list(range(5, 17))], "c", [SamplingParams(max_tokens=1)])
             runner = eng.executor.worker.model_runner
-            kv = torch.stack([c for n, c in runner.kv_caches.items() if n.startswith("drafter")])
+            n_slots = runner.num_blocks * BLOCK
+            # Each draft cache's positions first ([2, slots, ...] K/V; [slots, ...] MLA, keys).
+            kv = {
+                n: (c if c.shape[0] == n_slots else c.transpose(0, 1)).clone()
+                for n, c in runner.kv_caches.items()
+                if n.startswith("drafter")
+            }
         deferral = sp_obj.deferral if sp_obj is not None else None
         return first + second, drafts + parents, deferral, kv, written
     finally:
         eng.shutdown()
+
+
+def _assert_same_kv(kv: dict, kv_off: dict, written: set[int]) -> None:
+    """Every draft cache is bit-identical at the written positions."""
+    slots = torch.tensor(sorted(written))
+    assert kv.keys() == kv_off.keys() and kv
+    for name, cache in kv.items():
+        assert torch.equal(cache[slots], kv_off[name][slots]), name
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +229,7 @@ def test_deferred_first_pass_drafts_exactly_the_same(
         assert d.num_overflows > 0
     # The draft KV at every position a request computed: bit-identical.
     assert written == written_off
-    slots = torch.tensor(sorted(written))
-    assert torch.equal(kv[:, :, slots], kv_off[:, :, slots])
+    _assert_same_kv(kv, kv_off, written)
     assert d.num_deferred_rows == d.num_caught_up_rows and not d.count.any()
 
 
@@ -295,5 +308,57 @@ def test_rows_a_hybrids_draft_free_proposer_serves_are_kept(
         assert np.array_equal(a, b), (step, a, b)
     assert d.num_deferred_rows > 0 and d.num_flushed_rows > 0
     assert written == written_off
-    slots = torch.tensor(sorted(written))
-    assert torch.equal(kv[:, :, slots], kv_off[:, :, slots])
+    _assert_same_kv(kv, kv_off, written)
+
+
+@pytest.fixture(scope="module")
+def mtp_target(deepseek_v3_mtp1_dir, tmp_path_factory):
+    """DeepSeek-V3 with one MTP layer that often agrees with it, whose drafts also read the
+    draft's own KV (its block's attention kept, scaled)."""
+    from vllm.testing.spec_checkpoints import make_mtp_self_draft
+
+    return make_mtp_self_draft(
+        tmp_path_factory.mktemp("deferral_mtp"),
+        deepseek_v3_mtp1_dir,
+        target_scale=0.2,
+        draft_block_scale=0.5,
+    )
+
+
+@pytest.mark.parametrize("shape", ["chain", "static_tree", "dynamic_tree"])
+def test_one_layer_mtp_defers_its_first_pass_too(mtp_target, shape):
+    """An MTP draft with one layer (MLA) keeps its rows while nobody drafts: the drafts, the
+    text and the draft's latent cache are the no-deferral engine's."""
+    spec = {"method": "mtp", "adaptive_num_speculative_tokens": False, **SHAPES[shape]}
+    ref = _run(mtp_target, None)[0]
+    out, drafts, d, kv, written = _run(mtp_target, spec)
+    out_off, drafts_off, d_off, kv_off, written_off = _run(mtp_target, spec, deferral="off")
+    assert d is not None and d_off is None
+    assert out == ref and out_off == ref
+    assert len(drafts) == len(drafts_off)
+    for step, (a, b) in enumerate(zip(drafts, drafts_off)):
+        assert np.array_equal(a, b), (step, a, b)
+    assert sum(int((a >= 0).sum()) for a in drafts) >= 40
+    assert d.num_deferred_rows >= 60 and d.num_partial_steps >= 5 and d.num_flushed_rows > 0
+    assert written == written_off
+    _assert_same_kv(kv, kv_off, written)
+
+
+def test_qwen3_5_mtp_defers_its_first_pass_too(tmp_path_factory):
+    """Qwen3.5's MTP layer (full attention beside a hybrid target): the same drafts, text and
+    draft KV with the deferral as without it."""
+    from vllm.testing.qwen3_5_checkpoints import make_qwen3_5
+
+    target = make_qwen3_5(tmp_path_factory.mktemp("deferral_q35"), mtp_num_hidden_layers=1)
+    spec = {"method": "mtp", "adaptive_num_speculative_tokens": False, "num_speculative_tokens": K}
+    ref = _run(target, None)[0]
+    out, drafts, d, kv, written = _run(target, spec)
+    out_off, drafts_off, d_off, kv_off, written_off = _run(target, spec, deferral="off")
+    assert d is not None and d_off is None
+    assert out == ref and out_off == ref
+    assert len(drafts) == len(drafts_off)
+    for step, (a, b) in enumerate(zip(drafts, drafts_off)):
+        assert np.array_equal(a, b), (step, a, b)
+    assert d.num_deferred_rows >= 60 and d.num_flushed_rows > 0
+    assert written == written_off
+    _assert_same_kv(kv, kv_off, written)

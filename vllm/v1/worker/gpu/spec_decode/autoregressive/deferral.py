@@ -19,7 +19,8 @@ whole step's pass writes).
 The catch-up runs the kept rows through the same products as the pass it replaces (all of them
 decode rows: the small-M kernel, whose rows never depend on their neighbours), so the draft KV
 it writes is bit-identical to what the deferred passes would have written, and so are every
-later draft and the acceptance. Only drafts with one attention layer defer: a row's KV there
+later draft and the acceptance. Only drafts with one attention layer defer (EAGLE / EAGLE3
+heads, a single MTP layer): a row's KV there
 depends on nothing but the row's own inputs (a deeper layer's KV would read the attention
 over the row's context, which a request that has left its slot no longer owns). A count forced
 on every request (the start-up's step-cost measurement) never defers, so the adaptive K prices

@@ -337,6 +337,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         ks = np.clip(ks, 0, cap)
         want = int(ks.max()) if R else 0
         steps = max(want, self.min_draft_steps)
+        verify = ks  # what each request reports (the rest of its row: PAD)
         if not self.drafts_row_subsets:
             ks = np.full(R, want, np.int64)
         dev = self.device
@@ -383,7 +384,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                     logits = self._compute_logits(logits_h[pick_t], step)
                     self._sample_step(logits, step, take, draft_pos, db, drafts)
         self._end_draft(db)
-        drafts[np.arange(K)[None, :] >= ks[:, None]] = PAD_TOKEN_ID
+        drafts[np.arange(K)[None, :] >= verify[:, None]] = PAD_TOKEN_ID
         return drafts.copy()
 
     def capture(self) -> None:

@@ -79,6 +79,9 @@ class MTPSpeculator(AutoRegressiveSpeculator):
     topk_sharing: SupportsTopkSharing | None = None
     # The chained layers run every request's rows each step (see _decode_inputs).
     drafts_row_subsets = False
+    # One MTP layer (one attention layer: not DSA's, whose indexer keeps a second cache) puts
+    # its first pass off while nobody drafts (autoregressive/deferral.py).
+    defers_first_pass = True
     # Chained draft layers (the checkpoint's MTP layers); draft step s uses layer s mod n.
     num_draft_layers = 1
     # A draft tree on a checkpoint with several MTP layers drafts every depth with the first
