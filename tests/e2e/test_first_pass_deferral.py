@@ -156,12 +156,23 @@ def _run(
         eng.shutdown()
 
 
-def _assert_same_kv(kv: dict, kv_off: dict, written: set[int]) -> None:
-    """Every draft cache is bit-identical at the written positions."""
+def _assert_same_as_without(run: tuple, run_off: tuple, want: list[list[int]]):
+    """The deferring run and the no-deferral one: both emit `want`, every propose returned the
+    same drafts, and every draft cache is bit-identical at each position a request computed.
+    Returns the deferring run's FirstPassDeferral."""
+    out, drafts, d, kv, written = run
+    out_off, drafts_off, d_off, kv_off, written_off = run_off
+    assert d is not None and d_off is None
+    assert out == want and out_off == want
+    assert len(drafts) == len(drafts_off)
+    for step, (a, b) in enumerate(zip(drafts, drafts_off)):
+        assert np.array_equal(a, b), (step, a, b)
+    assert written == written_off
     slots = torch.tensor(sorted(written))
     assert kv.keys() == kv_off.keys() and kv
     for name, cache in kv.items():
         assert torch.equal(cache[slots], kv_off[name][slots]), name
+    return d
 
 
 @pytest.fixture(scope="module")
@@ -210,15 +221,9 @@ def without(llama_dir, head):
 def test_deferred_first_pass_drafts_exactly_the_same(
     llama_dir, head, reference, without, shape, mode
 ):
-    out, drafts, d, kv, written = _run(llama_dir, _spec(head, shape), deferral=mode)
-    out_off, drafts_off, d_off, kv_off, written_off = without(shape)
-    assert d_off is None and d is not None
-    assert out == reference
-    assert out_off == reference
-    assert len(drafts) == len(drafts_off)
-    for step, (a, b) in enumerate(zip(drafts, drafts_off)):
-        assert np.array_equal(a, b), (step, a, b)
-    assert sum(int((a >= 0).sum()) for a in drafts) >= 40, "the plan drafts"
+    run = _run(llama_dir, _spec(head, shape), deferral=mode)
+    d = _assert_same_as_without(run, without(shape), reference)
+    assert sum(int((a >= 0).sum()) for a in run[1]) >= 40, "the plan drafts"
     assert d.num_deferred_rows >= 60, d.num_deferred_rows
     # Steps where some requests drafted and the others kept their rows.
     assert d.num_partial_steps >= 5, d.num_partial_steps
@@ -227,9 +232,6 @@ def test_deferred_first_pass_drafts_exactly_the_same(
     assert d.num_caught_up_rows - d.num_flushed_rows > 0
     if mode == "small":
         assert d.num_overflows > 0
-    # The draft KV at every position a request computed: bit-identical.
-    assert written == written_off
-    _assert_same_kv(kv, kv_off, written)
     assert d.num_deferred_rows == d.num_caught_up_rows and not d.count.any()
 
 
@@ -295,20 +297,12 @@ def test_rows_a_hybrids_draft_free_proposer_serves_are_kept(
 
     monkeypatch.setattr(HybridSpeculator, "propose", spy)
     # The second wave repeats the first: suffix matches the first wave's answers.
-    out, drafts, d, kv, written = _run(llama_dir, _spec(head, "hybrid"), repeat=True)
+    spec = _spec(head, "hybrid")
+    run = _run(llama_dir, spec, repeat=True)
     assert served_and_kept[0] > 0
-    out_off, drafts_off, d_off, kv_off, written_off = _run(
-        llama_dir, _spec(head, "hybrid"), deferral="off", repeat=True
-    )
-    assert d_off is None and d is not None
-    want = reference[: len(PROMPTS)] * 2
-    assert out == want and out_off == want
-    assert len(drafts) == len(drafts_off)
-    for step, (a, b) in enumerate(zip(drafts, drafts_off)):
-        assert np.array_equal(a, b), (step, a, b)
+    run_off = _run(llama_dir, spec, deferral="off", repeat=True)
+    d = _assert_same_as_without(run, run_off, reference[: len(PROMPTS)] * 2)
     assert d.num_deferred_rows > 0 and d.num_flushed_rows > 0
-    assert written == written_off
-    _assert_same_kv(kv, kv_off, written)
 
 
 @pytest.fixture(scope="module")
@@ -330,18 +324,12 @@ def test_one_layer_mtp_defers_its_first_pass_too(mtp_target, shape):
     """An MTP draft with one layer (MLA) keeps its rows while nobody drafts: the drafts, the
     text and the draft's latent cache are the no-deferral engine's."""
     spec = {"method": "mtp", "adaptive_num_speculative_tokens": False, **SHAPES[shape]}
-    ref = _run(mtp_target, None)[0]
-    out, drafts, d, kv, written = _run(mtp_target, spec)
-    out_off, drafts_off, d_off, kv_off, written_off = _run(mtp_target, spec, deferral="off")
-    assert d is not None and d_off is None
-    assert out == ref and out_off == ref
-    assert len(drafts) == len(drafts_off)
-    for step, (a, b) in enumerate(zip(drafts, drafts_off)):
-        assert np.array_equal(a, b), (step, a, b)
-    assert sum(int((a >= 0).sum()) for a in drafts) >= 40
+    run = _run(mtp_target, spec)
+    d = _assert_same_as_without(
+        run, _run(mtp_target, spec, deferral="off"), _run(mtp_target, None)[0]
+    )
+    assert sum(int((a >= 0).sum()) for a in run[1]) >= 40
     assert d.num_deferred_rows >= 60 and d.num_partial_steps >= 5 and d.num_flushed_rows > 0
-    assert written == written_off
-    _assert_same_kv(kv, kv_off, written)
 
 
 def test_qwen3_5_mtp_defers_its_first_pass_too(tmp_path_factory):
@@ -351,14 +339,6 @@ def test_qwen3_5_mtp_defers_its_first_pass_too(tmp_path_factory):
 
     target = make_qwen3_5(tmp_path_factory.mktemp("deferral_q35"), mtp_num_hidden_layers=1)
     spec = {"method": "mtp", "adaptive_num_speculative_tokens": False, "num_speculative_tokens": K}
-    ref = _run(target, None)[0]
-    out, drafts, d, kv, written = _run(target, spec)
-    out_off, drafts_off, d_off, kv_off, written_off = _run(target, spec, deferral="off")
-    assert d is not None and d_off is None
-    assert out == ref and out_off == ref
-    assert len(drafts) == len(drafts_off)
-    for step, (a, b) in enumerate(zip(drafts, drafts_off)):
-        assert np.array_equal(a, b), (step, a, b)
+    run, run_off = _run(target, spec), _run(target, spec, deferral="off")
+    d = _assert_same_as_without(run, run_off, _run(target, None)[0])
     assert d.num_deferred_rows >= 60 and d.num_flushed_rows > 0
-    assert written == written_off
-    _assert_same_kv(kv, kv_off, written)
