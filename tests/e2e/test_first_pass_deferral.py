@@ -319,15 +319,41 @@ def mtp_target(deepseek_v3_mtp1_dir, tmp_path_factory):
     )
 
 
-@pytest.mark.parametrize("shape", ["chain", "static_tree", "dynamic_tree"])
-def test_one_layer_mtp_defers_its_first_pass_too(mtp_target, shape):
-    """An MTP draft with one layer (MLA) keeps its rows while nobody drafts: the drafts, the
-    text and the draft's latent cache are the no-deferral engine's."""
-    spec = {"method": "mtp", "adaptive_num_speculative_tokens": False, **SHAPES[shape]}
-    run = _run(mtp_target, spec)
-    d = _assert_same_as_without(
-        run, _run(mtp_target, spec, deferral="off"), _run(mtp_target, None)[0]
+@pytest.fixture(scope="module")
+def dsa_mtp_target(tmp_path_factory):
+    """DeepSeek-V3.2 with one MTP layer (sparse MLA + its own indexer: two draft caches), top-k
+    shared across draft steps, drafts that often agree and read the draft's own KV."""
+    from vllm.testing.dsa_checkpoints import make_deepseek_v32
+    from vllm.testing.spec_checkpoints import make_mtp_self_draft
+
+    src = make_deepseek_v32(
+        tmp_path_factory.mktemp("deferral_v32_src"),
+        num_nextn_predict_layers=1,
+        index_share_for_mtp_iteration=True,
     )
+    return make_mtp_self_draft(
+        tmp_path_factory.mktemp("deferral_v32"), src, target_scale=0.2, draft_block_scale=0.5
+    )
+
+
+@pytest.mark.parametrize(
+    "model, shape",
+    [
+        ("v3", "chain"),
+        ("v3", "static_tree"),
+        ("v3", "dynamic_tree"),
+        ("v32", "chain"),
+        ("v32", "dynamic_tree"),
+    ],
+)
+def test_one_layer_mtp_defers_its_first_pass_too(request, model, shape):
+    """An MTP draft with one layer (MLA; DeepSeek-V3.2: sparse MLA and its indexer's key
+    cache) keeps its rows while nobody drafts: the drafts, the text and every draft cache are
+    the no-deferral engine's."""
+    target = request.getfixturevalue("mtp_target" if model == "v3" else "dsa_mtp_target")
+    spec = {"method": "mtp", "adaptive_num_speculative_tokens": False, **SHAPES[shape]}
+    run = _run(target, spec)
+    d = _assert_same_as_without(run, _run(target, spec, deferral="off"), _run(target, None)[0])
     assert sum(int((a >= 0).sum()) for a in run[1]) >= 40
     assert d.num_deferred_rows >= 60 and d.num_partial_steps >= 5 and d.num_flushed_rows > 0
 

@@ -121,9 +121,13 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
 
     def load_model(self, target_model: CausalLMBase) -> None:
         super().load_model(target_model)
-        if self.defers_first_pass and len(self.draft_attn_layer_names) == 1:
+        if self.defers_first_pass and self._one_attention_layer():
             width = self.target_hidden_size * max(1, self._num_aux_hidden_states())
             self.deferral = FirstPassDeferral.for_speculator(self, width)
+
+    def _one_attention_layer(self) -> bool:
+        """Whether the draft has one attention layer (its KV at a row: the row's alone)."""
+        return len(self.draft_attn_layer_names) == 1
 
     def on_request_removed(self, slot: int, output_token_ids: np.ndarray) -> None:
         if self.deferral is not None:

@@ -79,8 +79,7 @@ class MTPSpeculator(AutoRegressiveSpeculator):
     topk_sharing: SupportsTopkSharing | None = None
     # The chained layers run every request's rows each step (see _decode_inputs).
     drafts_row_subsets = False
-    # One MTP layer (one attention layer: not DSA's, whose indexer keeps a second cache) puts
-    # its first pass off while nobody drafts (autoregressive/deferral.py).
+    # One MTP layer puts its first pass off while nobody drafts (autoregressive/deferral.py).
     defers_first_pass = True
     # Chained draft layers (the checkpoint's MTP layers); draft step s uses layer s mod n.
     num_draft_layers = 1
@@ -156,6 +155,12 @@ class MTPSpeculator(AutoRegressiveSpeculator):
     def on_multi_step_decode_end(self, num_reqs: int) -> None:
         if self.topk_sharing is not None:
             self.topk_sharing.set_skip_topk(False)
+
+    def _one_attention_layer(self) -> bool:
+        """One MTP layer's attention; a DSA layer's indexer keys are a second cache, also
+        computed from the row alone."""
+        names = {n for n in self.draft_attn_layer_names if not n.endswith(".indexer.k_cache")}
+        return len(names) == 1
 
     @contextmanager
     def tree_pass(self, root_rows: np.ndarray, nodes: int) -> Iterator[None]:
