@@ -4,8 +4,8 @@
 tree drafts every depth with the first): tokens/s, the ratio to no speculation, tokens per
 verify step and acceptance per depth, greedy text checked identical to no speculation.
 Engine names as in tree_smollm2.py (chainK, treeN, dynN[kT][dD]; a trailing "a": the adaptive
-K picks each step's prefix). Engines are built once, warmed up, then timed in interleaved
-rounds (medians).
+K picks each step's prefix; NAME-nodefer: without the first-pass deferral). Engines are
+built once, warmed up, then timed in interleaved rounds (medians).
 
     python benchmarks/mtp_tree_bundled.py [--engines none chain2 chain3 tree6 tree10 dyn10]
         [--batch 1 8] [--pp 1] [--repeats 3] [--output-len 64]
@@ -62,6 +62,8 @@ def main() -> None:
                 max_num_seqs=batch,
                 max_model_len=512,
             )
+            if name.endswith("-nodefer"):  # the first pass over every row of every step
+                llms[name].llm_engine.executor.worker.model_runner.speculator.deferral = None
             llms[name].generate(prompts, sp, use_tqdm=False)  # warm-up
         rates: dict[str, list[float]] = {n: [] for n in args.engines}
         texts: dict[str, list] = {}

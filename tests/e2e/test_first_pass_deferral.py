@@ -344,13 +344,21 @@ def dsa_mtp_target(tmp_path_factory):
         ("v3", "dynamic_tree"),
         ("v32", "chain"),
         ("v32", "dynamic_tree"),
+        ("bundled", "static_tree"),
+        ("bundled", "dynamic_tree"),
     ],
 )
 def test_one_layer_mtp_defers_its_first_pass_too(request, model, shape):
     """An MTP draft with one layer (MLA; DeepSeek-V3.2: sparse MLA and its indexer's key
-    cache) keeps its rows while nobody drafts: the drafts, the text and every draft cache are
-    the no-deferral engine's."""
-    target = request.getfixturevalue("mtp_target" if model == "v3" else "dsa_mtp_target")
+    cache; the bundled model's two layers under a tree, which drafts with the first only)
+    keeps its rows while nobody drafts: the drafts, the text and every draft cache are the
+    no-deferral engine's."""
+    from vllm.config import default_model_path
+
+    if model == "bundled":
+        target = str(default_model_path())
+    else:
+        target = request.getfixturevalue("mtp_target" if model == "v3" else "dsa_mtp_target")
     spec = {"method": "mtp", "adaptive_num_speculative_tokens": False, **SHAPES[shape]}
     run = _run(target, spec)
     d = _assert_same_as_without(run, _run(target, spec, deferral="off"), _run(target, None)[0])
@@ -368,3 +376,20 @@ def test_qwen3_5_mtp_defers_its_first_pass_too(tmp_path_factory):
     run, run_off = _run(target, spec), _run(target, spec, deferral="off")
     d = _assert_same_as_without(run, run_off, _run(target, None)[0])
     assert d.num_deferred_rows >= 60 and d.num_flushed_rows > 0
+
+
+def test_chained_mtp_layers_do_not_defer():
+    """The bundled model's two MTP layers as a chain (layer 1 reads layer 0's output at every
+    position) run their first pass every step; as a tree (the first layer only) they defer."""
+    from vllm.config import default_model_path
+
+    for spec, defers in (
+        ({"method": "mtp", "num_speculative_tokens": 2}, False),
+        ({"method": "mtp", "speculative_token_tree": "[(0,), (1,), (0, 0)]"}, True),
+    ):
+        eng = _engine(str(default_model_path()), spec)
+        try:
+            d = eng.executor.worker.model_runner.speculator.deferral
+            assert (d is not None) == defers, spec
+        finally:
+            eng.shutdown()

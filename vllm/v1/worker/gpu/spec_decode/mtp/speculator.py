@@ -157,10 +157,15 @@ class MTPSpeculator(AutoRegressiveSpeculator):
             self.topk_sharing.set_skip_topk(False)
 
     def _one_attention_layer(self) -> bool:
-        """One MTP layer's attention; a DSA layer's indexer keys are a second cache, also
-        computed from the row alone."""
-        names = {n for n in self.draft_attn_layer_names if not n.endswith(".indexer.k_cache")}
-        return len(names) == 1
+        """One MTP layer's attention - of the only layer a tree drafts with, on a checkpoint
+        with several; a DSA layer's indexer keys are a second cache, also computed from the
+        row alone."""
+        names, draft = self.draft_attn_layer_names, self.model
+        if self.first_layer_only and draft is not None:
+            net = draft.step_network(0)
+            used = {id(m) for m in net.modules()} if isinstance(net, torch.nn.Module) else set()
+            names = {n for n, m in draft.named_modules() if n in names and id(m) in used}
+        return len({n for n in names if not n.endswith(".indexer.k_cache")}) == 1
 
     @contextmanager
     def tree_pass(self, root_rows: np.ndarray, nodes: int) -> Iterator[None]:
