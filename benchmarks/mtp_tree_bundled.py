@@ -23,21 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bundled_mtp import PROMPTS
 from benchmarks.common import cpu_flags
-from benchmarks.tree_smollm2 import spec_of
-
-
-def counters(llm) -> tuple[float, float, list[float]]:
-    m = {x.name: x for x in llm.get_metrics()}
-
-    def val(name: str) -> float:
-        return float(m[name].value) if name in m else 0.0
-
-    per = (
-        list(m["vllm:spec_decode_num_accepted_tokens_per_pos"].values)
-        if ("vllm:spec_decode_num_accepted_tokens_per_pos" in m)
-        else []
-    )
-    return val("vllm:spec_decode_num_drafts"), val("vllm:spec_decode_num_accepted_tokens"), per
+from benchmarks.tree_smollm2 import counters, spec_of
 
 
 def main() -> None:
@@ -79,8 +65,8 @@ def main() -> None:
         print(f"--- batch {batch}")
         for name, llm in llms.items():
             tps = statistics.median(rates[name])
-            d0, a0, p0 = before[name]
-            d1, a1, p1 = counters(llm)
+            d0, a0, p0, _ = before[name]
+            d1, a1, p1, _ = counters(llm)
             drafts, acc = d1 - d0, a1 - a0
             per = (
                 [round((b - (p0[i] if i < len(p0) else 0)) / drafts, 2) for i, b in enumerate(p1)]

@@ -39,7 +39,12 @@ def _run(pp: int, k: int):
         if k
         else None
     )
-    llm = LLM(pipeline_parallel_size=pp, speculative_config=spec, max_model_len=512)
+    return _generate(spec, pipeline_parallel_size=pp)
+
+
+def _generate(spec: dict | None, **par):
+    """Greedy outputs of PROMPTS and the spec-decode counters."""
+    llm = LLM(speculative_config=spec, max_model_len=512, **par)
     try:
         sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         outs = llm.generate(PROMPTS, sp, use_tqdm=False)
@@ -91,14 +96,9 @@ TREES = {
 
 
 def _tree_run(tree: str, **par):
-    spec = {"method": "mtp", "adaptive_num_speculative_tokens": False, **TREES[tree]}
-    llm = LLM(speculative_config=spec, max_model_len=512, **par)
-    try:
-        sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        outs = llm.generate(PROMPTS, sp, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs], _spec_metrics(llm)
-    finally:
-        llm.shutdown()
+    return _generate(
+        {"method": "mtp", "adaptive_num_speculative_tokens": False, **TREES[tree]}, **par
+    )
 
 
 @pytest.mark.usefixtures("pp_forkserver")
@@ -146,3 +146,21 @@ def test_a_kv_cache_smaller_than_max_model_len_is_refused(max_model_len, spec, m
         )
     assert "holds only 40 blocks (160 tokens)" in str(err.value)
     assert "--max-model-len" in str(err.value) and "--kv-cache-memory-bytes" in str(err.value)
+
+
+def test_a_tree_drafts_with_the_first_mtp_layer_only():
+    """The second MTP layer reads the first's output at its own position, one row per
+    position; a tree has several rows per position, so it never runs under a tree."""
+    spec = {"method": "mtp", "adaptive_num_speculative_tokens": False, **TREES["static"]}
+    llm = LLM(speculative_config=spec, max_model_len=512)
+    try:
+        draft = llm.llm_engine.executor.worker.model_runner.speculator.model
+        calls = [0, 0]
+        for i in (0, 1):
+            layer = draft.model.layer_for_step(i)
+            layer.register_forward_hook(lambda *a, i=i: calls.__setitem__(i, calls[i] + 1))
+        sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        llm.generate(PROMPTS, sp, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert calls[0] > 0 and calls[1] == 0, calls

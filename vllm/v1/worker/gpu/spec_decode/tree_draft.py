@@ -54,11 +54,11 @@ def draft_tree(
     if not len(out_rows):
         return drafts
     want = int(ks.max())
+    roots = db.last_token_indices[out_rows]  # each root's row in the last pass (tree_pass)
     db, lti = _only(db, lti, out_rows)
     R = db.num_reqs
     depth, parents, ranks = tree.depth[:want], tree.parents[:want], tree.ranks[:want]
     root_fb = feedback[lti]  # [R, H] what the depth-1 nodes read
-    roots = lti.cpu().numpy()  # each root's row in the last pass (tree_pass)
     node_fb: torch.Tensor | None = None  # [R, n, H] each computed node's output hidden state
     tokens = torch.zeros(R, want, dtype=torch.int64, device=dev)
     top = _top_tokens(spec, spec._compute_logits(logits_h[lti], 0), int(ranks.max()) + 1)
@@ -192,10 +192,10 @@ def draft_dynamic(
     if not len(out_rows):
         return drafts, parents_out, scores
     want = int(ks.max())
+    roots = db.last_token_indices[out_rows]  # each root's row in the last pass (tree_pass)
     db, lti = _only(db, lti, out_rows)
     R = db.num_reqs
     root_fb = feedback[lti]
-    roots = lti.cpu().numpy()
     k = min(top_k, want)
     lp = torch.log_softmax(spec._compute_logits(logits_h[lti], 0).float(), -1)
     score, idx = lp.topk(k, dim=-1)

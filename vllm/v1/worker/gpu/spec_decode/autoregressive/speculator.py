@@ -104,6 +104,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
     # The first pass may be put off while nobody drafts (deferral.py; drafts with one
     # attention layer only).
     defers_first_pass = False
+    # Every draft step runs the network of step 0 (an MTP tree on several layers: the first).
+    first_layer_only = False
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device | str) -> None:
         super().__init__(vllm_config, device)
@@ -151,8 +153,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         pass
 
     def tree_pass(self, root_rows: np.ndarray, nodes: int) -> AbstractContextManager[None]:
-        """Around a draft tree's node pass of `nodes` rows per request, whose roots' rows in
-        the pass before it are root_rows (tree_draft.py; MTP top-k sharing uses it)."""
+        """Around a tree's node pass of `nodes` rows per request (roots: root_rows before)."""
         return nullcontext()
 
     @contextmanager
@@ -175,7 +176,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
     # ---- the draft model ----------------------------------------------------------------------
     def _compute_logits(self, hidden: torch.Tensor, draft_step: int) -> torch.Tensor:
         """The draft head over the rows being sampled: all decode rows (ALL_SHORT)."""
-        return self.draft.compute_logits(hidden, ALL_SHORT, spec_step_idx=draft_step)
+        step = 0 if self.first_layer_only else draft_step
+        return self.draft.compute_logits(hidden, ALL_SHORT, spec_step_idx=step)
 
     def _prefill_hidden(
         self,
@@ -240,7 +242,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             input_ids=None if inputs_embeds is not None else input_ids,
             positions=positions,
             hidden_states=hidden_states.to(self.dtype),
-            spec_step_idx=draft_step,
+            spec_step_idx=0 if self.first_layer_only else draft_step,
             inputs_embeds=inputs_embeds,
             ctx=ctx if row_kinds is None else ctx.with_rows(row_kinds),
         )

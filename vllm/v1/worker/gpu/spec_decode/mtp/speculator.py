@@ -25,7 +25,6 @@ import torch
 
 from vllm.attention.backends.torch_paged import AttentionMetadata, build_attn_metadata
 from vllm.config import VllmConfig, num_mtp_layers
-from vllm.forward_context import RowKinds
 from vllm.model_executor.models.draft import DraftModel
 from vllm.model_executor.models.interfaces import SupportsTopkSharing, TargetShares
 from vllm.v1.worker.gpu.spec_decode.autoregressive.speculator import (
@@ -83,9 +82,6 @@ class MTPSpeculator(AutoRegressiveSpeculator):
     defers_first_pass = True
     # Chained draft layers (the checkpoint's MTP layers); draft step s uses layer s mod n.
     num_draft_layers = 1
-    # A draft tree on a checkpoint with several MTP layers drafts every depth with the first
-    # (a chained layer needs one row per position; a tree has several).
-    first_layer_only = False
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device | str) -> None:
         super().__init__(vllm_config, device)
@@ -122,6 +118,8 @@ class MTPSpeculator(AutoRegressiveSpeculator):
     def on_draft_bound(self, draft: DraftModel, shares: TargetShares) -> None:
         super().on_draft_bound(draft, shares)
         n = max(1, num_mtp_layers(self.draft_model_config.hf_text_config))
+        # A tree on several MTP layers drafts every depth with the first (a chained layer
+        # needs one row per position; a tree has several).
         self.first_layer_only = self.speculative_config.is_tree and n > 1
         self.num_draft_layers = 1 if self.speculative_config.is_tree else n
         if isinstance(draft, SupportsTopkSharing) and draft.shares_topk_across_steps:
@@ -180,29 +178,6 @@ class MTPSpeculator(AutoRegressiveSpeculator):
         self.on_draft_rows_changed(R)
         with self._hooked(self.on_multi_step_decode_begin, self.on_multi_step_decode_end, R):
             yield
-
-    def _run_model(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        draft_step: int,
-        inputs_embeds: torch.Tensor | None = None,
-        row_kinds: RowKinds | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return super()._run_model(
-            input_ids,
-            positions,
-            hidden_states,
-            attn_metadata,
-            0 if self.first_layer_only else draft_step,
-            inputs_embeds,
-            row_kinds,
-        )
-
-    def _compute_logits(self, hidden: torch.Tensor, draft_step: int) -> torch.Tensor:
-        return super()._compute_logits(hidden, 0 if self.first_layer_only else draft_step)
 
     # ---- the chained rows ---------------------------------------------------------------------
     def _begin_draft(self, db: DraftBatch) -> None:
