@@ -167,3 +167,52 @@ def test_repetitive_prompt_accepts_every_draft(bigram):
     # 1 token from the prefill, then 4 steps of K accepted drafts + 1 bonus token.
     assert (drafts, draft_tokens, accepted) == (4, 4 * K, 4 * K)
     assert list(per_pos) == [4] * K
+
+
+def test_stop_string_inside_accepted_drafts(bigram):
+    """A stop string completed by a token in the middle of a step's accepted drafts ends the
+    output at that token, as without speculation: the same token ids (none of the step's later
+    tokens), text, logprobs and finish reason. The repetitive prompt accepts every draft, so a
+    step brings K + 1 tokens and the stops (each output token's text, in turn) fall at every
+    place inside a step."""
+    first, _ = _run(bigram, [[5]], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    seq = [5] + first[0]
+    seen: dict[int, int] = {}
+    for i, t in enumerate(seq):
+        if t in seen:
+            cycle = seq[seen[t] : i]
+            break
+        seen[t] = i
+    else:
+        pytest.skip("no cycle within 64 tokens")
+    prompt = cycle * max(2, -(-6 // len(cycle)))
+    llm = LLM(model=bigram, **COMMON)
+    try:
+        tok = llm.get_tokenizer()
+        free, _ = _run(bigram, [prompt], SamplingParams(temperature=0, max_tokens=12))
+        stops = list(dict.fromkeys(s for t in free[0] if (s := tok.decode([t])).strip()))
+        sps = [
+            SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[s], logprobs=2)
+            for s in stops
+        ]
+
+        def outputs(engine):
+            res = engine.generate([{"prompt_token_ids": prompt}] * len(sps), sps, use_tqdm=False)
+            return [
+                (list(c.token_ids), c.text, c.finish_reason, c.stop_reason, c.logprobs)
+                for c in (o.outputs[0] for o in res)
+            ]
+
+        ref = outputs(llm)
+    finally:
+        llm.shutdown()
+    spec = LLM(model=bigram, speculative_config=NGRAM, **COMMON)
+    try:
+        got = outputs(spec)
+        assert spec_decode_counts(spec)[2] > 0
+    finally:
+        spec.shutdown()
+    assert got == ref
+    assert all(r[2] == "stop" for r in ref)
+    # 1 token from the prefill, then steps of K + 1: stops that end a step mid-way.
+    assert any((len(r[0]) - 1) % (K + 1) for r in ref)

@@ -94,18 +94,24 @@ class _CountingTokenizer:
         return self.tok.batch_decode(seqs, **kwargs)
 
 
-def _processor_run(tok, ids, kind, stop=None, logprobs=False):
+def _processor_run(tok, ids, kind, stop=None, logprobs=False, sizes=(1,), **params_kw):
+    """Feed ids to an OutputProcessor in steps of `sizes` tokens (1: no speculation; more: a
+    step's accepted drafts), the last step finished by length."""
     proc = OutputProcessor(tok)
-    params = SamplingParams(max_tokens=len(ids), output_kind=kind, stop=stop)
+    params = SamplingParams(max_tokens=len(ids), output_kind=kind, stop=stop, **params_kw)
     proc.add(RequestState("r", None, [1, 2], params, {"r": ChildState(0, params)}, 0.0))
     outs = []
-    for i, t in enumerate(ids):
-        last = i == len(ids) - 1
-        lp = [LogprobsLists([t, 5, 7], [-0.1, -2.0, -3.0], 1)] if logprobs else None
-        out = EngineCoreOutput("r", [t], lp, finish_reason="length" if last else None)
+    steps = _chunks(ids, sizes)
+    for i, chunk in enumerate(steps):
+        last = i == len(steps) - 1
+        lp = None
+        if logprobs:  # a distinct logprob per position, so a dropped one shows
+            lp = [LogprobsLists([t, 5, 7], [-0.1 - t / 1e4, -2.0, -3.0], 1) for t in chunk]
+        out = EngineCoreOutput("r", chunk, lp, finish_reason="length" if last else None)
         res, aborted = proc.process({"r": out})
         outs += res
         if aborted:
+            assert aborted == ["r"]
             break
     return proc, outs
 
@@ -128,7 +134,7 @@ def test_output_processor_cumulative_text_and_logprob_texts(tokenizer):
     final = outs[-1].outputs[0]
     assert final.text == tokenizer.decode(ids, skip_special_tokens=True)
     for t, lp in zip(ids, final.logprobs):
-        assert lp[t] == Logprob(-0.1, 1, tokenizer.decode([t]))
+        assert lp[t] == Logprob(-0.1 - t / 1e4, 1, tokenizer.decode([t]))
         assert lp[7].decoded_token == tokenizer.decode([7])
 
 
@@ -139,3 +145,59 @@ def test_stop_string_with_incremental_text(tokenizer):
     final = outs[-1].outputs[0]
     assert final.finish_reason == "stop" and final.stop_reason == "gam"
     assert final.text == "alpha beta 日本 "
+
+
+def _final(outs):
+    o = outs[-1].outputs[0]
+    return (
+        list(o.token_ids),
+        o.text,
+        o.finish_reason,
+        o.stop_reason,
+        o.logprobs,
+        o.cumulative_logprob,
+    )
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("min_tokens", [0, 4])
+def test_stop_string_inside_a_multi_token_step(tokenizer, include, min_tokens):
+    """A step with accepted drafts brings several tokens at once; a stop string completed by one
+    of them ends the output there, exactly as steps of one token would: the same token ids,
+    text, logprobs and finish reason, the tokens after the stop dropped - whichever token of
+    the step completes it, with min_tokens ending inside a step, and in the step the engine
+    finishes by length."""
+    text = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    words = text.split()
+    cases = stopped = 0
+    for stop in [words[1], words[6], "ta ", words[-4][:3], "a l"]:
+        ref = _final(
+            _processor_run(
+                tokenizer,
+                ids,
+                RequestOutputKind.CUMULATIVE,
+                [stop],
+                True,
+                min_tokens=min_tokens,
+                include_stop_str_in_output=include,
+            )[1]
+        )
+        # (a stop string in the first min_tokens tokens does not count: then none is found)
+        stopped += ref[2] == "stop" and ref[3] == stop and len(ref[0]) < len(ids)
+        for sizes in [(3,), (2, 4), (5, 1), (len(ids),)]:
+            got = _final(
+                _processor_run(
+                    tokenizer,
+                    ids,
+                    RequestOutputKind.CUMULATIVE,
+                    [stop],
+                    True,
+                    sizes=sizes,
+                    min_tokens=min_tokens,
+                    include_stop_str_in_output=include,
+                )[1]
+            )
+            assert got == ref, (stop, sizes)
+            cases += 1
+    assert cases == 20 and stopped >= 3

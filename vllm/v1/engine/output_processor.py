@@ -238,11 +238,15 @@ class OutputProcessor:
                         None if e is None else self._to_logprob_dict(e, texts)
                         for e in out.prompt_logprobs
                     ]
-            if out.new_token_ids:
+            finished = out.finish_reason is not None
+            new_ids, stopped = out.new_token_ids, False
+            if new_ids or finished:
+                new_ids, stopped = self._detokenize_and_stop(child, new_ids, finished)
+            if new_ids:
                 if st.first_token_time is None:
                     st.first_token_time = now
                 st.last_token_time = now
-                st.num_generation_tokens += len(out.new_token_ids)
+                st.num_generation_tokens += len(new_ids)
                 # As vLLM: one TTFT per sequence, then one latency per step that brought it
                 # tokens (a step's accepted drafts share it).
                 if child.first_token_time is None:
@@ -251,34 +255,29 @@ class OutputProcessor:
                 elif child.last_token_time is not None:
                     stats.inter_token_latencies_iter.append(now - child.last_token_time)
                 child.last_token_time = now
-            child.token_ids.extend(out.new_token_ids)
+            child.token_ids.extend(new_ids)
             # A row that did not ask for logprobs gets None entries when its batch did: its
             # output keeps logprobs None (as vLLM), not [] and a cumulative 0.0.
-            if out.new_logprobs is not None and any(lp is not None for lp in out.new_logprobs):
+            new_lps = out.new_logprobs
+            if new_lps is not None and any(lp is not None for lp in new_lps):
                 if child.logprobs is None:
                     child.logprobs, child.cumulative_logprob = [], 0.0
+                new_lps = new_lps[: len(new_ids)]  # a stop string dropped the rest
                 # detokenize=False: no text at all, decoded_token included (as vLLM).
-                texts = self._token_texts(out.new_logprobs) if child.params.detokenize else None
-                for lp in out.new_logprobs:
+                texts = self._token_texts(new_lps) if child.params.detokenize else None
+                for lp in new_lps:
                     if lp is None:
                         continue
                     child.logprobs.append(self._to_logprob_dict(lp, texts))
                     child.cumulative_logprob = (child.cumulative_logprob or 0.0) + lp.logprobs[0]
-            old_len = len(child.text)
-            if out.new_token_ids or out.finish_reason is not None:
-                self._detokenize(child, out.new_token_ids, out.finish_reason is not None)
-            if out.finish_reason is not None:
+            if stopped:
+                if not finished:  # the engine is still generating it
+                    to_abort.append(cid)
+            elif finished:
                 child.finish_reason = out.finish_reason
                 child.stop_reason = out.stop_reason
                 if out.error is not None:
                     st.error = out.error
-            elif (
-                child.params.stop
-                # As vLLM: stop strings count once more than min_tokens tokens are out.
-                and len(child.token_ids) > child.params.min_tokens
-                and self._check_stop_strings(child, len(child.text) - old_len)
-            ):
-                to_abort.append(cid)
             if child.finish_reason is not None:
                 self.record_finished(st, child, child.finish_reason, now, stats)
         results = []
@@ -289,6 +288,33 @@ class OutputProcessor:
             if st.finished:
                 st.finished_time = now
         return results, to_abort
+
+    def _detokenize_and_stop(
+        self, child: ChildState, new_ids: list[int], finished: bool
+    ) -> tuple[list[int], bool]:
+        """Detokenize one step's tokens and look for a stop string. A step with accepted drafts
+        brings several tokens: with stop strings they are taken one at a time, as steps of one
+        token would be, and the first whose text completes a stop string ends the sequence -
+        the tokens after it are dropped (the output equals the one without speculation). The
+        last token of a step the engine finished is not checked (as a one-token step's).
+        Returns (the tokens kept, whether a stop string ended the sequence)."""
+        params = child.params
+        chunks = [[t] for t in new_ids] if params.stop and len(new_ids) > 1 else [new_ids]
+        done = len(child.token_ids)
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+            old_len = len(child.text)
+            self._detokenize(child, chunk, finished and last)
+            done += len(chunk)
+            if (
+                params.stop
+                and not (finished and last)
+                # As vLLM: stop strings count once more than min_tokens tokens are out.
+                and done > params.min_tokens
+                and self._check_stop_strings(child, len(child.text) - old_len)
+            ):
+                return new_ids[: done - len(child.token_ids)], True
+        return new_ids, False
 
     def _check_stop_strings(self, child: ChildState, num_new_chars: int) -> bool:
         """Find the first stop string that ends in the text this step added (earlier text
