@@ -94,9 +94,11 @@ class _CountingTokenizer:
         return self.tok.batch_decode(seqs, **kwargs)
 
 
-def _processor_run(tok, ids, kind, stop=None, logprobs=False, sizes=(1,), **params_kw):
+def _processor_run(
+    tok, ids, kind, stop=None, logprobs=False, sizes=(1,), finish="length", **params_kw
+):
     """Feed ids to an OutputProcessor in steps of `sizes` tokens (1: no speculation; more: a
-    step's accepted drafts), the last step finished by length."""
+    step's accepted drafts), the last step finished by `finish` ("stop": on a stop token)."""
     proc = OutputProcessor(tok)
     params = SamplingParams(max_tokens=len(ids), output_kind=kind, stop=stop, **params_kw)
     proc.add(RequestState("r", None, [1, 2], params, {"r": ChildState(0, params)}, 0.0))
@@ -107,7 +109,7 @@ def _processor_run(tok, ids, kind, stop=None, logprobs=False, sizes=(1,), **para
         lp = None
         if logprobs:  # a distinct logprob per position, so a dropped one shows
             lp = [LogprobsLists([t, 5, 7], [-0.1 - t / 1e4, -2.0, -3.0], 1) for t in chunk]
-        out = EngineCoreOutput("r", chunk, lp, finish_reason="length" if last else None)
+        out = EngineCoreOutput("r", chunk, lp, finish_reason=finish if last else None)
         res, aborted = proc.process({"r": out})
         outs += res
         if aborted:
@@ -201,3 +203,37 @@ def test_stop_string_inside_a_multi_token_step(tokenizer, include, min_tokens):
             assert got == ref, (stop, sizes)
             cases += 1
     assert cases == 20 and stopped >= 3
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_text_left_out_as_vllm(tokenizer, include):
+    """As vLLM: when the engine stops on a stop token (EOS or stop_token_ids), the token stays
+    in token_ids but its text is left out of the output unless include_stop_str_in_output -
+    whether it came alone or with accepted drafts."""
+    ids = tokenizer.encode("alpha beta gamma", add_special_tokens=False)
+    for sizes in [(1,), (2,), (len(ids),)]:
+        _, outs = _processor_run(
+            tokenizer,
+            ids,
+            RequestOutputKind.CUMULATIVE,
+            sizes=sizes,
+            finish="stop",
+            include_stop_str_in_output=include,
+        )
+        o = outs[-1].outputs[0]
+        assert list(o.token_ids) == ids and o.finish_reason == "stop"
+        assert o.text == tokenizer.decode(ids if include else ids[:-1])
+
+
+def test_stop_string_in_the_last_token_of_a_length_finish(tokenizer):
+    """As vLLM: a stop string completed by the token that reached max_tokens still ends the
+    output as "stop", its text cut there."""
+    ids = tokenizer.encode("one two three", add_special_tokens=False)
+    stop = "ee"  # only at the very end: completed by the last token
+    for sizes in [(1,), (len(ids),)]:
+        _, outs = _processor_run(
+            tokenizer, ids, RequestOutputKind.CUMULATIVE, stop=[stop], sizes=sizes
+        )
+        o = outs[-1].outputs[0]
+        assert (o.finish_reason, o.stop_reason) == ("stop", stop)
+        assert o.text == "one two thr" and list(o.token_ids) == ids

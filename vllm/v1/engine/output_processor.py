@@ -241,7 +241,8 @@ class OutputProcessor:
             finished = out.finish_reason is not None
             new_ids, stopped = out.new_token_ids, False
             if new_ids or finished:
-                new_ids, stopped = self._detokenize_and_stop(child, new_ids, finished)
+                stop_token = out.finish_reason == "stop"  # EOS or a stop_token_ids entry
+                new_ids, stopped = self._detokenize_and_stop(child, new_ids, finished, stop_token)
             if new_ids:
                 if st.first_token_time is None:
                     st.first_token_time = now
@@ -290,25 +291,28 @@ class OutputProcessor:
         return results, to_abort
 
     def _detokenize_and_stop(
-        self, child: ChildState, new_ids: list[int], finished: bool
+        self, child: ChildState, new_ids: list[int], finished: bool, stop_token: bool
     ) -> tuple[list[int], bool]:
         """Detokenize one step's tokens and look for a stop string. A step with accepted drafts
         brings several tokens: with stop strings they are taken one at a time, as steps of one
         token would be, and the first whose text completes a stop string ends the sequence -
-        the tokens after it are dropped (the output equals the one without speculation). The
-        last token of a step the engine finished is not checked (as a one-token step's).
+        the tokens after it are dropped (the output equals the one without speculation). As
+        vLLM: a stop token's own text (the engine finished on EOS or a stop_token_ids entry,
+        `stop_token`) is left out unless include_stop_str_in_output, and a stop string in the
+        last token of a step the engine finished by length still ends it as "stop".
         Returns (the tokens kept, whether a stop string ended the sequence)."""
         params = child.params
-        chunks = [[t] for t in new_ids] if params.stop and len(new_ids) > 1 else [new_ids]
+        text_ids = new_ids
+        if stop_token and not params.include_stop_str_in_output:
+            text_ids = new_ids[:-1]
+        chunks = [[t] for t in text_ids] if params.stop and len(text_ids) > 1 else [text_ids]
         done = len(child.token_ids)
         for i, chunk in enumerate(chunks):
-            last = i == len(chunks) - 1
             old_len = len(child.text)
-            self._detokenize(child, chunk, finished and last)
+            self._detokenize(child, chunk, finished and i == len(chunks) - 1)
             done += len(chunk)
             if (
                 params.stop
-                and not (finished and last)
                 # As vLLM: stop strings count once more than min_tokens tokens are out.
                 and done > params.min_tokens
                 and self._check_stop_strings(child, len(child.text) - old_len)
