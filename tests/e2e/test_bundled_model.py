@@ -164,3 +164,28 @@ def test_a_tree_drafts_with_the_first_mtp_layer_only():
     finally:
         llm.shutdown()
     assert calls[0] > 0 and calls[1] == 0, calls
+
+
+def test_a_chain_longer_than_the_mtp_layers_under_a_small_token_budget():
+    """K = 3 drafts from 2 MTP layers (the third reuses the first), 8 requests and a 32-token
+    budget: some requests verify fewer drafts than others in a step, so a draft step meets rows
+    the step before did not compute - past the chained layers there is no carried row to read
+    (an IndexError before the fix, found by tools/spec_fuzz.py). Greedy equals no speculation."""
+    from vllm.testing.engine_utils import make_prompts
+
+    prompts = [{"prompt_token_ids": p} for p in make_prompts(2048, [31, 56, 12, 7, 10, 14, 56, 35])]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = []
+    for spec in (None, {"method": "mtp", "num_speculative_tokens": 3}):
+        if spec is not None:
+            spec["adaptive_num_speculative_tokens"] = False
+        llm = LLM(
+            speculative_config=spec, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=32
+        )
+        try:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
+            counts = _spec_metrics(llm)
+        finally:
+            llm.shutdown()
+    assert outs[1] == outs[0]
+    assert counts["vllm:spec_decode_num_accepted_tokens"] > 0

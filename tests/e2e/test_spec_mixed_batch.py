@@ -20,10 +20,10 @@ import random
 
 import pytest
 
-from vllm import LLM, SamplingParams
+from vllm import LLM
 from vllm.model_zoo import TINY_DEEPSEEK_MTP_DIR
-from vllm.sampling_params import StructuredOutputsParams
 from vllm.testing.engine_utils import spec_decode_counts
+from vllm.testing.request_mix import KINDS, outputs, random_knobs, random_params, same_outputs
 
 pytestmark = pytest.mark.usefixtures("pp_forkserver")
 
@@ -38,15 +38,6 @@ PROMPTS = [
     "while True:\n    line = input()",
     "def main():\n    args = parse()",
 ]
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
-    "required": ["name", "n"],
-}
-KINDS = [
-    "greedy", "seeded", "penalties", "logprobs", "stop", "stop_ids", "min_tokens", "n2",
-    "bias", "allowed", "json",
-]  # fmt: skip
 ENGINES = {
     "chain": {
         "method": "mtp",
@@ -65,61 +56,12 @@ ENGINES = {
 }
 
 
-def _params(rng: random.Random, kind: str, i: int) -> SamplingParams:
-    kw: dict = {"max_tokens": rng.randint(6, 40), "temperature": 0.0}
-    if kind not in ("greedy", "json"):
-        kw |= {"temperature": rng.choice([0.3, 0.7, 1.0]), "seed": 100 + i}
-        if rng.random() < 0.5:
-            kw["top_p"] = rng.choice([0.5, 0.9])
-        if rng.random() < 0.4:
-            kw["top_k"] = rng.choice([5, 40])
-        if rng.random() < 0.3:
-            kw["min_p"] = 0.05
-    if kind == "penalties":
-        kw |= {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2}
-    elif kind == "logprobs":
-        kw |= {"logprobs": 3, "prompt_logprobs": rng.choice([None, 2])}
-    elif kind == "stop":
-        kw |= {
-            "stop": [rng.choice(["(", ":", "\n", " =", "self", ","])],
-            "include_stop_str_in_output": rng.random() < 0.5,
-        }
-    elif kind == "stop_ids":
-        kw |= {"stop_token_ids": [rng.randrange(20, 300)], "min_tokens": rng.choice([0, 3])}
-    elif kind == "min_tokens":
-        kw |= {"min_tokens": min(8, kw["max_tokens"]), "ignore_eos": rng.random() < 0.5}
-    elif kind == "n2":
-        kw |= {"n": 2}
-    elif kind == "bias":
-        kw |= {"logit_bias": {rng.randrange(2048): 4.0, rng.randrange(2048): -4.0}}
-        kw["bad_words"] = ["self", " in"]
-    elif kind == "allowed":
-        kw["allowed_token_ids"] = list(range(0, 1500))
-    elif kind == "json":
-        kw |= {"structured_outputs": StructuredOutputsParams(json=SCHEMA), "max_tokens": 48}
-    return SamplingParams(**kw)
-
-
 def _mix(seed: int):
     rng = random.Random(seed)
-    kinds = ["stop"] + [rng.choice(KINDS) for _ in range(rng.randint(5, 9))]
-    reqs = [(rng.choice(PROMPTS), _params(rng, k, i)) for i, k in enumerate(kinds)]
-    knobs = {
-        "max_num_seqs": rng.choice([2, 4, 16]),
-        "max_num_batched_tokens": rng.choice([32, 256]),
-        "num_gpu_blocks_override": rng.choice([None, 24]),
-    }
-    return kinds, reqs, knobs
-
-
-def _close(a, b) -> bool:
-    if isinstance(a, float) and isinstance(b, float):
-        return abs(a - b) < 1e-4
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
-    return a == b
+    # Every mix has a stop-string request: the bug such runs found.
+    kinds, params = random_params(rng, rng.randint(6, 10), vocab_size=2048, first="stop")
+    reqs = [(rng.choice(PROMPTS), sp) for sp in params]
+    return kinds, reqs, random_knobs(rng, small_kv_blocks=24)
 
 
 def _run(reqs, knobs, spec=None, pp: int = 1):
@@ -135,32 +77,29 @@ def _run(reqs, knobs, spec=None, pp: int = 1):
     )
     try:
         outs = llm.generate([p for p, _ in reqs], [sp for _, sp in reqs], use_tqdm=False)
-        res = []
-        for o in outs:
-            plp = None
-            if o.prompt_logprobs is not None:
-                plp = [None if d is None else {t: v.logprob for t, v in d.items()}
-                       for d in o.prompt_logprobs]  # fmt: skip
-            for c in o.outputs:
-                lps = None
-                if c.logprobs is not None:
-                    lps = [{t: v.logprob for t, v in d.items()} for d in c.logprobs]
-                res.append((list(c.token_ids), c.text, c.finish_reason, c.stop_reason, lps, plp))
-        return res, spec_decode_counts(llm)
+        return outputs(outs), spec_decode_counts(llm)
     finally:
         llm.shutdown()
 
 
-@pytest.mark.parametrize(("seed", "pp"), [(1, 1), (2, 1), (3, 1), (4, 2)])
+# (seed, P): mixes that between them hold every kind of request (the test below); in 19, 21
+# and 13 a stop string ends a request inside a step (they failed on that bug).
+MIXES = [(19, 1), (21, 1), (6, 1), (13, 2)]
+
+
+def test_the_mixes_cover_every_kind():
+    assert set().union(*(_mix(seed)[0] for seed, _ in MIXES)) == set(KINDS)
+
+
+@pytest.mark.parametrize(("seed", "pp"), MIXES)
 def test_mixed_batch_equals_no_speculation(seed, pp):
-    kinds, reqs, knobs = _mix(seed)
+    _, reqs, knobs = _mix(seed)
     ref, _ = _run(reqs, knobs)
     engines = ENGINES if pp == 1 else {k: ENGINES[k] for k in ("chain", "tree")}
     for name, spec in engines.items():
         got, counts = _run(reqs, knobs, spec, pp)
         assert len(got) == len(ref)
         for i, (r, g) in enumerate(zip(ref, got)):
-            assert _close(g, r), (name, i, r[:4], g[:4])
+            assert same_outputs(g, r), (name, i, r[:4], g[:4])
         if name in ("chain", "tree"):  # drafts are accepted: steps bring several tokens
             assert counts[2] > 0, name
-    assert len(set(kinds)) >= 4

@@ -294,7 +294,11 @@ class MTPSpeculator(AutoRegressiveSpeculator):
         n = feedback.shape[0]
         use_carry = ~found & (step < self.num_chained_layers) & ~db.new_req[rows.req]
         index = np.where(found, src, np.where(use_carry, n + rows.req, n + R))
-        carry = self._ensure_carry(feedback)[step - 1][torch.from_numpy(db.slots).to(self.device)]
+        if step < self.num_chained_layers:
+            slots = torch.from_numpy(db.slots).to(self.device)
+            carry = self._ensure_carry(feedback)[step - 1][slots]
+        else:  # past the chained layers nothing is carried (and the carry has no such row)
+            carry = feedback.new_zeros(R, *feedback.shape[1:])
         src_t = torch.cat([feedback, carry, feedback.new_zeros(1, *feedback.shape[1:])])
         return src_t[torch.from_numpy(index).to(self.device)]
 
