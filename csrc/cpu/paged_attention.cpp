@@ -131,15 +131,27 @@ inline void transpose16(__m512* r) {
 }
 #endif
 
-template <int D>
-inline void transpose_keys(float* __restrict kt, const float* __restrict kb, int64_t kstride,
+#if defined(__AVX512F__)
+// 16 cache values as fp32 (bf16 and fp16 widen exactly), straight from the cache.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is fp32's top half
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+template <int D, typename T>
+inline void transpose_keys(float* __restrict kt, const T* __restrict kb, int64_t kstride,
                            int64_t n_keys) {
 #if defined(__AVX512F__)
   static_assert(kChunk == 16);
   for (int c = 0; c < D; c += 16) {
     __m512 r[16];
     for (int64_t j = 0; j < 16; ++j)
-      r[j] = j < n_keys ? _mm512_loadu_ps(kb + j * kstride + c) : _mm512_setzero_ps();
+      r[j] = j < n_keys ? load16(kb + j * kstride + c) : _mm512_setzero_ps();
     transpose16(r);
     for (int t = 0; t < 16; ++t) _mm512_storeu_ps(kt + (c + t) * kChunk, r[t]);
   }
@@ -148,45 +160,101 @@ inline void transpose_keys(float* __restrict kt, const float* __restrict kb, int
 #endif
 }
 
-// Returns false when the row sees no key of the chunk (nothing changes).
-template <int D>
-inline bool attend_chunk(const float* __restrict qr, const float* __restrict kt,
-                         const float* __restrict vb, int64_t vstride, uint32_t vis,
-                         int64_t n_keys, float& m, float& l, float* __restrict acc) {
+// RB query rows of one query token (heads of one kv-head group: the same keys visible, mask
+// `vis`, `visible` of them) against up to kChunk keys of a block, head size D (a multiple of
+// 16). The keys were transposed once per chunk (kt[d * kChunk + j], shared by every query row
+// of the item) so that each row's kChunk scores are one vector of FMAs over d in four partial
+// sums; then each row's online softmax step, and acc += P V with every (row, 16 channels)
+// accumulator held in a register over the chunk's keys. The RB rows share every key and value
+// vector loaded and interleave their independent FMA chains (one row alone waits on its own
+// chain's latency); each row's arithmetic is the same whatever RB is (the same partial sums in
+// the same order, the same softmax step, the same FMAs over the keys in order), so a row's
+// result never depends on which rows share its tile. A row that sees none of the chunk's keys
+// keeps m, l and acc as they were.
+template <int D, int RB, typename T>
+inline void attend_rows(const float* __restrict qr, int64_t qstride, const float* __restrict kt,
+                        const T* __restrict vb, int64_t vstride, uint32_t vis,
+                        int64_t visible, float* __restrict m, float* __restrict l,
+                        float* __restrict acc, int64_t astride) {
   static_assert(D % 16 == 0 && D >= 16, "head size");
-  static_assert(kChunk == 16);
+  static_assert(kChunk == 16 && RB >= 1 && RB <= 4);
 #if defined(__AVX512F__)
-  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  __m512 s[RB][4];
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r) s[r][0] = s[r][1] = s[r][2] = s[r][3] = _mm512_setzero_ps();
   for (int d = 0; d < D; d += 4) {
-    s0 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), _mm512_loadu_ps(kt + d * kChunk), s0);
-    s1 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 1]), _mm512_loadu_ps(kt + (d + 1) * kChunk), s1);
-    s2 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 2]), _mm512_loadu_ps(kt + (d + 2) * kChunk), s2);
-    s3 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 3]), _mm512_loadu_ps(kt + (d + 3) * kChunk), s3);
+    __m512 k0 = _mm512_loadu_ps(kt + d * kChunk);
+    __m512 k1 = _mm512_loadu_ps(kt + (d + 1) * kChunk);
+    __m512 k2 = _mm512_loadu_ps(kt + (d + 2) * kChunk);
+    __m512 k3 = _mm512_loadu_ps(kt + (d + 3) * kChunk);
+    // In registers, so that each row's q[d] is an embedded broadcast of its FMA (GCC would
+    // otherwise fold these loads into every FMA and broadcast q[d] on the FP pipes).
+    asm("" : "+v"(k0), "+v"(k1), "+v"(k2), "+v"(k3));
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
+      const float* q = qr + r * qstride + d;
+      s[r][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[0]), k0, s[r][0]);
+      s[r][1] = _mm512_fmadd_ps(_mm512_set1_ps(q[1]), k1, s[r][1]);
+      s[r][2] = _mm512_fmadd_ps(_mm512_set1_ps(q[2]), k2, s[r][2]);
+      s[r][3] = _mm512_fmadd_ps(_mm512_set1_ps(q[3]), k3, s[r][3]);
+    }
   }
   const __mmask16 vm = static_cast<__mmask16>(vis);
   const __m512 ninf = _mm512_set1_ps(kNegInf);
-  const __m512 sum4 = _mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3));
-  const __m512 sc = _mm512_mask_mov_ps(ninf, vm, sum4);
-  const float bmax = _mm512_reduce_max_ps(sc);
-  if (bmax == kNegInf) return false;
-  const float m_new = std::max(m, bmax);
-  const float alpha = m == kNegInf ? 0.f : std::exp(m - m_new);
-  m = m_new;
-  alignas(64) float pr[kChunk];
-  const __m512 pv = exp_nonpos16(_mm512_sub_ps(sc, _mm512_set1_ps(m_new)));
-  _mm512_store_ps(pr, pv);
-  l = l * alpha + _mm512_reduce_add_ps(pv);
-  for (int c = 0; c < D; c += 16) {
-    __m512 a = _mm512_loadu_ps(acc + c);
-    if (alpha != 1.f) a = _mm512_mul_ps(a, _mm512_set1_ps(alpha));
-    for (int64_t j = 0; j < n_keys; ++j)
-      a = _mm512_fmadd_ps(_mm512_set1_ps(pr[j]), _mm512_loadu_ps(vb + j * vstride + c), a);
-    _mm512_storeu_ps(acc + c, a);
+  alignas(64) float pr[RB][kChunk];
+  float alpha[RB];
+  bool live[RB];
+#pragma GCC unroll 4
+  for (int r = 0; r < RB; ++r) {
+    const __m512 sum4 =
+        _mm512_add_ps(_mm512_add_ps(s[r][0], s[r][1]), _mm512_add_ps(s[r][2], s[r][3]));
+    const __m512 sc = _mm512_mask_mov_ps(ninf, vm, sum4);
+    const float bmax = _mm512_reduce_max_ps(sc);
+    live[r] = bmax != kNegInf;
+    alpha[r] = 1.f;
+    if (!live[r]) {
+      _mm512_store_ps(pr[r], _mm512_setzero_ps());
+      continue;
+    }
+    const float m_new = std::max(m[r], bmax);
+    alpha[r] = m[r] == kNegInf ? 0.f : std::exp(m[r] - m_new);
+    m[r] = m_new;
+    const __m512 pv = exp_nonpos16(_mm512_sub_ps(sc, _mm512_set1_ps(m_new)));
+    _mm512_store_ps(pr[r], pv);
+    l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(pv);
   }
-  return true;
+  // acc += P V, CB blocks of 16 channels at a time (RB x CB accumulators in registers). A row
+  // that sees nothing has P = 0 and alpha = 1: its accumulators come back unchanged.
+  constexpr int CB = std::min(D / 16, 16 / RB);
+  for (int c = 0; c < D; c += CB * 16) {
+    __m512 a[RB][CB];
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
+#pragma GCC unroll 16
+      for (int b = 0; b < CB; ++b) {
+        a[r][b] = _mm512_loadu_ps(acc + r * astride + c + b * 16);
+        if (alpha[r] != 1.f) a[r][b] = _mm512_mul_ps(a[r][b], _mm512_set1_ps(alpha[r]));
+      }
+    }
+    for (int64_t j = 0; j < visible; ++j) {
+      __m512 v[CB];
+#pragma GCC unroll 16
+      for (int b = 0; b < CB; ++b) v[b] = load16(vb + j * vstride + c + b * 16);
+#pragma GCC unroll 4
+      for (int r = 0; r < RB; ++r) {
+        const __m512 p = _mm512_set1_ps(pr[r][j]);
+#pragma GCC unroll 16
+        for (int b = 0; b < CB; ++b) a[r][b] = _mm512_fmadd_ps(p, v[b], a[r][b]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < RB; ++r) {
+#pragma GCC unroll 16
+      for (int b = 0; b < CB; ++b) _mm512_storeu_ps(acc + r * astride + c + b * 16, a[r][b]);
+    }
+  }
 #else
   TORCH_CHECK(false, "paged_attention: the chunked path is built for AVX512 only");
-  return true;
 #endif
 }
 
@@ -290,21 +358,12 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
         const int64_t n_keys = std::min(block_size, ctx + q_len - first);
         if (n_keys <= 0) break;
         const int64_t slot0 = table[b] * block_size;
-        const float *kb, *vb;
-        int64_t kstride, vstride;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          kb = kp + slot0 * ks0 + hk * ks1, kstride = ks0;  // read in place
-          vb = vp + slot0 * vs0 + hk * vs1, vstride = vs0;
-        } else {
-          for (int64_t j = 0; j < n_keys; ++j) {
-            load_row(&kbuf[j * Dk], kp + (slot0 + j) * ks0 + hk * ks1, Dk);
-            load_row(&vbuf[j * Dv], vp + (slot0 + j) * vs0 + hk * vs1, Dv);
-          }
-          kb = kbuf.data(), kstride = Dk;
-          vb = vbuf.data(), vstride = Dv;
-        }
         if constexpr (D > 0) {
-          // Chunks of kChunk keys: transposed once, then every query row of the item.
+          // Chunks of kChunk keys, read from the cache in its dtype (widened in registers):
+          // transposed once, then every query row of the item.
+          const scalar_t* kb = kp + slot0 * ks0 + hk * ks1;
+          const scalar_t* vb = vp + slot0 * vs0 + hk * vs1;
+          const int64_t kstride = ks0, vstride = vs0;
           for (int64_t c0 = 0; c0 < n_keys; c0 += kChunk) {
             const int64_t nk = std::min(kChunk, n_keys - c0);
             if (ctx + q_len - 1 < first + c0) break;  // no row sees this chunk (causal)
@@ -318,14 +377,45 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                 const int64_t p = first + c0 + j;
                 vis |= static_cast<uint32_t>(bits == nullptr || p < ctx || bits[p - ctx]) << j;
               }
-              for (int64_t g = 0; g < G; ++g) {
-                const int64_t row = i * G + g;
-                attend_chunk<D>(&qbuf[row * Dk], kt.data(), vb + c0 * vstride, vstride, vis,
-                                visible, m[row], l[row], &acc[row * Dv]);
+              // The group's heads of token i, up to 4 rows per tile.
+              for (int64_t g0 = 0; g0 < G; g0 += 4) {
+                const int64_t row = i * G + g0;
+                auto tile = [&](auto rb) {
+                  attend_rows<D, decltype(rb)::value, scalar_t>(&qbuf[row * Dk], Dk, kt.data(),
+                                                      vb + c0 * vstride, vstride, vis, visible,
+                                                      &m[row], &l[row], &acc[row * Dv], Dv);
+                };
+                switch (std::min<int64_t>(G - g0, 4)) {
+                  case 1:
+                    tile(std::integral_constant<int, 1>{});
+                    break;
+                  case 2:
+                    tile(std::integral_constant<int, 2>{});
+                    break;
+                  case 3:
+                    tile(std::integral_constant<int, 3>{});
+                    break;
+                  default:
+                    tile(std::integral_constant<int, 4>{});
+                }
               }
             }
           }
           continue;
+        }
+        // The generic path: the block's keys and values as fp32 rows.
+        const float *kb, *vb;
+        int64_t kstride, vstride;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          kb = kp + slot0 * ks0 + hk * ks1, kstride = ks0;  // read in place
+          vb = vp + slot0 * vs0 + hk * vs1, vstride = vs0;
+        } else {
+          for (int64_t j = 0; j < n_keys; ++j) {
+            load_row(&kbuf[j * Dk], kp + (slot0 + j) * ks0 + hk * ks1, Dk);
+            load_row(&vbuf[j * Dv], vp + (slot0 + j) * vs0 + hk * vs1, Dv);
+          }
+          kb = kbuf.data(), kstride = Dk;
+          vb = vbuf.data(), vstride = Dv;
         }
         for (int64_t i = 0; i < q_len; ++i) {
           const int64_t visible = std::min(n_keys, ctx + i + 1 - first);

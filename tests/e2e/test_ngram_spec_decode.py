@@ -145,21 +145,24 @@ def test_acceptance_is_exactly_the_simulated_one(runs, bigram):
     assert list(counts[3]) == sim[3]
 
 
-def test_repetitive_prompt_accepts_every_draft(bigram):
-    """A bigram target fed a cycle of its own greedy map continues the cycle: once the prompt
-    holds one period, every draft is accepted (acceptance known in closed form: K per step)."""
+def _cycle_prompt(bigram) -> tuple[list[int], list[int]]:
+    """The cycle the bigram target's greedy orbit of token 5 enters (the greedy map is
+    deterministic), and a prompt of whole periods of it (at least 2, at least 6 tokens)."""
     first, _ = _run(bigram, [[5]], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     seq = [5] + first[0]
-    # The greedy map is deterministic: find the cycle the orbit of 5 enters.
     seen: dict[int, int] = {}
     for i, t in enumerate(seq):
         if t in seen:
             cycle = seq[seen[t] : i]
-            break
+            return cycle, cycle * max(2, -(-6 // len(cycle)))
         seen[t] = i
-    else:
-        pytest.skip("no cycle within 64 tokens")
-    prompt = cycle * max(2, -(-6 // len(cycle)))
+    pytest.skip("no cycle within 64 tokens")
+
+
+def test_repetitive_prompt_accepts_every_draft(bigram):
+    """A bigram target fed a cycle of its own greedy map continues the cycle: once the prompt
+    holds one period, every draft is accepted (acceptance known in closed form: K per step)."""
+    cycle, prompt = _cycle_prompt(bigram)
     sp = SamplingParams(temperature=0, max_tokens=4 * (K + 1) + 1, ignore_eos=True)
     out, counts = _run(bigram, [prompt], sp, NGRAM)
     assert out[0] == [cycle[i % len(cycle)] for i in range(len(out[0]))]
@@ -175,17 +178,7 @@ def test_stop_string_inside_accepted_drafts(bigram):
     tokens), text, logprobs and finish reason. The repetitive prompt accepts every draft, so a
     step brings K + 1 tokens and the stops (each output token's text, in turn) fall at every
     place inside a step."""
-    first, _ = _run(bigram, [[5]], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
-    seq = [5] + first[0]
-    seen: dict[int, int] = {}
-    for i, t in enumerate(seq):
-        if t in seen:
-            cycle = seq[seen[t] : i]
-            break
-        seen[t] = i
-    else:
-        pytest.skip("no cycle within 64 tokens")
-    prompt = cycle * max(2, -(-6 // len(cycle)))
+    _, prompt = _cycle_prompt(bigram)
     llm = LLM(model=bigram, **COMMON)
     try:
         tok = llm.get_tokenizer()

@@ -53,6 +53,24 @@ def test_rms_norm_matches_torch(dtype, shape):
     assert torch.equal(x, x0) and torch.equal(res, r0)  # inputs untouched (EAGLE3 taps keep them)
 
 
+def test_bf16_residual_sum_rounds_as_torch_at_ties_and_specials():
+    """The kernel rounds fp32 to bf16 with integer arithmetic (it vectorizes; c10's conversion
+    does not): sums landing exactly half-way between two bf16 values (ties to even, both
+    ways), overflow to inf, subnormals and signed zeros round bit for bit as torch's bf16
+    add, and NaN stays NaN."""
+    lo = torch.tensor([1.0, 1.0078125, 256.0, -1.0, 3e38, 1e-39, 0.0, -0.0, float("nan")])
+    # Half an ulp of bf16 at each value (exactly representable in bf16 here: powers of two).
+    half = torch.tensor([2**-8, 2**-8, 1.0, -(2**-8), 3e38, 1e-41, -0.0, -0.0, 1.0])
+    x = lo.to(torch.bfloat16).repeat(64)[:576].reshape(1, 576)
+    res = half.to(torch.bfloat16).repeat(64)[:576].reshape(1, 576)
+    w = torch.ones(576, dtype=torch.bfloat16)
+    _, s = ops.add_rms_norm(x, res, w, 1e-5)
+    ref = x + res
+    nan = ref.isnan()  # (torch's own NaN bits differ between its scalar and vector paths)
+    assert torch.equal(s.isnan(), nan) and nan.any()
+    assert torch.equal(s.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "head_size,rotary_dim,neox,heads_q,heads_k",

@@ -114,6 +114,34 @@ def test_kernel_matches_brute_force(case, heads, dtype):
         torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", ["mha", "gqa3", "mqa", "gqa2_d128", "gqa8"])
+def test_a_row_is_bit_identical_whatever_shares_its_call(heads, dtype):
+    """Lossless speculation rests on this: a query token's output is the same bits whether it
+    is decoded alone (q_len 1), verified among a request's other new tokens (q_len M), or
+    computed beside other requests. The kernel tiles a kv group's heads together; each head's
+    arithmetic must not depend on its tile-mates or on the rows around it (key splits fixed:
+    the automatic split follows the batch, so is not part of this guarantee)."""
+    H, Hkv, Dk, Dv = (16, 2, 64, 64) if heads == "gqa8" else HEADS[heads]
+    M, ctx, other = 6, 37, (3, 90)  # a verify of M tokens; another request beside it
+    q_lens = [M, other[0]]
+    qsl, sl, table, slots = _layout(q_lens, [ctx + M, other[1]], seed=7)
+    q, k, v = _tensors(int(qsl[-1]), H, Hkv, Dk, Dv, slots, dtype, False, seed=8)
+    scale = Dk**-0.5
+    together = torch.empty(len(q), H, Dv, dtype=dtype)
+    meta = [torch.from_numpy(a) for a in (table, sl, qsl)]
+    ops.paged_attention(together, q, k, v, *meta, torch.arange(2), BLOCK, scale, 1)
+    for i in range(M):  # token i of request 0 decoded alone: q_len 1 at its own position
+        one = torch.empty(1, H, Dv, dtype=dtype)
+        alone = [torch.from_numpy(table[:1]), torch.tensor([ctx + i + 1]), torch.tensor([0, 1])]
+        ops.paged_attention(one, q[i : i + 1], k, v, *alone, torch.arange(1), BLOCK, scale, 1)
+        assert torch.equal(one[0], together[i]), f"token {i} differs decoded alone"
+    first = torch.empty(M, H, Dv, dtype=dtype)  # request 0's verify without the other request
+    alone = [torch.from_numpy(table[:1]), torch.from_numpy(sl[:1]), torch.tensor([0, M])]
+    ops.paged_attention(first, q[:M], k, v, *alone, torch.arange(1), BLOCK, scale, 1)
+    assert torch.equal(first, together[:M])
+
+
 def test_kernel_computes_only_the_given_rows():
     qsl, sl, table, slots = _layout([1, 3, 1], [20, 9, 70])
     q, k, v = _tensors(int(qsl[-1]), 8, 2, 16, 16, slots, torch.float32, False)
