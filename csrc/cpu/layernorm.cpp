@@ -15,42 +15,13 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <tuple>
 #include <vector>
 
+#include "elem.h"
 #include "ops.h"
 
 namespace {
-
-// Element storage and conversions to and from fp32 that vectorize: bf16 is handled as its
-// uint16 bits, rounded as c10::BFloat16 rounds (to nearest even, NaN -> 0x7FC0) but written as
-// the integer arithmetic it is, which GCC turns into vector code where the c10 conversion
-// stays scalar (several times slower per element in a bf16 forward). Bit for bit the same
-// results.
-template <typename T>
-struct Elem {
-  using S = T;
-  static float load(S v) { return static_cast<float>(v); }
-  static S store(float f) { return static_cast<S>(f); }
-};
-template <>
-struct Elem<c10::BFloat16> {
-  using S = uint16_t;
-  static float load(S v) {
-    const uint32_t u = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-  }
-  static S store(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, sizeof u);
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return static_cast<S>(f != f ? 0x7FC0u : rounded);
-  }
-};
 
 // Rows of x are x_stride apart (a 2-D view with contiguous rows, e.g. a column slice); out,
 // sum_out and res are contiguous.
@@ -58,7 +29,7 @@ template <typename T>
 __attribute__((optimize("fp-contract=off"))) void norm_rows(
     T* out_t, T* sum_out_t, const T* x_t, int64_t x_stride, const T* res_t, const T* w_t,
     int64_t rows, int64_t d, float eps) {
-  using E = Elem<T>;
+  using E = vllm_cpu::Elem<T>;
   using S = typename E::S;
   static_assert(sizeof(S) == sizeof(T));
   S* out = reinterpret_cast<S*>(out_t);

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <tuple>
 
+#include "elem.h"
 #include "ops.h"
 
 namespace {
@@ -24,9 +25,13 @@ namespace {
 // written contiguous.
 template <typename T>
 __attribute__((optimize("fp-contract=off"))) void rotate(
-    T* out, const T* x, int64_t tokens, int64_t heads, int64_t head_size, int64_t token_stride,
-    int64_t head_stride, int64_t rot, const float* cos, const float* sin, const int64_t* pos,
-    int64_t cache_stride, bool neox) {
+    T* out_t, const T* x_t, int64_t tokens, int64_t heads, int64_t head_size,
+    int64_t token_stride, int64_t head_stride, int64_t rot, const float* cos, const float* sin,
+    const int64_t* pos, int64_t cache_stride, bool neox) {
+  using E = vllm_cpu::Elem<T>;  // bf16 as its bits: conversions that vectorize (elem.h)
+  using S = typename E::S;
+  S* out = reinterpret_cast<S*>(out_t);
+  const S* x = reinterpret_cast<const S*>(x_t);
   const int64_t half = rot / 2;
   // Chunks of at least ~32K elements (see layernorm.cpp).
   const int64_t grain = std::max<int64_t>(16, 32768 / std::max<int64_t>(heads * head_size, 1));
@@ -35,20 +40,20 @@ __attribute__((optimize("fp-contract=off"))) void rotate(
       const float* c = cos + pos[t] * cache_stride;
       const float* s = sin + pos[t] * cache_stride;
       for (int64_t h = 0; h < heads; ++h) {
-        const T* xr = x + t * token_stride + h * head_stride;
-        T* o = out + (t * heads + h) * head_size;
+        const S* xr = x + t * token_stride + h * head_stride;
+        S* o = out + (t * heads + h) * head_size;
         if (neox) {
 #pragma omp simd
           for (int64_t i = 0; i < half; ++i) {
-            const float x1 = static_cast<float>(xr[i]), x2 = static_cast<float>(xr[i + half]);
-            o[i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
-            o[i + half] = static_cast<T>(x2 * c[i] + x1 * s[i]);
+            const float x1 = E::load(xr[i]), x2 = E::load(xr[i + half]);
+            o[i] = E::store(x1 * c[i] - x2 * s[i]);
+            o[i + half] = E::store(x2 * c[i] + x1 * s[i]);
           }
         } else {
           for (int64_t i = 0; i < half; ++i) {
-            const float x1 = static_cast<float>(xr[2 * i]), x2 = static_cast<float>(xr[2 * i + 1]);
-            o[2 * i] = static_cast<T>(x1 * c[i] - x2 * s[i]);
-            o[2 * i + 1] = static_cast<T>(x2 * c[i] + x1 * s[i]);
+            const float x1 = E::load(xr[2 * i]), x2 = E::load(xr[2 * i + 1]);
+            o[2 * i] = E::store(x1 * c[i] - x2 * s[i]);
+            o[2 * i + 1] = E::store(x2 * c[i] + x1 * s[i]);
           }
         }
         for (int64_t i = rot; i < head_size; ++i) o[i] = xr[i];
