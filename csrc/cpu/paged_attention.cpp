@@ -305,12 +305,22 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
   }
   int64_t bps = blocks_per_split;
   if (bps <= 0) {
-    const int64_t want_items = 4 * static_cast<int64_t>(at::get_num_threads());
+    const int64_t threads = static_cast<int64_t>(at::get_num_threads());
     const int64_t items_now = std::max<int64_t>(num_rows * Hkv, 1);
     const int64_t per_row = std::max<int64_t>(total_blocks / std::max<int64_t>(num_rows, 1), 1);
-    const int64_t nsplit = std::max<int64_t>((want_items + items_now - 1) / items_now, 1);
-    // At least 8 blocks per split: merging partials (and a parallel region) is not free.
-    bps = std::max<int64_t>((per_row + nsplit - 1) / nsplit, 8);
+    // Split while there are fewer than ~4 items per thread, into parts of at least
+    // kMinSplitBlocks blocks: merging partials takes a second parallel region, which costs
+    // more than it saves below ~400 keys a part (2 threads, SmolLM2's heads: a decode or a
+    // 4-token verify at 160-300 keys ran 20-50% slower split in 8-block parts). Then an item
+    // count the threads share evenly (3 kv heads on 2 threads: 2 parts each, not 3).
+    constexpr int64_t kMinSplitBlocks = 24;
+    int64_t nsplit = 1;
+    if (threads > 1 && items_now < 4 * threads) {
+      nsplit = std::min((4 * threads + items_now - 1) / items_now, per_row / kMinSplitBlocks);
+      while (nsplit > 1 && (items_now * nsplit) % threads != 0) --nsplit;
+      nsplit = std::max<int64_t>(nsplit, 1);
+    }
+    bps = (per_row + nsplit - 1) / nsplit;
   }
   int64_t num_parts = 0;
   for (int64_t i = 0; i < num_rows; ++i) {
