@@ -203,19 +203,19 @@ inline void attend_rows(const float* __restrict qr, int64_t qstride, const float
   const __m512 ninf = _mm512_set1_ps(kNegInf);
   alignas(64) float pr[RB][kChunk];
   float alpha[RB];
-  bool live[RB];
+  bool any_live = false;
 #pragma GCC unroll 4
   for (int r = 0; r < RB; ++r) {
     const __m512 sum4 =
         _mm512_add_ps(_mm512_add_ps(s[r][0], s[r][1]), _mm512_add_ps(s[r][2], s[r][3]));
     const __m512 sc = _mm512_mask_mov_ps(ninf, vm, sum4);
     const float bmax = _mm512_reduce_max_ps(sc);
-    live[r] = bmax != kNegInf;
     alpha[r] = 1.f;
-    if (!live[r]) {
+    if (bmax == kNegInf) {
       _mm512_store_ps(pr[r], _mm512_setzero_ps());
       continue;
     }
+    any_live = true;
     const float m_new = std::max(m[r], bmax);
     alpha[r] = m[r] == kNegInf ? 0.f : std::exp(m[r] - m_new);
     m[r] = m_new;
@@ -223,8 +223,10 @@ inline void attend_rows(const float* __restrict qr, int64_t qstride, const float
     _mm512_store_ps(pr[r], pv);
     l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(pv);
   }
+  // The tile's rows share one mask, so they see keys of this chunk all or none.
+  if (!any_live) return;
   // acc += P V, CB blocks of 16 channels at a time (RB x CB accumulators in registers). A row
-  // that sees nothing has P = 0 and alpha = 1: its accumulators come back unchanged.
+  // that saw nothing would have P = 0 and alpha = 1: its accumulators come back unchanged.
   constexpr int CB = std::min(D / 16, 16 / RB);
   for (int c = 0; c < D; c += CB * 16) {
     __m512 a[RB][CB];
