@@ -27,6 +27,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "elem.h"
 #include "ops.h"
 
 #if defined(__AVX512F__)
@@ -54,16 +55,21 @@ inline void scale_in_place(float* __restrict y, float a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] *= a;
 }
 
+// Rows to and from fp32 through elem.h's conversions (bf16 as its bits: they vectorize).
 template <typename T>
 inline void load_row(float* __restrict dst, const T* __restrict src, int64_t n) {
+  using E = vllm_cpu::Elem<T>;
+  const auto* s = reinterpret_cast<const typename E::S*>(src);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+  for (int64_t i = 0; i < n; ++i) dst[i] = E::load(s[i]);
 }
 
 template <typename T>
 inline void store_row(T* __restrict dst, const float* __restrict src, float mul, int64_t n) {
+  using E = vllm_cpu::Elem<T>;
+  auto* d = reinterpret_cast<typename E::S*>(dst);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i] * mul);
+  for (int64_t i = 0; i < n; ++i) d[i] = E::store(src[i] * mul);
 }
 
 #if defined(__AVX512F__)
@@ -344,8 +350,11 @@ void run(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
 
   const int64_t num_items = static_cast<int64_t>(splits.size()) * Hkv;
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qbuf, acc, m, l, kbuf(block_size * Dk), vbuf(block_size * Dv),
-        scores(block_size), kt(D > 0 ? D * kChunk : 0);
+    // Scratch of the chunked path (kt) or of the generic one (scores; kbuf / vbuf: a block
+    // converted to fp32).
+    std::vector<float> qbuf, acc, m, l, kt(D > 0 ? D * kChunk : 0);
+    std::vector<float> kbuf(D > 0 ? 0 : block_size * Dk), vbuf(D > 0 ? 0 : block_size * Dv),
+        scores(D > 0 ? 0 : block_size);
     for (int64_t item = begin; item < end; ++item) {
       const Split& sp = splits[item / Hkv];
       const int64_t hk = item % Hkv;
