@@ -24,6 +24,8 @@ An engine named NAME-f32w is NAME with the head's weights widened to fp32 at loa
 the engine kept a bf16 head's linear weights in bf16 under an fp32 target): the same drafts,
 twice the weight bytes - the paired reference for that change. NAME-nodefer is NAME with the
 draft's first pass run every step, also while no request drafts (before the deferral).
+NAME-pos is an adaptive EAGLE3 chain shaped by per-position acceptance averages instead of the
+drafts' own confidence (adaptive_draft_confidence off: the shape before it).
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ def spec_of(name: str, alt_head: str | None = None, method: str = "eagle3") -> d
         return None
     head = str(SMOLLM2_EAGLE3_DIR)
     name = name.removesuffix("-f32w").removesuffix("-nodefer")
+    # NAME-pos: the adaptive chain by per-position averages, not the drafts' confidence.
+    by_confidence = not name.endswith("-pos")
+    name = name.removesuffix("-pos")
     if name.endswith("-alt"):
         if alt_head is None:
             raise SystemExit(f"engine {name!r} needs --alt-head")
@@ -71,6 +76,7 @@ def spec_of(name: str, alt_head: str | None = None, method: str = "eagle3") -> d
     name = name[:-1] if adaptive else name
     base = {"method": "eagle3", "model": head} if method == "eagle3" else {"method": method}
     base["adaptive_num_speculative_tokens"] = adaptive
+    base["adaptive_draft_confidence"] = by_confidence
     if name.startswith("chain"):
         return {**base, "num_speculative_tokens": int(name[5:])}
     if name in TREES:

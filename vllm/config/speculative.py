@@ -41,6 +41,7 @@ _SPEC_KEYS = {
     "prompt_lookup_max",
     "num_speculative_tokens_per_batch_size",
     "adaptive_num_speculative_tokens",
+    "adaptive_draft_confidence",
     "suffix_decoding_max_tree_depth",
     "suffix_decoding_max_cached_requests",
     "suffix_decoding_max_spec_factor",
@@ -146,6 +147,9 @@ class SpeculativeConfig:
     """Choose each request's K every step from its measured acceptance per position and the
     step cost measured at start-up, down to 0 when drafting does not pay (probed again
     later); never above the batch-size schedule. Output does not depend on it."""
+    adaptive_draft_confidence: bool = True
+    """Adaptive EAGLE / EAGLE3 chains: shape each step by the draft's own confidence in its
+    drafts, calibrated online (core/sched/draft_confidence.py). Output does not depend on it."""
     speculative_token_tree: str | None = None
     """A static draft tree: vLLM's list of paths of child ranks (config/spec_tree.py)."""
     tree_top_k: int | None = None
@@ -190,6 +194,7 @@ class SpeculativeConfig:
             "prompt_lookup_max",
             "num_speculative_tokens_per_batch_size",
             "adaptive_num_speculative_tokens",
+            "adaptive_draft_confidence",
             *_SUFFIX_KEYS,
             "grammar_aware_drafting",
             *_HYBRID_KEYS,
@@ -233,6 +238,11 @@ class SpeculativeConfig:
             raise ValueError(
                 "speculative_config.method 'jump_forward' drafts through the grammar: "
                 "grammar_aware_drafting must stay true"
+            )
+        if not isinstance(self.adaptive_draft_confidence, bool):
+            raise ValueError(
+                "speculative_config.adaptive_draft_confidence must be true or false, got "
+                f"{self.adaptive_draft_confidence!r}"
             )
         if not isinstance(self.adaptive_num_speculative_tokens, bool):
             raise ValueError(

@@ -26,6 +26,9 @@ class ModelRunnerOutput:
     num_draft_tokens: list[int] | None = None
     """Per request: how many drafts it proposed for the next step (up to its first padding
     entry); the worker keeps their values. None: no speculation."""
+    draft_confidences: list[list[float]] | None = None
+    """adaptive_draft_confidence: per request, the running product of the draft's
+    probabilities of its drafts (one per draft); None: not reported."""
     draft_proposers: list[str] | None = None
     """Per request: which proposer drafted them (hybrid, jump-forward)."""
     accepted_tree_nodes: list[list[int]] | None = None

@@ -211,6 +211,8 @@ def test_a_draft_pass_is_priced_at_the_requests_it_runs():
         tokens=[1, 64], verify_s=[1.0, 1.3], batch_sizes=[1, 16], draft_step_s=[0.01, 0.5]
     )
     eagle3 = {"method": "eagle3", "model": "draft", "num_speculative_tokens": 3}
+    # The per-position estimate (the draft's confidence, when on, shapes EAGLE3 chains instead).
+    eagle3["adaptive_draft_confidence"] = False
     per_row = SpecKPolicy(SpeculativeConfig.from_dict(eagle3), costs)
     whole = SpecKPolicy(SpeculativeConfig(method="ngram", num_speculative_tokens=3), costs)
     assert draft_rows_per_request(per_row.spec) and not draft_rows_per_request(whole.spec)

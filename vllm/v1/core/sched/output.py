@@ -62,6 +62,9 @@ class SchedulerOutput:
     """The drafts each request of this step verifies next step (a draft model drafts only
     those rows that deep; a one-layer EAGLE draft puts its first pass off while every count
     is 0); None: num_draft_steps for every request (a count forced on all, never deferring)."""
+    draft_confidence_floor: tuple[float, float] | None = None
+    """adaptive_draft_confidence: (the confidence a request's next draft must promise, the sum
+    a draft pass must promise) - DraftConfidence.floor in core/sched/draft_confidence.py."""
     state_checkpoint_saves: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     """Hybrid models with prefix caching: per request, (tokens, checkpoint id) of the
     linear-attention states this step saves, the state after that many of its tokens."""

@@ -253,6 +253,8 @@ class Scheduler:
         # cuts drafts already proposed).
         est_bs = min(len(self.running) + len(self.waiting), cap, self.max_num_seqs)
         k_cap = self.spec_k.cap(max(est_bs, 1)) if self.spec_k is not None else 0
+        if self.spec_k is not None and self.spec_k.confidence is not None:
+            self.spec_k.confidence.shape(self.running, max(est_bs, 1))
         self.kv_cache_manager.checkpoints.new_step()
 
         i = 0
@@ -359,9 +361,10 @@ class Scheduler:
             num_prompt += max(0, min(c + n, req.num_prompt_tokens) - start)
             req.num_computed_tokens += n
             req.in_flight += 1
-        num_draft_steps = ks = None
+        num_draft_steps = ks = floor = None
         if self.spec_k is not None and num_scheduled:
             ks = self.spec_k.decide(list(num_scheduled), len(num_scheduled))
+            floor = self.spec_k.confidence_floor(len(num_scheduled))
             num_draft_steps = max(ks.values())
             if self.spec_k.force_k is not None:
                 # One count forced on every request (the start-up's step-cost measurement):
@@ -381,6 +384,7 @@ class Scheduler:
             num_prompt_tokens=num_prompt,
             num_draft_steps=num_draft_steps,
             req_draft_steps=ks,
+            draft_confidence_floor=floor,
             state_checkpoint_saves=saves,
             kv_block_copies=self.kv_cache_manager.take_block_copies(),
         )
@@ -422,7 +426,8 @@ class Scheduler:
                 if self.spec_k is not None:
                     paths = runner_out.accepted_tree_nodes
                     path = paths[idx] if paths is not None else None
-                    self.spec_k.observe(rid, drafts, num_accepted, path)
+                    greedy = req.sampling_params.temperature == 0.0
+                    self.spec_k.observe(rid, drafts, num_accepted, path, greedy)
                 if spec_stats is not None:
                     proposer = req.spec_proposer or self.default_proposer
                     spec_stats.observe_draft(drafts, num_accepted, proposer)
@@ -445,6 +450,9 @@ class Scheduler:
             elif runner_out.num_draft_tokens is not None and sampled:
                 k = self.spec_k.k_next(rid) if self.spec_k is not None else 0
                 req.num_drafts = min(runner_out.num_draft_tokens[idx], k)
+                if self.spec_k is not None and self.spec_k.confidence is not None:
+                    confs = runner_out.draft_confidences
+                    self.spec_k.confidence.on_drafts(rid, confs[idx] if confs else None)
                 props = runner_out.draft_proposers
                 req.spec_proposer = props[idx] if props is not None else ""
             if out.new_token_ids or out.finish_reason or out.prompt_logprobs:

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 from vllm.config import SpeculativeConfig
 from vllm.config.spec_tree import parse_token_tree, tree_parents
+from vllm.v1.core.sched.draft_confidence import DraftConfidence, uses_draft_confidence
 
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the engine-wide estimate in a request's
 DECAY = 0.95  # weight of older observations per new one (acceptance drifts with the text)
@@ -235,6 +236,12 @@ class SpecKPolicy:
         self._structure = static_tree_structure(self.spec)
         """A static tree's (parent, same-rank root child) per node, for the prior of nodes
         not observed yet (None: a chain or a dynamic tree)."""
+        self.confidence: DraftConfidence | None = None
+        """adaptive_draft_confidence: the drafts' own confidence shapes each step within the K
+        chosen here (the worker stops drafting a request early, the scheduler verifies what
+        pays)."""
+        if self.costs is not None and uses_draft_confidence(self.spec):
+            self.confidence = DraftConfidence(self.costs)
 
     @property
     def adaptive(self) -> bool:
@@ -249,6 +256,12 @@ class SpecKPolicy:
 
     def forget(self, req_id: str) -> None:
         self._reqs.pop(req_id, None)
+        if self.confidence is not None:
+            self.confidence.kept.pop(req_id, None)
+
+    def confidence_floor(self, batch_size: int) -> tuple[float, float] | None:
+        """What the worker's next draft pass must promise (DraftConfidence.floor)."""
+        return None if self.confidence is None else self.confidence.floor(batch_size)
 
     def _req(self, req_id: str) -> _ReqK:
         r = self._reqs.get(req_id)
@@ -257,10 +270,17 @@ class SpecKPolicy:
         return r
 
     def observe(
-        self, req_id: str, num_drafts: int, num_accepted: int, path: list[int] | None = None
+        self,
+        req_id: str,
+        num_drafts: int,
+        num_accepted: int,
+        path: list[int] | None = None,
+        greedy: bool = True,
     ) -> None:
         """One verify step's outcome for a request (num_drafts > 0); a tree's: the accepted
         path's node indices (None: the first num_accepted nodes, a chain in tree order)."""
+        if self.confidence is not None:
+            self.confidence.observe(req_id, num_drafts, num_accepted, greedy)
         if self.passes is None:
             self._req(req_id).stats.observe(num_drafts, num_accepted)
             self._global.observe(num_drafts, num_accepted)

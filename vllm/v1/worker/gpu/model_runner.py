@@ -290,7 +290,9 @@ class ModelRunner:
         req_steps = None
         if so.req_draft_steps is not None:
             req_steps = np.array([so.req_draft_steps.get(r, 0) for r in batch.req_ids], np.int64)
-        return self._sample_and_propose(batch, out, so.num_draft_steps, req_steps)
+        return self._sample_and_propose(
+            batch, out, so.num_draft_steps, req_steps, so.draft_confidence_floor
+        )
 
     def _not_in_recv_buffers(self, out: IntermediateTensors) -> IntermediateTensors:
         """What a middle stage sends on, none of it a view of its receive buffers: the send
@@ -310,6 +312,7 @@ class ModelRunner:
         out: torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]],
         num_draft_steps: int | None = None,
         req_draft_steps: np.ndarray | None = None,
+        confidence_floor: tuple[float, float] | None = None,
     ) -> ModelRunnerOutput:
         """Last stage: sample (verifying drafts), propose the next drafts (num_draft_steps: the
         most the scheduler verifies next step, None: K; req_draft_steps: per row), apply the
@@ -351,7 +354,7 @@ class ModelRunner:
         )
         num_rejected = np.where(num_sampled > 0, batch.num_draft_tokens_np + 1 - num_sampled, 0)
         result = StepResult(sampled, num_sampled, num_rejected, None)  # drafts: proposed below
-        proposers = None
+        proposers = confidences = None
         for f in self.features.after_accept:
             # Before drafting: the drafts follow the step's tokens in the grammar too.
             f.after_accept(slots, sampled, num_sampled)
@@ -370,6 +373,7 @@ class ModelRunner:
                     mm_embeds=self._draft_mm_embeds(batch),
                     num_draft_steps=num_draft_steps,
                     req_draft_steps=req_draft_steps,
+                    draft_confidence_floor=confidence_floor,
                     draft_grammar=forks,
                 )
             )
@@ -379,6 +383,8 @@ class ModelRunner:
             if grammar is not None:
                 grammar.constrain_drafts(drafts, slots, jump_forward=True, proposers=proposers)
                 grammar.num_masked_draft_rows += forks.num_masked_rows if forks else 0
+            valid = result.num_valid_drafts() or []
+            confidences = self.speculator.draft_confidences(valid, proposers)
         apply_step_result(st, result, np.where(batch.need_sample_np, slots, -1))
         for f in self.features.after_step:  # PP's broadcast, multimodal's release
             f.after_step(batch, result)
@@ -390,6 +396,7 @@ class ModelRunner:
             prompt_logprobs=prompt_lp,
             num_draft_tokens=result.num_valid_drafts(),
             draft_proposers=proposers,
+            draft_confidences=confidences,
             accepted_tree_nodes=tree_nodes,
         )
 

@@ -69,6 +69,9 @@ class ProposeInputs:
     num_draft_steps: int | None = None
     req_draft_steps: np.ndarray | None = None
     """[R] the drafts each row's request verifies next step (None: num_draft_steps for all)."""
+    draft_confidence_floor: tuple[float, float] | None = None
+    """adaptive_draft_confidence: what the next draft pass must promise, per request and in all
+    (SchedulerOutput.draft_confidence_floor)."""
     draft_grammar: DraftGrammar | None = None
     """Structured-output rows: forks of their grammar matchers; a draft model masks its
     choice at each draft position with them (grammar-aware drafting)."""
@@ -165,6 +168,14 @@ class BaseSpeculator(ABC):
     @abstractmethod
     def propose(self, inputs: ProposeInputs) -> np.ndarray:
         """Draft tokens [num_reqs, K] int64 for the rows of inputs.input_batch."""
+
+    def draft_confidences(
+        self, num_valid: list[int], proposers: list[str] | None
+    ) -> list[list[float]] | None:
+        """adaptive_draft_confidence: per batch row of the last propose(), the running product
+        of the draft's confidence in each of its valid drafts; None: not reported."""
+        rec = getattr(self, "confidence", None)
+        return None if rec is None else rec.report(num_valid, proposers)
 
     def row_proposers(self, method: str, num_rows: int) -> list[str]:
         """The proposer of each row's drafts from the last propose() (the metrics' label):

@@ -278,6 +278,8 @@ def no_drafts(spec: AutoRegressiveSpeculator, num_reqs: int) -> np.ndarray:
         parents = np.full((num_reqs, width), -1, dtype=np.int64)
         parents[:, 1:] = np.arange(width - 1)
         spec.tree_parents = parents
+    if spec.confidence is not None:
+        spec.confidence.begin(num_reqs)
     return np.full((num_reqs, width), PAD_TOKEN_ID, dtype=np.int64)
 
 
@@ -325,6 +327,8 @@ def propose_deferring(
     part_parents = spec.tree_parents
     drafts = no_drafts(spec, db.num_reqs)
     drafts[run] = got
+    if spec.confidence is not None:
+        spec.confidence.scatter(run, db.num_reqs)
     if spec.speculative_config.num_tree_nodes is not None:
         assert part_parents is not None and spec.tree_parents is not None
         spec.tree_parents[run] = part_parents

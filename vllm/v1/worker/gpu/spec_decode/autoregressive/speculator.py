@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,11 +26,14 @@ from vllm.forward_context import ALL_SHORT, ForwardContext, RowKinds
 from vllm.logger import init_logger
 from vllm.model_executor.models.draft import DraftModel
 from vllm.model_executor.models.interfaces import CombinesHiddenStates, TargetShares
-from vllm.v1.worker.gpu.sample.sampler import SamplingArrays
+from vllm.v1.core.sched.draft_confidence import uses_draft_confidence
+from vllm.v1.worker.gpu.spec_decode.autoregressive.capture import capture_verify_shape
+from vllm.v1.worker.gpu.spec_decode.autoregressive.confidence import DraftConfidenceRecorder
 from vllm.v1.worker.gpu.spec_decode.autoregressive.deferral import (
     FirstPassDeferral,
     propose_deferring,
 )
+from vllm.v1.worker.gpu.spec_decode.autoregressive.draft_batch import DraftBatch
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator, ProposeInputs
 from vllm.v1.worker.gpu.states import PAD_TOKEN_ID
 
@@ -39,54 +42,6 @@ if TYPE_CHECKING:
     from vllm.v1.worker.gpu.sample.structured_outputs import DraftGrammar
 
 logger = init_logger(__name__)
-
-
-@dataclass
-class DraftBatch:
-    """The target's step as the draft sees it (one entry per request unless noted)."""
-
-    slots: np.ndarray  # request-state slot (indexes a draft's per-request bookkeeping)
-    new_req: np.ndarray  # bool: the request entered its slot this step (nothing to carry)
-    start: np.ndarray  # first position the target computed this step
-    last: np.ndarray  # last valid (accepted) position
-    last_token_indices: np.ndarray  # flat row of `last` in the target layout
-    query_start_loc: np.ndarray  # [R + 1] the target layout
-    num_scheduled: np.ndarray  # rows of each request in the target layout
-    target_ids: np.ndarray  # [T] the target's input tokens
-    input_ids: np.ndarray  # [num_tokens_padded] step 0's tokens (target's, shifted left)
-    positions: np.ndarray  # [num_tokens_padded]
-    next_tokens: np.ndarray  # [R, L] known tokens after `last` (first: its next token)
-    num_known: np.ndarray  # known tokens of the sequence after this step
-    block_table: np.ndarray  # [R, max_blocks]
-    attn_metadata: AttentionMetadata  # the target's (step 0 reuses it)
-    sampling: SamplingArrays
-    # Step 0 rows whose input is an image placeholder, and the target's encoder outputs for
-    # them (only where the binding decided the draft gathers them).
-    mm_rows: np.ndarray | None = None
-    mm_embeds: torch.Tensor | None = None
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.slots)
-
-    def take(self, rows: np.ndarray) -> DraftBatch:
-        """These requests only, for the draft passes after the first: the per-request fields
-        sliced; the step's flat layout (query_start_loc, target_ids, input_ids, positions,
-        attn_metadata, the multimodal rows) stays the whole step's, and last_token_indices
-        still index it."""
-        return replace(
-            self,
-            slots=self.slots[rows],
-            new_req=self.new_req[rows],
-            start=self.start[rows],
-            last=self.last[rows],
-            last_token_indices=self.last_token_indices[rows],
-            num_scheduled=self.num_scheduled[rows],
-            next_tokens=self.next_tokens[rows],
-            num_known=self.num_known[rows],
-            block_table=self.block_table[rows],
-            sampling=self.sampling.take(rows),
-        )
 
 
 @dataclass
@@ -116,6 +71,11 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         # First-pass rows that read an image's encoder outputs (the multimodal gather), so far.
         self.num_mm_rows_gathered = 0
         self.deferral: FirstPassDeferral | None = None
+        self.confidence = (
+            DraftConfidenceRecorder(self.max_num_reqs, self.num_speculative_steps)
+            if uses_draft_confidence(self.speculative_config)
+            else None
+        )
 
     def on_draft_bound(self, draft: DraftModel, shares: TargetShares) -> None:
         if isinstance(draft, CombinesHiddenStates) and shares.aux_hidden_state_layers:
@@ -313,10 +273,11 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
     ) -> None:
         """Draft column `step` of `rows` from their logits (and their grammar forks advance)."""
         sampling = db.sampling if len(rows) == db.num_reqs else db.sampling.take(rows)
-        tok = self.agree(
-            self.sample_draft(self._masked(logits, rows), draft_pos[rows] + step, sampling)
-        )
+        masked = self._masked(logits, rows)
+        tok = self.agree(self.sample_draft(masked, draft_pos[rows] + step, sampling))
         drafts[rows, step] = tok.cpu().numpy()
+        if self.confidence is not None:
+            self.confidence.record(masked, step, rows)
         if self.draft_grammar is not None:
             self.draft_grammar.advance(drafts[rows, step], rows)
 
@@ -357,23 +318,35 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
         # min_draft_steps run) and samples those that report its draft or whose next step
         # reads it.
         every = np.arange(R)
-        run = [every if s < self.min_draft_steps else np.flatnonzero(ks > s) for s in range(steps)]
-        sample = [every[(ks > s) | (s + 1 < self.min_draft_steps)] for s in range(steps)]
+        mins, conf = self.min_draft_steps, self.confidence
+        if conf is not None:
+            conf.begin(R)
+
+        def run(s: int) -> np.ndarray:  # ks may shrink as the drafts' confidence falls
+            return every if s < mins else np.flatnonzero(ks > s)
+
+        def sample(s: int) -> np.ndarray:
+            return every[(ks > s) | (s + 1 < mins)]
+
         self._begin_draft(db)
         with self._hooked(self.on_prefill_begin, self.on_prefill_end, R):
             logits_h, feedback = self.run_step0(db, hidden_states)
-            if len(sample[0]):
-                at = lti[torch.from_numpy(sample[0]).to(dev)]
+            take, ran = sample(0), run(0)
+            if len(take):
+                at = lti[torch.from_numpy(take).to(dev)]
                 self._sample_step(
-                    self._compute_logits(logits_h[at], 0), 0, sample[0], draft_pos, db, drafts
+                    self._compute_logits(logits_h[at], 0), 0, take, draft_pos, db, drafts
                 )
         if steps > 1:
             with self._hooked(self.on_multi_step_decode_begin, self.on_multi_step_decode_end, R):
                 for step in range(1, steps):
-                    rows = run[step]
+                    if conf is not None:
+                        conf.stop_unconfident(ks, verify, step - 1, take, self.agree)
+                    rows = run(step)
                     if not len(rows):
                         break
-                    inp = self._decode_inputs(db, step, feedback, drafts, rows, run[step - 1])
+                    inp = self._decode_inputs(db, step, feedback, drafts, rows, ran)
+                    ran = rows
                     logits_h, feedback = self._run_model(
                         torch.from_numpy(np.asarray(inp.input_ids)).to(dev),
                         torch.from_numpy(np.asarray(inp.positions)).to(dev),
@@ -381,7 +354,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
                         inp.attn_metadata,
                         step,
                     )
-                    take = sample[step]
+                    take = sample(step)
                     if not len(take):
                         continue
                     # inp.draft_rows[i]: the output row of rows[i] (take is a subset of rows).
@@ -396,49 +369,7 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
     def capture(self) -> None:
         """Warm-up at max_num_reqs with a dummy batch of K + 1 tokens per request (the shape of a
         verify step), writing only into KV block 0 before any request exists."""
-        R = self.max_num_reqs
-        q = max(1, min(self.num_speculative_steps + 1, self.max_num_tokens // R))
-        T = R * q
-        qsl = np.arange(R + 1, dtype=np.int64) * q
-        positions = np.tile(np.arange(q, dtype=np.int64), R)
-        block_table = np.zeros(
-            (R, 1 + (q + self.num_speculative_steps) // self.block_size), dtype=np.int64
-        )
-        meta = build_attn_metadata(
-            qsl,
-            np.full(R, q),
-            block_table,
-            self.block_size,
-            self.device,
-            positions=positions,
-            short_query_len=q,
-        )
-        h = torch.zeros(T, self.target_hidden_size, dtype=self.dtype, device=self.device)
-        n_aux = self._num_aux_hidden_states()
-        ids = np.zeros(T, dtype=np.int64)
-        db = DraftBatch(
-            slots=np.arange(R, dtype=np.int64),
-            new_req=np.ones(R, dtype=bool),
-            start=np.zeros(R, dtype=np.int64),
-            last=np.full(R, q - 1, dtype=np.int64),
-            last_token_indices=qsl[1:] - 1,
-            query_start_loc=qsl,
-            num_scheduled=np.full(R, q, dtype=np.int64),
-            target_ids=ids,
-            input_ids=ids,
-            positions=positions,
-            next_tokens=np.zeros((R, self.num_lookahead_tokens), dtype=np.int64),
-            num_known=np.full(R, q + 1, dtype=np.int64),
-            block_table=block_table,
-            attn_metadata=meta,
-            sampling=SamplingArrays.greedy(R),
-        )
-        with torch.inference_mode():
-            # The dummy verify layout: every row a decode row.
-            layout = ForwardContext.laid_out_as(meta)
-            hidden = self.stage_hidden_states(self._prefill_hidden(h, [h] * n_aux or None, layout))
-            self.last_token_indices.zero_()
-            self._draft(db, hidden)
+        capture_verify_shape(self)
 
     def propose(self, inputs: ProposeInputs) -> np.ndarray:
         b = inputs.input_batch
@@ -485,6 +416,8 @@ class AutoRegressiveSpeculator(DraftModelSpeculator):
             self.num_mm_rows_gathered += len(db.mm_rows)
         # EAGLE3's fc over the target's rows: their kinds are the target step's layout.
         target_layout = ForwardContext.laid_out_as(b.attn_metadata)
+        if self.confidence is not None:
+            self.confidence.floor = inputs.draft_confidence_floor
         if self.deferral is not None:
             out = propose_deferring(self, inputs, db, target_layout)
             if out is not None:
