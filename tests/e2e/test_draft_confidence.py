@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
 """adaptive_draft_confidence end to end: SmolLM2-135M-Instruct with its bundled EAGLE3 head, an
-adaptive chain of 3 (the default shape), held-out prompts, 4 requests at once.
+adaptive chain of 3 (the default shape) and an adaptive dynamic tree of 8 nodes, held-out
+prompts, 4 requests at once.
 
 - lossless: greedy and seeded-sampling output equal no speculation's;
 - the worker reports, per request, the running product of the draft's top probabilities -
@@ -75,6 +76,7 @@ def _run(model: str, spec: dict | None, floor: float | None = None) -> dict:
 
 
 SPEC = {"method": "eagle3", "model": str(SMOLLM2_EAGLE3_DIR), "num_speculative_tokens": 3}
+TREE = {"method": "eagle3", "model": str(SMOLLM2_EAGLE3_DIR), "num_tree_nodes": 8}
 
 
 @pytest.fixture(scope="module")
@@ -83,21 +85,25 @@ def runs(smollm2_dir):
         "none": _run(smollm2_dir, None),
         "conf": _run(smollm2_dir, SPEC),
         "floor": _run(smollm2_dir, SPEC, FORCED_FLOOR),
+        "tree": _run(smollm2_dir, TREE),
     }
 
 
 def test_output_equals_no_speculation(runs):
-    assert runs["conf"]["outs"] == runs["none"]["outs"]
-    assert runs["floor"]["outs"] == runs["none"]["outs"]
+    for name in ("conf", "floor", "tree"):
+        assert runs[name]["outs"] == runs["none"]["outs"], name
 
 
-def test_confidences_are_reported_and_learned_from(runs):
-    reports = runs["conf"]["reports"]
+@pytest.mark.parametrize("name", ["conf", "tree"])
+def test_confidences_are_reported_and_learned_from(runs, name):
+    """A chain's running products, a dynamic tree's path probabilities (most probable node
+    first): in (0, 1], never rising."""
+    reports = runs[name]["reports"]
     assert len(reports) > 20
     for chain in reports:
         assert all(0.0 < c <= 1.0 + 1e-6 for c in chain)
-        assert all(b <= a + 1e-9 for a, b in zip(chain, chain[1:]))
-    assert runs["conf"]["seen"] > 20
+        assert all(b <= a + 1e-6 for a, b in zip(chain, chain[1:]))
+    assert runs[name]["seen"] > 20
 
 
 def test_a_floor_stops_drafting_after_unconfident_drafts(runs):

@@ -148,8 +148,9 @@ class SpeculativeConfig:
     step cost measured at start-up, down to 0 when drafting does not pay (probed again
     later); never above the batch-size schedule. Output does not depend on it."""
     adaptive_draft_confidence: bool = True
-    """Adaptive EAGLE / EAGLE3 chains: shape each step by the draft's own confidence in its
-    drafts, calibrated online (core/sched/draft_confidence.py). Output does not depend on it."""
+    """Adaptive EAGLE / EAGLE3 chains and dynamic trees: shape each step by the draft's own
+    confidence in its drafts, calibrated online (core/sched/draft_confidence.py). Output does
+    not depend on it."""
     speculative_token_tree: str | None = None
     """A static draft tree: vLLM's list of paths of child ranks (config/spec_tree.py)."""
     tree_top_k: int | None = None

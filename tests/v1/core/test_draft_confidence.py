@@ -32,14 +32,15 @@ COSTS = StepCostModel(
 EAGLE3 = {"method": "eagle3", "model": "draft", "num_speculative_tokens": 3}
 
 
-def test_only_adaptive_eagle_chains_use_it():
+def test_only_adaptive_eagle_chains_and_dynamic_trees_use_it():
     assert uses_draft_confidence(SpeculativeConfig.from_dict(EAGLE3))
     head = {"method": "eagle3", "model": "draft"}
+    assert uses_draft_confidence(SpeculativeConfig.from_dict({**head, "num_tree_nodes": 4}))
     for cfg in (
         {**EAGLE3, "adaptive_draft_confidence": False},
         {**EAGLE3, "adaptive_num_speculative_tokens": False},
         {**head, "speculative_token_tree": "[(0,), (1,), (0, 0)]"},
-        {**head, "num_tree_nodes": 4},
+        {"method": "mtp", "num_tree_nodes": 4},
     ):
         assert not uses_draft_confidence(SpeculativeConfig.from_dict(cfg))
     assert not uses_draft_confidence(SpeculativeConfig(method="ngram", num_speculative_tokens=3))
@@ -69,6 +70,16 @@ def test_a_verified_chain_counts_each_draft_reached_through():
     assert (cal.seen[b(0.96)], cal.hits[b(0.96)]) == (1.0, 1.0)
     assert (cal.seen[b(0.55)], cal.hits[b(0.55)]) == (1.0, 1.0)
     assert (cal.seen[b(0.12)], cal.hits[b(0.12)]) == (1.0, 0.0)
+
+
+def test_a_tree_counts_the_nodes_on_its_accepted_path():
+    """A dynamic tree's nodes, most probable first: node 1 (a sibling of node 0) was on the
+    accepted path, nodes 0 and 2 were not."""
+    cal = Calibration()
+    cal.observe([0.55, 0.3, 0.12], 1, path=[1])
+    b = lambda c: int(c * BINS)
+    assert [cal.hits[b(c)] for c in (0.55, 0.3, 0.12)] == [0.0, 1.0, 0.0]
+    assert [cal.seen[b(c)] for c in (0.55, 0.3, 0.12)] == [1.0, 1.0, 1.0]
 
 
 def test_allocation_verifies_the_confident_drafts_of_the_batch():

@@ -94,9 +94,7 @@ def test_no_floor_no_stop_and_what_is_reported():
     assert rec.report([3, 3], [JUMP_FORWARD, "eagle3"]) == [[], pytest.approx([0.9, 0.8, 0.7])]
 
 
-def test_a_partial_propose_is_scattered_to_its_batch_rows():
-    rec = DraftConfidenceRecorder(6, 2)
-    rec.begin(2)
-    rec.record(_logits([0.6, 0.3]), 0, np.arange(2))  # drafted as rows 0, 1 of a part
-    rec.scatter(np.array([1, 3]), 4)
-    np.testing.assert_allclose(rec.conf[:4, 0], [0.0, 0.6, 0.0, 0.3], rtol=1e-5)
+def test_a_dynamic_trees_path_probabilities_are_its_confidences():
+    rec = DraftConfidenceRecorder(4, 3)
+    rec.set(np.exp(np.array([[-0.1, -0.7, -np.inf], [-np.inf] * 3], dtype=np.float32)))
+    assert rec.report([2, 0], None) == [pytest.approx([np.exp(-0.1), np.exp(-0.7)]), []]

@@ -46,15 +46,14 @@ DECAY = 0.999  # per observation of a bin: ~1000 observations remembered
 
 
 def uses_draft_confidence(spec: SpeculativeConfig) -> bool:
-    """Whether the adaptive K reads the draft's confidence: adaptive EAGLE / EAGLE3 chains
-    drafted by their head alone (no tree, no hybrid)."""
+    """Whether the adaptive K reads the draft's confidence: adaptive EAGLE / EAGLE3 chains and
+    dynamic trees drafted by their head alone (no static tree, no hybrid)."""
     get = lambda name: getattr(spec, name, None)
     return bool(
         get("adaptive_num_speculative_tokens")
         and get("adaptive_draft_confidence")
         and get("method") in ("eagle", "eagle3")
         and get("speculative_token_tree") is None
-        and get("num_tree_nodes") is None
         and get("hybrid_method") is None
     )
 
@@ -75,12 +74,16 @@ class Calibration:
     hits: list[float] = field(default_factory=lambda: [0.0] * BINS)
     _table: list[float] | None = field(default=None, repr=False)
 
-    def observe(self, confidences: list[float], num_accepted: int) -> None:
-        """One verify step of a request: its drafts' confidences, how many were accepted."""
+    def observe(
+        self, confidences: list[float], num_accepted: int, path: list[int] | None = None
+    ) -> None:
+        """One verify step of a request: its drafts' confidences, how many were accepted (a
+        tree's: the accepted path's node indices)."""
+        on = set(range(num_accepted)) if path is None else set(path)
         for j, c in enumerate(confidences):
             b = _bin(c)
             self.seen[b] = self.seen[b] * DECAY + 1.0
-            self.hits[b] = self.hits[b] * DECAY + (1.0 if j < num_accepted else 0.0)
+            self.hits[b] = self.hits[b] * DECAY + (1.0 if j in on else 0.0)
         self._table = None
 
     def table(self) -> list[float]:
@@ -130,11 +133,19 @@ class DraftConfidence:
         else:
             self.kept.pop(req_id, None)
 
-    def observe(self, req_id: str, num_drafts: int, num_accepted: int, greedy: bool) -> None:
-        """A verify step: the first num_drafts of the request's kept drafts were verified."""
+    def observe(
+        self,
+        req_id: str,
+        num_drafts: int,
+        num_accepted: int,
+        greedy: bool,
+        path: list[int] | None = None,
+    ) -> None:
+        """A verify step: the first num_drafts of the request's kept drafts were verified (a
+        tree's: its first nodes, path the accepted ones)."""
         confs = self.kept.get(req_id)
         if confs is not None:
-            self._cal(greedy).observe(confs[:num_drafts], num_accepted)
+            self._cal(greedy).observe(confs[:num_drafts], num_accepted, path)
 
     def shape(self, running: list[Request], batch_size: int) -> None:
         """Cut each running request's drafts (Request.num_drafts) to what pays this step."""

@@ -280,7 +280,7 @@ class SpecKPolicy:
         """One verify step's outcome for a request (num_drafts > 0); a tree's: the accepted
         path's node indices (None: the first num_accepted nodes, a chain in tree order)."""
         if self.confidence is not None:
-            self.confidence.observe(req_id, num_drafts, num_accepted, greedy)
+            self.confidence.observe(req_id, num_drafts, num_accepted, greedy, path)
         if self.passes is None:
             self._req(req_id).stats.observe(num_drafts, num_accepted)
             self._global.observe(num_drafts, num_accepted)

@@ -291,10 +291,12 @@ def propose_tree(
     ks = np.clip(np.broadcast_to(N if num_steps is None else num_steps, (R,)), 0, N)
     if cfg.num_tree_nodes is not None:
         assert cfg.tree_top_k is not None and cfg.tree_max_depth is not None
-        drafts, parents, _ = draft_dynamic(
+        drafts, parents, scores = draft_dynamic(
             spec, db, hidden_states, cfg.num_tree_nodes, cfg.tree_top_k, cfg.tree_max_depth, ks
         )
         spec.tree_parents = parents
+        if spec.confidence is not None:  # a node's confidence: its path's probability
+            spec.confidence.set(np.exp(scores))
     else:
         assert tree is not None
         drafts = draft_tree(spec, db, hidden_states, tree, ks)

@@ -66,11 +66,9 @@ class DraftConfidenceRecorder:
             ks[stop] = step + 1
             verify[stop] = np.minimum(verify[stop], step + 1)
 
-    def scatter(self, rows: np.ndarray, num_reqs: int) -> None:
-        """The last propose drafted only batch rows `rows` (as rows 0..len(rows)-1)."""
-        part = self.conf[: len(rows)].copy()
-        self.conf[:num_reqs] = 0.0
-        self.conf[rows] = part
+    def set(self, conf: np.ndarray) -> None:
+        """A dynamic tree's nodes [R, N] (most probable first): their path probabilities."""
+        self.conf[: conf.shape[0]] = conf
 
     def report(self, num_valid: list[int], proposers: list[str] | None) -> list[list[float]]:
         """Per batch row, the products of its valid drafts (none where the grammar forced

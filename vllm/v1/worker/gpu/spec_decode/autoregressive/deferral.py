@@ -325,10 +325,12 @@ def propose_deferring(
     )
     got = spec._draft(part, hidden, ks[run])
     part_parents = spec.tree_parents
+    # The part's confidences, rows 0..len(run) - 1 (no_drafts clears them).
+    part_conf = None if spec.confidence is None else spec.confidence.conf[: len(run)].copy()
     drafts = no_drafts(spec, db.num_reqs)
     drafts[run] = got
-    if spec.confidence is not None:
-        spec.confidence.scatter(run, db.num_reqs)
+    if spec.confidence is not None and part_conf is not None:
+        spec.confidence.conf[run] = part_conf
     if spec.speculative_config.num_tree_nodes is not None:
         assert part_parents is not None and spec.tree_parents is not None
         spec.tree_parents[run] = part_parents
