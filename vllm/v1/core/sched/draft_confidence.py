@@ -1,23 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
 # Copyright 2026 The vllm-pp-spec contributors
-"""An EAGLE / EAGLE3 chain shaped by the draft's own confidence (adaptive_draft_confidence).
+"""An EAGLE / EAGLE3 chain or dynamic tree shaped by the draft's own confidence
+(adaptive_draft_confidence).
 
 The draft's probability of the token it proposes predicts acceptance far better than a
 position's average does: SmolLM2-135M-Instruct with its bundled EAGLE3 head, held-out prompts,
 greedy - of the first drafts the head gave < 0.2 the target accepted 16%, of those >= 0.9
 96%, while the position's average is 57%. A per-position estimate (spec_k.SpecKPolicy) can only
-verify all of a position's drafts or none: where a verified row costs about what 0.6 of a token
-is worth (batch 8 and 16 on a CPU), that is nothing at all. With the confidence:
+verify all of a position's drafts or none: where a verified row costs 0.2-0.5 of what a token
+is worth (batch 8 and 16 on a 2-core CPU), the whole position barely pays, its confident half
+well. With the confidence:
 
 - the worker reports per draft the running product c_j of the draft's probabilities of its
   drafts 0..j (ModelRunnerOutput.draft_confidences), and drafts a request no further once its
   next draft is not expected to pay (SchedulerOutput.draft_confidence_floor, below; c never
-  rises along the chain);
-- Calibration maps c_j to P(drafts 0..j all accepted), learned from every verified draft
-  (decaying counts in bins of c; greedy and sampled requests apart, a sampled request's
-  acceptance being the rejection sampler's), c itself as the prior (the head is underconfident:
-  the prior errs on the side of verifying less), fitted non-decreasing in c (pooled adjacent
-  violators);
+  rises along the chain); a dynamic tree's node reports its path probability (the nodes come
+  most probable first, so any prefix is the most probable subtree; no early stop there);
+- Calibration maps c_j to P(drafts 0..j all accepted) (a node: P(on the accepted path)),
+  learned from every verified draft (decaying counts in bins of c; greedy and sampled requests
+  apart, a sampled request's acceptance being the rejection sampler's), c itself as the prior
+  (the head is underconfident: the prior errs on the side of verifying less), fitted
+  non-decreasing in c (pooled adjacent violators);
 - allocate: each step the scheduler verifies, across the batch, drafts in order of calibrated
   gain while the batch's expected tokens per second rises, rows priced by the verify time
   measured at start-up (StepCostModel), exactly as the per-position policy adds drafts;
@@ -68,7 +71,8 @@ def _bin(c: float) -> int:
 
 @dataclass
 class Calibration:
-    """P(a chain's drafts 0..j all accepted) by the bin of their cumulative confidence c_j."""
+    """P(a chain's drafts 0..j all accepted; a tree's node on the accepted path) by the bin of
+    the running confidence c_j."""
 
     seen: list[float] = field(default_factory=lambda: [0.0] * BINS)
     hits: list[float] = field(default_factory=lambda: [0.0] * BINS)
@@ -170,7 +174,7 @@ class DraftConfidence:
         for rid, (confs, greedy) in reqs.items():
             cal, g = self._cal(greedy), 1.0
             for j, c in enumerate(confs):
-                g = min(g, cal.gain(c))  # never rises along the chain
+                g = min(g, cal.gain(c))  # never rises along a chain (or a tree's node order)
                 cands.append((g, j, rid))
         cands.sort(key=lambda x: (-x[0], x[1]))
         ks = dict.fromkeys(reqs, 0)
