@@ -184,3 +184,50 @@ def test_unsplittable_drafts_are_refused(
             },
             **COMMON,
         )
+
+
+def test_draft_confidence_stops_alike_on_every_rank(
+    runs,
+    llama_near_bigram_dir,  # noqa: F811
+    eagle3_llama_dir,  # noqa: F811
+):
+    """adaptive_draft_confidence at TP = 2 (an adaptive EAGLE3 chain, the head whole on both
+    ranks), its floor forced high so the workers stop drafting requests whose next draft is not
+    confident enough: rank 0's decision (agree) on both ranks - no rank runs a pass the other
+    skips (a hang) or keeps drafts the other cut (different verified tokens) - so the tokens
+    equal one worker's without speculation, and every reported chain went on only past
+    confident drafts."""
+    from vllm.v1.worker.gpu.spec_decode.autoregressive.confidence import CONTINUE_RATE
+
+    floor = 0.5
+    ref_tokens, _ = runs.get("eagle3_llama", 1, 1, spec=False)
+    cfg = {
+        "method": "eagle3",
+        "model": eagle3_llama_dir,
+        "num_speculative_tokens": 3,
+        "draft_tensor_parallel_size": 1,
+    }
+    llm = LLM(model=llama_near_bigram_dir, tensor_parallel_size=2, speculative_config=cfg, **COMMON)
+    reports: list[list[float]] = []
+    try:
+        sched = llm.llm_engine.scheduler
+        conf = sched.spec_k.confidence
+        assert conf is not None, "an adaptive EAGLE3 chain reads the drafts' confidence"
+        conf.floor = lambda batch_size: (floor, 0.0)
+        orig = sched.update_from_output
+
+        def update(so, out):
+            if out.draft_confidences is not None:
+                reports.extend(c for c in out.draft_confidences if c)
+            return orig(so, out)
+
+        sched.update_from_output = update
+        outs = llm.generate([{"prompt_token_ids": p} for p in runs.prompts], GREEDY, use_tqdm=False)
+        counts = spec_decode_counts(llm)
+    finally:
+        llm.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == ref_tokens
+    assert counts[0] > 0 and reports
+    for chain in reports:
+        assert all(c * CONTINUE_RATE >= floor for c in chain[:-1]), chain
+    assert any(len(c) < 3 for c in reports), "no request was stopped: the floor did nothing"

@@ -13,6 +13,8 @@ from tests.v1.core.utils import make_request, sched_config
 from vllm.config import SpeculativeConfig
 from vllm.v1.core.sched.draft_confidence import (
     BINS,
+    EXPLORE_GAIN,
+    EXPLORE_SEEN,
     Calibration,
     DraftConfidence,
     uses_draft_confidence,
@@ -48,18 +50,43 @@ def test_only_adaptive_eagle_chains_and_dynamic_trees_use_it():
         SpeculativeConfig.from_dict({**EAGLE3, "adaptive_draft_confidence": "yes"})
 
 
-def test_calibration_starts_at_the_confidence_and_learns_what_it_is_worth():
-    cal = Calibration()
-    assert cal.gain(0.31) == pytest.approx(0.325)  # the prior: the bin's centre
+def _learned(cal: Calibration) -> Calibration:
+    """Every bin explored, each accepted as often as its confidence says."""
+    for b in range(BINS):
+        cal.seen[b] = EXPLORE_SEEN
+        cal.hits[b] = EXPLORE_SEEN * (b + 0.5) / BINS
+    cal._table = None
+    return cal
+
+
+def _explored(dc: DraftConfidence) -> DraftConfidence:
+    _learned(dc.greedy)
+    _learned(dc.sampled)
+    return dc
+
+
+def test_calibration_explores_then_learns_what_the_confidence_is_worth():
+    # A bin nothing was verified in yet is explored: priced at least EXPLORE_GAIN.
+    fresh = Calibration()
+    assert fresh.gain(0.31) == EXPLORE_GAIN and fresh.gain(0.81) == pytest.approx(0.825)
+    low = Calibration()
+    for _ in range(int(EXPLORE_SEEN) + 2):
+        low.observe([0.31], 0)
+    assert low.gain(0.31) < EXPLORE_GAIN / 2  # explored: its own evidence prices it now
+    for _ in range(200):  # drafts at 0.3 never accepted: the prior gives way to the evidence
+        low.observe([0.31], 0)
+    assert low.gain(0.31) < 0.05
+    cal = _learned(Calibration())
+    assert cal.gain(0.31) == pytest.approx(0.325)  # accepted as often as c says
     # An underconfident head: drafts at 0.3 accepted 80% of the time.
     for i in range(400):
         cal.observe([0.31], 1 if i % 5 else 0)
-    assert cal.gain(0.31) == pytest.approx(0.8, abs=0.05)
+    assert cal.gain(0.31) == pytest.approx(0.8, abs=0.08)  # (pooled with the bins above)
     # Non-decreasing in the confidence: every bin above is worth at least as much.
     table = cal.table()
     assert all(a <= b for a, b in zip(table, table[1:]))
     assert cal.gain(0.5) >= cal.gain(0.31)
-    assert cal.raw(0.75) <= 0.3  # the lowest confidence worth 0.75 is in that bin or below
+    assert cal.raw(0.7) <= 0.3  # the lowest confidence worth 0.7 is in that bin or below
     assert cal.raw(2.0) == 1.0
 
 
@@ -83,7 +110,7 @@ def test_a_tree_counts_the_nodes_on_its_accepted_path():
 
 
 def test_allocation_verifies_the_confident_drafts_of_the_batch():
-    dc = DraftConfidence(COSTS)
+    dc = _explored(DraftConfidence(COSTS))
     reqs = {
         "sure": ([0.97, 0.9, 0.8], True),
         "unsure": ([0.1, 0.05, 0.01], True),
@@ -93,14 +120,14 @@ def test_allocation_verifies_the_confident_drafts_of_the_batch():
     ks = dc.allocate(reqs, 8)
     assert ks == {"sure": 3, "unsure": 0, "half": 1}
     # Where rows cost nothing, every draft that might be accepted is verified.
-    flat = DraftConfidence(StepCostModel([1, 64], [1.0, 1.0], [1], [0.0]))
+    flat = _explored(DraftConfidence(StepCostModel([1, 64], [1.0, 1.0], [1], [0.0])))
     assert flat.allocate(reqs, 8) == {"sure": 3, "unsure": 3, "half": 3}
 
 
 def test_a_requests_drafts_are_verified_as_a_prefix():
     """A later draft is never worth more than an earlier one (the product only falls, and a
     miscalibrated bin above is capped), so no request verifies draft 1 without draft 0."""
-    dc = DraftConfidence(COSTS)
+    dc = _explored(DraftConfidence(COSTS))
     for _ in range(300):  # drafts at 0.2 always accepted, at 0.6 never: the table is capped
         dc.greedy.observe([0.21], 1)
         dc.greedy.observe([0.61], 0)
@@ -112,7 +139,7 @@ def test_a_requests_drafts_are_verified_as_a_prefix():
 
 
 def test_greedy_and_sampled_requests_are_calibrated_apart():
-    dc = DraftConfidence(COSTS)
+    dc = _explored(DraftConfidence(COSTS))
     dc.kept = {"g": [0.45], "s": [0.45]}
     for _ in range(300):
         dc.observe("g", 1, 1, greedy=True)
@@ -123,8 +150,8 @@ def test_greedy_and_sampled_requests_are_calibrated_apart():
 
 
 def test_the_floor_rises_where_rows_and_passes_cost_more():
-    cheap = DraftConfidence(StepCostModel([1, 64], [1.0, 1.0], [1, 16], [0.01, 0.01]))
-    dear = DraftConfidence(COSTS)
+    cheap = _explored(DraftConfidence(StepCostModel([1, 64], [1.0, 1.0], [1, 16], [0.01, 0.01])))
+    dear = _explored(DraftConfidence(COSTS))
     row_cheap, pass_cheap = cheap.floor(8)
     row_dear, pass_dear = dear.floor(8)
     assert row_cheap == 0.0 and row_dear > 0.1
@@ -147,6 +174,7 @@ def test_the_scheduler_verifies_what_the_confidence_pays_for_and_learns_from_it(
     sched = Scheduler(cfg, 256, 8, step_costs=COSTS)
     policy = sched.spec_k
     assert policy is not None and policy.confidence is not None
+    _explored(policy.confidence)
     rids = [f"r{i}" for i in range(8)]
     for r in rids:  # the per-position policy lets every request draft all 3
         for _ in range(30):

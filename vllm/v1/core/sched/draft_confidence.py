@@ -18,9 +18,9 @@ well. With the confidence:
   most probable first, so any prefix is the most probable subtree; no early stop there);
 - Calibration maps c_j to P(drafts 0..j all accepted) (a node: P(on the accepted path)),
   learned from every verified draft (decaying counts in bins of c; greedy and sampled requests
-  apart, a sampled request's acceptance being the rejection sampler's), c itself as the prior
-  (the head is underconfident: the prior errs on the side of verifying less), fitted
-  non-decreasing in c (pooled adjacent violators);
+  apart, a sampled request's acceptance being the rejection sampler's), c itself as the prior,
+  fitted non-decreasing in c (pooled adjacent violators); a bin with few verified drafts yet
+  is priced optimistically, so it gets explored;
 - allocate: each step the scheduler verifies, across the batch, drafts in order of calibrated
   gain while the batch's expected tokens per second rises, rows priced by the verify time
   measured at start-up (StepCostModel), exactly as the per-position policy adds drafts;
@@ -45,6 +45,12 @@ if TYPE_CHECKING:
 
 BINS = 20
 PRIOR_WEIGHT = 4.0  # pseudo-observations of the prior (c itself) per bin
+# A bin with fewer verified drafts than EXPLORE_SEEN is priced at least EXPLORE_GAIN: its drafts
+# are verified until it has evidence of its own (with the prior alone, the low bins of an
+# underconfident head - accepted more often than c says - would never be verified, so never
+# learned). A few dozen verified drafts in all, once per engine.
+EXPLORE_SEEN = 8.0
+EXPLORE_GAIN = 0.5
 DECAY = 0.999  # per observation of a bin: ~1000 observations remembered
 
 
@@ -91,8 +97,9 @@ class Calibration:
         self._table = None
 
     def table(self) -> list[float]:
-        """Gain per bin: the observed rate shrunk to the bin's centre, then the closest
-        non-decreasing fit (adjacent bins that violate it pooled, weighted by their counts)."""
+        """Gain per bin: the observed rate shrunk to the prior (the bin's centre), then the
+        closest non-decreasing fit (adjacent bins that violate it pooled, weighted by their
+        counts)."""
         if self._table is None:
             blocks: list[list[float]] = []  # [weighted sum, weight, bins]
             for b in range(BINS):
@@ -110,12 +117,15 @@ class Calibration:
         return self._table
 
     def gain(self, c: float) -> float:
-        return self.table()[_bin(c)]
+        """What a draft of running confidence c is worth (explored while its bin is new)."""
+        b = _bin(c)
+        g = self.table()[b]
+        return max(g, EXPLORE_GAIN) if self.seen[b] < EXPLORE_SEEN else g
 
     def raw(self, gain: float) -> float:
         """The lowest confidence whose calibrated gain reaches `gain` (1.0: none does)."""
-        for b, g in enumerate(self.table()):
-            if g >= gain:
+        for b in range(BINS):
+            if self.gain((b + 0.5) / BINS) >= gain:
                 return b / BINS
         return 1.0
 

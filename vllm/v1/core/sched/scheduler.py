@@ -253,8 +253,8 @@ class Scheduler:
         # cuts drafts already proposed).
         est_bs = min(len(self.running) + len(self.waiting), cap, self.max_num_seqs)
         k_cap = self.spec_k.cap(max(est_bs, 1)) if self.spec_k is not None else 0
-        if self.spec_k is not None and self.spec_k.confidence is not None:
-            self.spec_k.confidence.shape(self.running, max(est_bs, 1))
+        if self.spec_k is not None:
+            self.spec_k.shape_drafts(self.running, max(est_bs, 1))
         self.kv_cache_manager.checkpoints.new_step()
 
         i = 0

@@ -44,10 +44,14 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vllm.config import SpeculativeConfig
 from vllm.config.spec_tree import parse_token_tree, tree_parents
 from vllm.v1.core.sched.draft_confidence import DraftConfidence, uses_draft_confidence
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 PRIOR_WEIGHT = 2.0  # pseudo-observations of the engine-wide estimate in a request's
 DECAY = 0.95  # weight of older observations per new one (acceptance drifts with the text)
@@ -259,9 +263,22 @@ class SpecKPolicy:
         if self.confidence is not None:
             self.confidence.kept.pop(req_id, None)
 
+    def _confidence(self) -> DraftConfidence | None:
+        """The confidence shaping, priced by the step costs this policy holds now."""
+        if self.confidence is not None and self.costs is not None:
+            self.confidence.costs = self.costs
+        return self.confidence
+
     def confidence_floor(self, batch_size: int) -> tuple[float, float] | None:
         """What the worker's next draft pass must promise (DraftConfidence.floor)."""
-        return None if self.confidence is None else self.confidence.floor(batch_size)
+        conf = self._confidence()
+        return None if conf is None else conf.floor(batch_size)
+
+    def shape_drafts(self, running: list[Request], batch_size: int) -> None:
+        """Cut the running requests' kept drafts to what pays this step (DraftConfidence)."""
+        conf = self._confidence()
+        if conf is not None:
+            conf.shape(running, batch_size)
 
     def _req(self, req_id: str) -> _ReqK:
         r = self._reqs.get(req_id)
