@@ -22,6 +22,7 @@ import pytest
 
 from vllm import LLM, SamplingParams
 from vllm.model_zoo import SMOLLM2_EAGLE3_DIR
+from vllm.v1.core.sched.spec_k import StepCostModel
 from vllm.v1.worker.gpu.spec_decode.autoregressive.confidence import CONTINUE_RATE
 
 pytestmark = pytest.mark.slow
@@ -52,6 +53,11 @@ def _run(model: str, spec: dict | None, floor: float | None = None) -> dict:
         if spec is not None:
             conf = sched.spec_k.confidence
             assert conf is not None, "an adaptive EAGLE3 chain reads the drafts' confidence"
+            # Step costs of our own (rows and passes cheap), not the ones measured at start-up
+            # on whatever machine runs this: the requests draft, deterministically.
+            sched.spec_k.costs = StepCostModel(
+                tokens=[1, 64], verify_s=[1.0, 1.2], batch_sizes=[1], draft_step_s=[0.002]
+            )
             if floor is not None:
                 conf.floor = lambda batch_size: (floor, 0.0)
             orig = sched.update_from_output

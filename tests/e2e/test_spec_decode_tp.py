@@ -21,6 +21,7 @@ from tests.e2e.test_spec_decode_pp import (  # noqa: F401 - fixtures
 )
 from vllm import LLM, SamplingParams
 from vllm.testing.engine_utils import make_prompts, spec_decode_counts
+from vllm.v1.core.sched.spec_k import StepCostModel
 
 LENGTHS = [21, 6, 34]
 MAX_TOKENS = 8
@@ -214,6 +215,11 @@ def test_draft_confidence_stops_alike_on_every_rank(
         conf = sched.spec_k.confidence
         assert conf is not None, "an adaptive EAGLE3 chain reads the drafts' confidence"
         conf.floor = lambda batch_size: (floor, 0.0)
+        # Step costs of our own (verifying and drafting nearly free), not the ones measured at
+        # start-up on whatever machine runs this: every request drafts its K, deterministically.
+        sched.spec_k.costs = StepCostModel(
+            tokens=[1, 64], verify_s=[1.0, 1.1], batch_sizes=[1], draft_step_s=[0.001]
+        )
         orig = sched.update_from_output
 
         def update(so, out):
