@@ -22,7 +22,7 @@ import pytest
 
 from vllm import LLM, SamplingParams
 from vllm.model_zoo import SMOLLM2_EAGLE3_DIR
-from vllm.v1.core.sched.spec_k import StepCostModel
+from vllm.testing.engine_utils import record_draft_confidences
 from vllm.v1.worker.gpu.spec_decode.autoregressive.confidence import CONTINUE_RATE
 
 pytestmark = pytest.mark.slow
@@ -49,25 +49,9 @@ def _run(model: str, spec: dict | None, floor: float | None = None) -> dict:
     reports: list[list[float]] = []
     try:
         eng = llm.llm_engine
-        sched = eng.scheduler
         if spec is not None:
-            conf = sched.spec_k.confidence
-            assert conf is not None, "an adaptive EAGLE3 chain reads the drafts' confidence"
-            # Step costs of our own (rows and passes cheap), not the ones measured at start-up
-            # on whatever machine runs this: the requests draft, deterministically.
-            sched.spec_k.costs = StepCostModel(
-                tokens=[1, 64], verify_s=[1.0, 1.2], batch_sizes=[1], draft_step_s=[0.002]
-            )
-            if floor is not None:
-                conf.floor = lambda batch_size: (floor, 0.0)
-            orig = sched.update_from_output
-
-            def update(so, out):
-                if out.draft_confidences is not None:
-                    reports.extend(c for c in out.draft_confidences if c)
-                return orig(so, out)
-
-            sched.update_from_output = update
+            reports = record_draft_confidences(llm, floor)
+            conf = eng.scheduler.spec_k.confidence
         outs = [
             [list(o.outputs[0].token_ids) for o in llm.chat(_chats(), sp, use_tqdm=False)]
             for sp in PARAMS

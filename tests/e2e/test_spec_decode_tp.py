@@ -20,8 +20,7 @@ from tests.e2e.test_spec_decode_pp import (  # noqa: F401 - fixtures
     llama_near_bigram_dir,
 )
 from vllm import LLM, SamplingParams
-from vllm.testing.engine_utils import make_prompts, spec_decode_counts
-from vllm.v1.core.sched.spec_k import StepCostModel
+from vllm.testing.engine_utils import make_prompts, record_draft_confidences, spec_decode_counts
 
 LENGTHS = [21, 6, 34]
 MAX_TOKENS = 8
@@ -209,25 +208,8 @@ def test_draft_confidence_stops_alike_on_every_rank(
         "draft_tensor_parallel_size": 1,
     }
     llm = LLM(model=llama_near_bigram_dir, tensor_parallel_size=2, speculative_config=cfg, **COMMON)
-    reports: list[list[float]] = []
     try:
-        sched = llm.llm_engine.scheduler
-        conf = sched.spec_k.confidence
-        assert conf is not None, "an adaptive EAGLE3 chain reads the drafts' confidence"
-        conf.floor = lambda batch_size: (floor, 0.0)
-        # Step costs of our own (verifying and drafting nearly free), not the ones measured at
-        # start-up on whatever machine runs this: every request drafts its K, deterministically.
-        sched.spec_k.costs = StepCostModel(
-            tokens=[1, 64], verify_s=[1.0, 1.1], batch_sizes=[1], draft_step_s=[0.001]
-        )
-        orig = sched.update_from_output
-
-        def update(so, out):
-            if out.draft_confidences is not None:
-                reports.extend(c for c in out.draft_confidences if c)
-            return orig(so, out)
-
-        sched.update_from_output = update
+        reports = record_draft_confidences(llm, floor)
         outs = llm.generate([{"prompt_token_ids": p} for p in runs.prompts], GREEDY, use_tqdm=False)
         counts = spec_decode_counts(llm)
     finally:

@@ -151,3 +151,32 @@ def chain(step: Callable[[int], int], k: int) -> Callable[[int], list[int]]:
         return out
 
     return propose
+
+
+def record_draft_confidences(llm, floor: float | None = None) -> list[list[float]]:
+    """For an engine shaped by its drafts' confidence (adaptive_draft_confidence): price its
+    steps with a cost model of our own (rows and passes cheap; not the one measured at start-up
+    on whatever machine runs the test, so the requests draft alike everywhere), force the
+    worker's per-request floor (a next draft expected below it is not drafted) when given, and
+    return the list every step's reported confidences (one list per request that drafted) are
+    appended to."""
+    from vllm.v1.core.sched.spec_k import StepCostModel
+
+    sched = llm.llm_engine.scheduler
+    conf = sched.spec_k.confidence
+    assert conf is not None, "an adaptive EAGLE3 chain reads the drafts' confidence"
+    sched.spec_k.costs = StepCostModel(
+        tokens=[1, 64], verify_s=[1.0, 1.1], batch_sizes=[1], draft_step_s=[0.001]
+    )
+    if floor is not None:
+        conf.floor = lambda batch_size: (floor, 0.0)
+    reports: list[list[float]] = []
+    update = sched.update_from_output
+
+    def recording_update(so, out):
+        if out.draft_confidences is not None:
+            reports.extend(c for c in out.draft_confidences if c)
+        return update(so, out)
+
+    sched.update_from_output = recording_update
+    return reports
