@@ -169,7 +169,7 @@ def record_draft_confidences(llm, floor: float | None = None) -> list[list[float
         tokens=[1, 64], verify_s=[1.0, 1.1], batch_sizes=[1], draft_step_s=[0.001]
     )
     if floor is not None:
-        conf.floor = lambda batch_size: (floor, 0.0)
+        conf.floor = lambda batch_size, costs: (floor, 0.0)
     reports: list[list[float]] = []
     update = sched.update_from_output
 

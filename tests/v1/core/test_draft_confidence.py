@@ -110,54 +110,54 @@ def test_a_tree_counts_the_nodes_on_its_accepted_path():
 
 
 def test_allocation_verifies_the_confident_drafts_of_the_batch():
-    dc = _explored(DraftConfidence(COSTS))
+    dc = _explored(DraftConfidence())
     reqs = {
         "sure": ([0.97, 0.9, 0.8], True),
         "unsure": ([0.1, 0.05, 0.01], True),
         "half": ([0.6, 0.15, 0.1], True),
     }
     # 8 requests: 5 more with no drafts; rows past 8 cost 0.03 of a step, a token is worth 1/8.
-    ks = dc.allocate(reqs, 8)
+    ks = dc.allocate(reqs, 8, COSTS)
     assert ks == {"sure": 3, "unsure": 0, "half": 1}
     # Where rows cost nothing, every draft that might be accepted is verified.
-    flat = _explored(DraftConfidence(StepCostModel([1, 64], [1.0, 1.0], [1], [0.0])))
-    assert flat.allocate(reqs, 8) == {"sure": 3, "unsure": 3, "half": 3}
+    flat = StepCostModel([1, 64], [1.0, 1.0], [1], [0.0])
+    assert dc.allocate(reqs, 8, flat) == {"sure": 3, "unsure": 3, "half": 3}
 
 
 def test_a_requests_drafts_are_verified_as_a_prefix():
     """A later draft is never worth more than an earlier one (the product only falls, and a
     miscalibrated bin above is capped), so no request verifies draft 1 without draft 0."""
-    dc = _explored(DraftConfidence(COSTS))
+    dc = _explored(DraftConfidence())
     for _ in range(300):  # drafts at 0.2 always accepted, at 0.6 never: the table is capped
         dc.greedy.observe([0.21], 1)
         dc.greedy.observe([0.61], 0)
     table = dc.greedy.table()
     assert all(a <= b for a, b in zip(table, table[1:]))  # the violators pooled
     assert dc.greedy.gain(0.61) == dc.greedy.gain(0.21) > 0.4
-    ks = dc.allocate({"a": ([0.61, 0.21], True), "b": ([0.9, 0.05], True)}, 8)
+    ks = dc.allocate({"a": ([0.61, 0.21], True), "b": ([0.9, 0.05], True)}, 8, COSTS)
     assert ks == {"a": 2, "b": 1}
 
 
 def test_greedy_and_sampled_requests_are_calibrated_apart():
-    dc = _explored(DraftConfidence(COSTS))
+    dc = _explored(DraftConfidence())
     dc.kept = {"g": [0.45], "s": [0.45]}
     for _ in range(300):
         dc.observe("g", 1, 1, greedy=True)
         dc.observe("s", 1, 0, greedy=False)
     assert dc.greedy.gain(0.45) > 0.9 and dc.sampled.gain(0.45) < 0.1
-    ks = dc.allocate({"g": ([0.45], True), "s": ([0.45], False)}, 8)
+    ks = dc.allocate({"g": ([0.45], True), "s": ([0.45], False)}, 8, COSTS)
     assert ks == {"g": 1, "s": 0}
 
 
 def test_the_floor_rises_where_rows_and_passes_cost_more():
-    cheap = _explored(DraftConfidence(StepCostModel([1, 64], [1.0, 1.0], [1, 16], [0.01, 0.01])))
-    dear = _explored(DraftConfidence(COSTS))
-    row_cheap, pass_cheap = cheap.floor(8)
-    row_dear, pass_dear = dear.floor(8)
+    cheap = StepCostModel([1, 64], [1.0, 1.0], [1, 16], [0.01, 0.01])
+    dc = _explored(DraftConfidence())
+    row_cheap, pass_cheap = dc.floor(8, cheap)
+    row_dear, pass_dear = dc.floor(8, COSTS)
     assert row_cheap == 0.0 and row_dear > 0.1
     assert pass_dear > pass_cheap > 0.0
     # At batch 8 a row costs 0.03 of a step and a token is worth 1.03 / 8 of one.
-    assert dear.greedy.gain(row_dear) >= 0.03 / (1.03 / 8) - 1e-9
+    assert dc.greedy.gain(row_dear) >= 0.03 / (1.03 / 8) - 1e-9
 
 
 def _runner_out(so, drafts: dict[str, list[float]], token: int = 7) -> ModelRunnerOutput:

@@ -131,8 +131,7 @@ class Calibration:
 
 
 class DraftConfidence:
-    def __init__(self, costs: StepCostModel) -> None:
-        self.costs = costs
+    def __init__(self) -> None:
         self.greedy, self.sampled = Calibration(), Calibration()
         self.kept: dict[str, list[float]] = {}
         """Per request: the cumulative confidences of the drafts the worker keeps for it."""
@@ -161,7 +160,7 @@ class DraftConfidence:
         if confs is not None:
             self._cal(greedy).observe(confs[:num_drafts], num_accepted, path)
 
-    def shape(self, running: list[Request], batch_size: int) -> None:
+    def shape(self, running: list[Request], batch_size: int, costs: StepCostModel) -> None:
         """Cut each running request's drafts (Request.num_drafts) to what pays this step."""
         reqs = {
             r.request_id: (self.kept[r.request_id][: r.num_drafts], _greedy(r))
@@ -169,17 +168,16 @@ class DraftConfidence:
             if r.num_drafts and not r.in_flight and r.request_id in self.kept
         }
         if reqs:
-            ks = self.allocate(reqs, batch_size)
+            ks = self.allocate(reqs, batch_size, costs)
             for r in running:
                 r.num_drafts = ks.get(r.request_id, r.num_drafts)
 
     def allocate(
-        self, reqs: dict[str, tuple[list[float], bool]], batch_size: int
+        self, reqs: dict[str, tuple[list[float], bool]], batch_size: int, costs: StepCostModel
     ) -> dict[str, int]:
         """How many of its drafts each request verifies: reqs[rid] = (the cumulative
         confidences of its drafts, greedy?); batch_size: the step's requests (each brings one
-        token besides its drafts)."""
-        costs = self.costs
+        token besides its drafts); rows priced by costs."""
         cands: list[tuple[float, int, str]] = []
         for rid, (confs, greedy) in reqs.items():
             cal, g = self._cal(greedy), 1.0
@@ -198,13 +196,13 @@ class DraftConfidence:
                 ks[rid], tokens, rows, cost = j + 1, tokens + g, rows + 1, new_cost
         return ks
 
-    def floor(self, batch_size: int) -> tuple[float, float]:
+    def floor(self, batch_size: int, costs: StepCostModel) -> tuple[float, float]:
         """What the worker's next draft pass must promise at this batch size: (the raw
         confidence a request's next draft needs to pay for its verified row, the sum of its
         requests' next drafts' raw confidences the pass needs to pay for itself) - a pass
         costs about the same for one request or all, so it runs only where enough of them
         go on. In gain units (tokens), through the batch's time per token."""
-        costs, b = self.costs, max(batch_size, 1)
+        b = max(batch_size, 1)
         per_token = (costs.verify(b) + costs.draft_step(b)) / b
         row = max(costs.verify(2 * b) - costs.verify(b), 0.0) / b
         need = row / max(per_token, 1e-9)

@@ -245,7 +245,7 @@ class SpecKPolicy:
         chosen here (the worker stops drafting a request early, the scheduler verifies what
         pays)."""
         if self.costs is not None and uses_draft_confidence(self.spec):
-            self.confidence = DraftConfidence(self.costs)
+            self.confidence = DraftConfidence()
 
     @property
     def adaptive(self) -> bool:
@@ -263,22 +263,16 @@ class SpecKPolicy:
         if self.confidence is not None:
             self.confidence.kept.pop(req_id, None)
 
-    def _confidence(self) -> DraftConfidence | None:
-        """The confidence shaping, priced by the step costs this policy holds now."""
-        if self.confidence is not None and self.costs is not None:
-            self.confidence.costs = self.costs
-        return self.confidence
-
     def confidence_floor(self, batch_size: int) -> tuple[float, float] | None:
         """What the worker's next draft pass must promise (DraftConfidence.floor)."""
-        conf = self._confidence()
-        return None if conf is None else conf.floor(batch_size)
+        if self.confidence is None or self.costs is None:
+            return None
+        return self.confidence.floor(batch_size, self.costs)
 
     def shape_drafts(self, running: list[Request], batch_size: int) -> None:
         """Cut the running requests' kept drafts to what pays this step (DraftConfidence)."""
-        conf = self._confidence()
-        if conf is not None:
-            conf.shape(running, batch_size)
+        if self.confidence is not None and self.costs is not None:
+            self.confidence.shape(running, batch_size, self.costs)
 
     def _req(self, req_id: str) -> _ReqK:
         r = self._reqs.get(req_id)
